@@ -1,0 +1,37 @@
+"""Event models of the chat pipeline (no I/O)."""
+
+from schemas.events import (
+    EVENT_ADAPTER,
+    TERMINAL_EVENTS,
+    ChatMessage,
+    Event,
+    FinishReason,
+    GenerationCancelled,
+    GenerationEvent,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    PromptEvent,
+    PromptSubmitted,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+
+__all__ = [
+    "EVENT_ADAPTER",
+    "TERMINAL_EVENTS",
+    "ChatMessage",
+    "Event",
+    "FinishReason",
+    "GenerationCancelled",
+    "GenerationEvent",
+    "GenerationFailed",
+    "GenerationFinished",
+    "GenerationStarted",
+    "PromptEvent",
+    "PromptSubmitted",
+    "SamplingParams",
+    "TokenDelta",
+    "Usage",
+]

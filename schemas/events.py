@@ -1,0 +1,135 @@
+"""The events of a conversation: frozen pydantic models with no I/O.
+
+Every event carries ``type`` (its discriminator), ``v`` (its schema version),
+``event_id``, ``conversation_id``, ``request_id``, ``occurred_at`` and ``tenant``.
+The envelope (topic, key, position) and the codec live in ``pipeline``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ChatMessage(Frozen):
+    role: Role
+    content: str
+
+
+class SamplingParams(Frozen):
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class Usage(Frozen):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class EventBase(Frozen):
+    v: int = 1
+    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    conversation_id: uuid.UUID
+    request_id: str = Field(min_length=1, max_length=200)
+    occurred_at: datetime = Field(default_factory=_now)
+    tenant: str = Field(default="default", min_length=1, max_length=200)
+
+
+class PromptSubmitted(EventBase):
+    """A turn the gateway accepted: the messages the model sees, and how to sample."""
+
+    type: Literal["PromptSubmitted"] = "PromptSubmitted"
+    model: str
+    messages: tuple[ChatMessage, ...] = Field(min_length=1)
+    # The first ``history_len`` messages came from the stored session; the rest are
+    # this turn's new messages. Their positions in the conversation follow from it.
+    history_len: int = Field(default=0, ge=0)
+    sampling: SamplingParams = SamplingParams()
+    idempotency_key: str | None = None
+
+    @property
+    def reply_seq(self) -> int:
+        """Position of this turn's assistant reply within the conversation."""
+        return len(self.messages)
+
+
+class GenerationCancelled(EventBase):
+    type: Literal["GenerationCancelled"] = "GenerationCancelled"
+    reason: str = "client"
+
+
+class GenerationStarted(EventBase):
+    type: Literal["GenerationStarted"] = "GenerationStarted"
+    model: str
+    worker: str
+    attempt: int = Field(default=0, ge=0)
+    reply_seq: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+
+
+class TokenDelta(EventBase):
+    type: Literal["TokenDelta"] = "TokenDelta"
+    attempt: int = Field(default=0, ge=0)
+    seq: int = Field(ge=0)
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+class GenerationFinished(EventBase):
+    type: Literal["GenerationFinished"] = "GenerationFinished"
+    model: str
+    attempt: int = Field(default=0, ge=0)
+    reply_seq: int = Field(ge=0)
+    finish_reason: FinishReason
+    text: str
+    usage: Usage
+    # Number of TokenDelta events before this one, so readers can detect loss.
+    deltas: int = Field(ge=0)
+    ttft_ms: float | None = Field(default=None, ge=0)
+    duration_ms: float = Field(ge=0)
+
+
+class GenerationFailed(EventBase):
+    type: Literal["GenerationFailed"] = "GenerationFailed"
+    attempt: int = Field(default=0, ge=0)
+    code: str
+    message: str
+
+
+Event = Annotated[
+    PromptSubmitted
+    | GenerationCancelled
+    | GenerationStarted
+    | TokenDelta
+    | GenerationFinished
+    | GenerationFailed,
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+PromptEvent = PromptSubmitted | GenerationCancelled
+GenerationEvent = GenerationStarted | TokenDelta | GenerationFinished | GenerationFailed
+TERMINAL_EVENTS = (GenerationFinished, GenerationFailed)
