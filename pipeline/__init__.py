@@ -1,0 +1,1 @@
+"""Shared plumbing: topics, codec, settings, the Kafka adapter, runners, metrics, CLI."""

@@ -1,0 +1,296 @@
+"""``pipeline``: run each component as its own process, and the local infrastructure.
+
+    pipeline infra up|down|status    Kafka (KRaft) + PostgreSQL on 127.0.0.1, topics, migrations
+    pipeline migrate                 apply database migrations
+    pipeline gateway                 the OpenAI-compatible HTTP gateway
+    pipeline worker                  a generation worker (vLLM)
+    pipeline projector               the Postgres projection
+    pipeline demo                    all of the above, until Ctrl-C
+
+Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
+``WORKER_*``, ``PROJECTOR_*``); flags override them. See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.settings import CommonSettings, GatewaySettings, ProjectorSettings, WorkerSettings
+
+log = logging.getLogger("pipeline")
+TINY_MODEL_NAME = "tiny-random-llama"
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+# -- infrastructure -----------------------------------------------------------
+def _kafka_port(bootstrap: str) -> int:
+    return int(bootstrap.rsplit(":", 1)[1])
+
+
+def _local_stack(common: CommonSettings) -> tuple[Any, Any]:
+    from urllib.parse import urlparse
+
+    from infra.kafka_broker import KafkaBroker
+    from infra.postgres import PostgresServer
+
+    state = common.state_dir
+    port = _kafka_port(common.kafka_bootstrap)
+    broker = KafkaBroker(home=state / "kafka", libs=state / "kafka-libs", port=port,
+                         controller_port=port + 1)
+    url = urlparse(common.database_url)
+    postgres = PostgresServer(home=state / "postgres", port=url.port or 5432,
+                              database=(url.path or "/pipeline").lstrip("/") or "pipeline")
+    return broker, postgres
+
+
+def infra_up(common: CommonSettings, external_db: bool) -> None:
+    from pipeline.kafka import ensure_topics, wait_for_broker
+    from pipeline.topics import topic_specs
+    from projections.migrate import migrate
+
+    broker, postgres = _local_stack(common)
+    print(f"Kafka      {common.kafka_bootstrap}  (data in {broker.home})", flush=True)
+    broker.start()
+    wait_for_broker(common.kafka_bootstrap)
+    created = ensure_topics(common.kafka_bootstrap, topic_specs(common.partitions))
+    if created:
+        print(f"topics     created {', '.join(created)}", flush=True)
+    if external_db:
+        print("PostgreSQL using DATABASE_URL", flush=True)
+    else:
+        print(f"PostgreSQL 127.0.0.1:{postgres.port}  (data in {postgres.home})", flush=True)
+        postgres.start()
+    applied = migrate(common.database_url)
+    print(f"migrations {'applied ' + ', '.join(applied) if applied else 'up to date'}",
+          flush=True)
+
+
+def infra_down(common: CommonSettings) -> None:
+    broker, postgres = _local_stack(common)
+    broker.stop()
+    postgres.stop()
+    print("stopped Kafka and PostgreSQL (data kept under .state/)")
+
+
+def infra_status(common: CommonSettings, external_db: bool) -> int:
+    broker, postgres = _local_stack(common)
+    kafka_up = broker.running()
+    pg_up = True if external_db else postgres.running()
+    print(f"kafka      {'running' if kafka_up else 'stopped'}  {common.kafka_bootstrap}")
+    print(f"postgres   {'running' if pg_up else 'stopped'}  "
+          f"{'DATABASE_URL' if external_db else f'127.0.0.1:{postgres.port}'}")
+    return 0 if kafka_up and pg_up else 1
+
+
+# -- services -----------------------------------------------------------------
+def run_gateway(common: CommonSettings, settings: GatewaySettings) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings, common)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
+                access_log=False, timeout_graceful_shutdown=10)
+
+
+def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Path, str]:
+    if settings.model:
+        path = Path(settings.model)
+        return path, settings.served_model_name or path.name
+    from workers.tiny_model import make_tiny_model
+
+    path = make_tiny_model(common.state_dir / "models" / TINY_MODEL_NAME)
+    log.warning("serving the tiny random model at %s: its text is noise. "
+                "Set WORKER_MODEL to a model directory to serve a real model.", path)
+    return path, settings.served_model_name or TINY_MODEL_NAME
+
+
+def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pipeline.metrics import serve_metrics
+    from workers.vllm_engine import VllmEngine
+    from workers.worker import Worker
+
+    if settings.engine != "vllm":
+        raise SystemExit(f"unknown engine {settings.engine!r}; available: vllm")
+    path, name = resolve_model(common, settings)
+    registry = CollectorRegistry()
+    serve_metrics(registry, settings.metrics_port)
+
+    async def main(stop: asyncio.Event) -> None:
+        engine = VllmEngine(settings, path, name)
+        try:
+            log.info("worker ready: model %s, max_num_seqs %d", name, settings.max_num_seqs)
+            await Worker(engine, common.kafka_bootstrap, registry).run(stop)
+        finally:
+            engine.close()
+
+    _run_until_signalled(main)
+
+
+def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pipeline.metrics import serve_metrics
+    from projections.migrate import migrate
+    from projections.projector import Projector
+
+    migrate(common.database_url)
+    registry = CollectorRegistry()
+    serve_metrics(registry, settings.metrics_port)
+    projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
+    _run_until_signalled(projector.run)
+
+
+def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool) -> int:
+    infra_up(common, external_db)
+    exe = [sys.executable, "-m", "pipeline"]
+    procs = {name: subprocess.Popen([*exe, name]) for name in ("projector", "worker", "gateway")}
+    base = f"http://{gateway.host}:{gateway.port}"
+    try:
+        _wait_http(f"{base}/health", procs, timeout=120)
+        print(_demo_banner(base, gateway.models.split(",")[0]), flush=True)
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        print(f"{', '.join(dead)} exited; stopping the demo", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        infra_down(common)
+
+
+def _wait_http(url: str, procs: dict[str, subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs.values()):
+            raise SystemExit("a component exited during start-up; see its log above")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"{url} did not answer within {timeout:.0f}s")
+
+
+def _demo_banner(base: str, model: str) -> str:
+    return f"""
+The pipeline is up on {base}  (open: no API key on 127.0.0.1).
+The worker serves '{model}'; with the tiny random model its text is noise.
+The worker's engine may take ~30 s more to warm up; requests wait for it.
+
+  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model":"{model}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}'
+
+  # the reply's X-Session-Id header names the session; its stored history:
+  curl {base}/v1/sessions/SESSION_ID/messages
+
+Ctrl-C stops everything (data stays under .state/).
+"""
+
+
+# -- argument parsing -----------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    infra = sub.add_parser("infra", help="local Kafka and PostgreSQL")
+    infra.add_argument("action", choices=["up", "down", "status"])
+    sub.add_parser("migrate", help="apply database migrations")
+    gw = sub.add_parser("gateway", help="run the HTTP gateway")
+    gw.add_argument("--host")
+    gw.add_argument("--port", type=int)
+    wk = sub.add_parser("worker", help="run a generation worker")
+    wk.add_argument("--engine", choices=["vllm"])
+    wk.add_argument("--model", help="model directory (default: the tiny random model)")
+    wk.add_argument("--served-model-name")
+    wk.add_argument("--dtype")
+    wk.add_argument("--max-num-seqs", type=int)
+    wk.add_argument("--max-model-len", type=int)
+    wk.add_argument("--gpu-memory-utilization", type=float)
+    wk.add_argument("--tensor-parallel-size", type=int)
+    wk.add_argument("--metrics-port", type=int)
+    pj = sub.add_parser("projector", help="run the Postgres projection")
+    pj.add_argument("--metrics-port", type=int)
+    sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
+    return parser
+
+
+def _overrides(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging()
+    common = CommonSettings()
+    external_db = "DATABASE_URL" in os.environ
+    if args.command == "infra":
+        if args.action == "up":
+            infra_up(common, external_db)
+        elif args.action == "down":
+            infra_down(common)
+        else:
+            return infra_status(common, external_db)
+    elif args.command == "migrate":
+        from projections.migrate import migrate
+
+        applied = migrate(common.database_url)
+        print("applied: " + (", ".join(applied) or "nothing (up to date)"))
+    elif args.command == "gateway":
+        gateway = GatewaySettings(**_overrides(args, "host", "port"))
+        run_gateway(common, gateway)
+    elif args.command == "worker":
+        worker = WorkerSettings(**_overrides(
+            args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
+            "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port"))
+        run_worker(common, worker)
+    elif args.command == "projector":
+        run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))
+    elif args.command == "demo":
+        return run_demo(common, GatewaySettings(), external_db)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

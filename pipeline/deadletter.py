@@ -1,0 +1,27 @@
+"""Dead letters: a record that cannot be decoded is parked with its reason, never dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pipeline.codec import Position
+from pipeline.kafka import EventProducer, Record
+from pipeline.topics import DEADLETTER
+
+log = logging.getLogger(__name__)
+
+
+def dead_letter(
+    producer: EventProducer, record: Record, reason: str, consumer: str
+) -> asyncio.Future[Position]:
+    """Send the original bytes to the dead-letter topic, with where they came from and why."""
+    log.warning("dead-lettering %s: %s", record.position, reason)
+    headers = [
+        ("source.topic", record.position.topic.encode()),
+        ("source.partition", str(record.position.partition).encode()),
+        ("source.offset", str(record.position.offset).encode()),
+        ("reason", reason.encode()),
+        ("consumer", consumer.encode()),
+    ]
+    return producer.send_raw(DEADLETTER, record.key, record.value, headers)

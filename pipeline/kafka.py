@@ -1,0 +1,291 @@
+"""The Kafka adapter: the only module that imports confluent_kafka.
+
+* ``EventProducer``: idempotent, ``acks=all`` producer with its own poll thread;
+  ``send`` returns an asyncio future that resolves once Kafka acknowledged the record.
+* ``AsyncConsumer``: a consumer whose blocking calls run, one at a time, on a
+  dedicated thread, so an asyncio service can await them.
+* ``ensure_topics`` / ``wait_for_broker``: administration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+
+from pipeline.codec import Position, encode, key_of
+from pipeline.topics import TopicSpec
+from schemas import Event
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Record:
+    position: Position
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int
+
+
+class ProduceError(RuntimeError):
+    """Kafka did not acknowledge a record."""
+
+
+def _producer_config(bootstrap: str, linger_ms: float) -> dict[str, Any]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "acks": "all",
+        "enable.idempotence": True,
+        "linger.ms": linger_ms,
+        # The Java client's partitioner, so every client agrees where a key lives.
+        "partitioner": "murmur2_random",
+        "message.timeout.ms": 30_000,
+    }
+
+
+class EventProducer:
+    """Produces events; ``send`` resolves once the record is durable in Kafka."""
+
+    def __init__(self, bootstrap: str, *, linger_ms: float = 1.0) -> None:
+        self._producer = Producer(_producer_config(bootstrap, linger_ms))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="kafka-producer-poll", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.05)
+
+    def send(self, topic: str, event: Event) -> asyncio.Future[Position]:
+        return self.send_raw(topic, key_of(event), encode(event))
+
+    def send_raw(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> asyncio.Future[Position]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Position] = loop.create_future()
+
+        def settle(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                result: Position | BaseException = ProduceError(str(err))
+            else:
+                result = Position(msg.topic() or topic, msg.partition() or 0, msg.offset() or 0)
+            loop.call_soon_threadsafe(_resolve, future, result)
+
+        while True:
+            try:
+                self._producer.produce(
+                    topic, value=value, key=key, headers=list(headers), on_delivery=settle
+                )
+                return future
+            except BufferError:
+                # The local queue is full: wait for deliveries rather than drop the record.
+                self._producer.poll(0.01)
+
+    def flush(self, timeout: float = 30.0) -> int:
+        return int(self._producer.flush(timeout))
+
+    def close(self) -> None:
+        remaining = self.flush()
+        if remaining:
+            log.error("%d records were not delivered before close", remaining)
+        self._stop.set()
+        self._thread.join()
+
+
+def _resolve(future: asyncio.Future[Position], result: Position | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+TP = tuple[str, int]
+# Given the partitions just assigned, the offsets to start them at (None: the committed ones).
+OnAssign = Callable[[list[TP]], dict[TP, int] | None]
+OnRevoke = Callable[[list[TP]], None]
+BEGINNING = OFFSET_BEGINNING
+
+
+class AsyncConsumer:
+    """A confluent-kafka consumer driven from asyncio.
+
+    Every call to the underlying consumer runs on one dedicated thread, so calls
+    never overlap and rebalance callbacks run on that thread too.
+    """
+
+    def __init__(self, bootstrap: str, group_id: str, **extra: Any) -> None:
+        config: dict[str, Any] = {
+            "bootstrap.servers": bootstrap,
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+        }
+        config.update(extra)
+        self._consumer = Consumer(config)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kafka-consumer-{group_id}"
+        )
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def subscribe(
+        self, topics: list[str], on_assign: OnAssign | None = None,
+        on_revoke: OnRevoke | None = None,
+    ) -> None:
+        """Join the group; the callbacks run on the consumer thread during a poll."""
+
+        def assigned(consumer: Consumer, parts: list[TopicPartition]) -> None:
+            offsets = on_assign([(p.topic, p.partition) for p in parts]) if on_assign else None
+            if offsets is not None:
+                consumer.assign([TopicPartition(p.topic, p.partition,
+                                                offsets.get((p.topic, p.partition), BEGINNING))
+                                 for p in parts])
+
+        def revoked(consumer: Consumer, parts: list[TopicPartition]) -> None:
+            if on_revoke is not None:
+                on_revoke([(p.topic, p.partition) for p in parts])
+
+        self._consumer.subscribe(topics, on_assign=assigned, on_revoke=revoked)
+
+    # The methods below run on the consumer thread (from callbacks, or via ``call``).
+
+    def poll_batch_sync(self, max_records: int, timeout: float) -> list[Record]:
+        records = []
+        for msg in self._consumer.consume(max_records, timeout):
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal() or not err.retriable():
+                    raise KafkaException(err)
+                log.warning("transient consumer error: %s", err)
+                continue
+            _, ts = msg.timestamp()
+            records.append(
+                Record(
+                    Position(msg.topic() or "", msg.partition() or 0, msg.offset() or 0),
+                    msg.key(),
+                    msg.value(),
+                    ts,
+                )
+            )
+        return records
+
+    async def poll_batch(self, max_records: int, wait_s: float) -> list[Record]:
+        return await self.call(self.poll_batch_sync, max_records, wait_s)
+
+    def commit_sync(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Commit ``next offset to read`` per (topic, partition); blocks until done."""
+        if offsets:
+            parts = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+            self._consumer.commit(offsets=parts, asynchronous=False)
+
+    async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        if offsets:
+            await self.call(self.commit_sync, offsets)
+
+    def pause_all_sync(self) -> None:
+        self._consumer.pause(self._consumer.assignment())
+
+    def resume_all_sync(self) -> None:
+        self._consumer.resume(self._consumer.assignment())
+
+    def assignment_sync(self) -> list[tuple[str, int]]:
+        return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
+
+    def watermarks_sync(self, topic: str, partition: int, timeout: float = 5.0) -> tuple[int, int]:
+        low, high = self._consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=timeout, cached=False
+        )
+        return int(low), int(high)
+
+    def partitions_sync(self, topic: str, timeout: float = 10.0) -> list[int]:
+        meta = self._consumer.list_topics(topic, timeout=timeout)
+        info = meta.topics.get(topic)
+        if info is None or info.error is not None:
+            raise KafkaException(info.error if info else f"no topic {topic}")
+        return sorted(info.partitions)
+
+    def assign_at_end_sync(self, topic: str) -> dict[int, int]:
+        """Read every partition of ``topic`` from its current end (concrete offsets,
+        so nothing produced after this call can be missed); return those offsets."""
+        ends = {p: self.watermarks_sync(topic, p)[1] for p in self.partitions_sync(topic)}
+        self._consumer.assign([TopicPartition(topic, p, o) for p, o in ends.items()])
+        return ends
+
+    async def close(self) -> None:
+        try:
+            await self.call(self._consumer.close)
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            admin.list_topics(timeout=2)
+            return
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> list[str]:
+    """Create missing topics; return the names created. Existing ones are left as they are."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    existing = set(admin.list_topics(timeout=10).topics)
+    new = [
+        NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config)
+        for s in specs
+        if s.name not in existing
+    ]
+    if not new:
+        return []
+    for fut in admin.create_topics(new, operation_timeout=30).values():
+        try:
+            fut.result()
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+    # Wait until the new topics' metadata is visible, so producers don't race it.
+    deadline = time.monotonic() + 30
+    names = [t.topic for t in new]
+    while time.monotonic() < deadline:
+        topics = admin.list_topics(timeout=5).topics
+        if all(n in topics and not topics[n].error and topics[n].partitions for n in names):
+            break
+        time.sleep(0.1)
+    return names

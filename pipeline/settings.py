@@ -1,0 +1,68 @@
+"""Typed settings, one environment prefix per service, read once in ``main``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CommonSettings(BaseSettings):
+    """Where the log and the store are. Prefix ``PIPELINE_``, and ``DATABASE_URL``."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPELINE_", extra="ignore")
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    database_url: str = Field(
+        default="postgresql://postgres@127.0.0.1:55432/pipeline",
+        validation_alias="DATABASE_URL",
+    )
+    partitions: int = Field(default=6, ge=1)
+    state_dir: Path = REPO_ROOT / ".state"
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # How long a request waits for the projection to reach the log's end for its
+    # conversation before answering 503 (read-your-writes barrier).
+    projection_wait_s: float = Field(default=10.0, gt=0)
+    # How long a request waits for its generation to finish, all told.
+    generation_timeout_s: float = Field(default=300.0, gt=0)
+    max_body_bytes: int = Field(default=1_000_000, ge=1024)
+    max_messages: int = Field(default=256, ge=1)
+    max_tokens_limit: int = Field(default=32_768, ge=1)
+    # The model names the workers serve, comma-separated (what /v1/models lists).
+    models: str = "tiny-random-llama"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
+
+    engine: str = "vllm"
+    # A Hugging Face model directory. Empty: make (once) and serve the tiny random model.
+    model: str = ""
+    served_model_name: str = ""
+    dtype: str = "float32"
+    max_num_seqs: int = Field(default=32, ge=1)
+    max_model_len: int = Field(default=512, ge=16)
+    kv_cache_memory_bytes: int | None = 256 * 2**20
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    enable_prefix_caching: bool = True
+    # Token coalescing: a TokenDelta carries at most this much wall time of output.
+    coalesce_ms: float = Field(default=0.0, ge=0)
+    metrics_port: int = 0
+
+
+class ProjectorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PROJECTOR_", extra="ignore")
+
+    batch_max_events: int = Field(default=500, ge=1)
+    batch_max_ms: float = Field(default=50.0, gt=0)
+    metrics_port: int = 0
