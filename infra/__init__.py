@@ -1,0 +1,1 @@
+"""Local infrastructure: a real Kafka broker (KRaft) and a real PostgreSQL server."""

@@ -1,0 +1,92 @@
+"""Small helpers for daemons started by ``pipeline infra`` and the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); reap it if it is ours.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def spawn_daemon(cmd: list[str], log_file: Path, pid_file: Path, **kwargs: object) -> int:
+    """Start ``cmd`` in its own session (so Ctrl-C in a terminal reaches it only through us)."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, **kwargs,  # type: ignore[call-overload]
+        )
+    pid_file.write_text(str(proc.pid))
+    return int(proc.pid)
+
+
+def stop_pid(pid: int, timeout: float = 20.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    log_file: Path | None = None,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    tail = ""
+    if log_file is not None and log_file.exists():
+        tail = "\n--- last lines of " + str(log_file) + " ---\n"
+        tail += "\n".join(log_file.read_text(errors="replace").splitlines()[-30:])
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s{tail}")
