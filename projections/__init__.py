@@ -1,0 +1,1 @@
+"""The Postgres conversation store, built from the log: schema, migrations, projector."""

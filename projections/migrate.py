@@ -1,0 +1,40 @@
+"""Versioned SQL migrations, applied in order under an advisory lock.
+
+Two processes migrating at once serialise on the lock; the second sees the work done.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import psycopg
+
+log = logging.getLogger(__name__)
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+_LOCK_KEY = 0x63686174  # "chat"
+
+
+def migrate(database_url: str) -> list[str]:
+    """Apply pending migrations; return the versions applied now."""
+    applied_now: list[str] = []
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
+        try:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
+            for path in sorted(MIGRATIONS.glob("*.sql")):
+                version = path.stem
+                if version in done:
+                    continue
+                with conn.transaction():
+                    conn.execute(path.read_text())
+                    conn.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+                log.info("applied migration %s", version)
+                applied_now.append(version)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_KEY,))
+    return applied_now
