@@ -1,0 +1,1 @@
+"""Workers: turn prompts into generations with an inference engine."""

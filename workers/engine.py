@@ -1,0 +1,52 @@
+"""The engine contract the worker drives: vLLM in production, a simulator for load tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from schemas import ChatMessage, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one engine step produced for one request."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str | None = None  # set on the last output: stop | length | abort
+    stop_reason: str | int | None = field(default=None)
+
+
+class EngineRejected(ValueError):
+    """The engine refused the request itself (too long, bad parameters): not retryable."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineDead(RuntimeError):
+    """The engine can no longer serve anything; the worker must exit."""
+
+
+class Engine(Protocol):
+    model_name: str
+    max_num_seqs: int
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def running(self) -> int: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,56 @@
+"""Low-watermark offset tracking: commit only below the oldest prompt still in flight."""
+
+from __future__ import annotations
+
+import threading
+
+TopicPartition = tuple[str, int]
+
+
+class OffsetTracker:
+    """Per partition, the offsets taken but not yet done.
+
+    ``committable()`` gives, per partition, the next offset it is safe to commit: the
+    lowest offset still in flight, or one past the highest offset seen when none is.
+    Thread-safe: rebalance callbacks read it from the consumer's thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: dict[TopicPartition, set[int]] = {}
+        self._next: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+
+    def taken(self, tp: TopicPartition, offset: int) -> None:
+        with self._lock:
+            self._in_flight.setdefault(tp, set()).add(offset)
+            self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        with self._lock:
+            self._in_flight.get(tp, set()).discard(offset)
+
+    def committable(self) -> dict[TopicPartition, int]:
+        """Safe positions that moved since the last ``mark_committed``."""
+        out = {}
+        with self._lock:
+            for tp, nxt in self._next.items():
+                pending = self._in_flight.get(tp)
+                safe = min(pending) if pending else nxt
+                if self._committed.get(tp) != safe:
+                    out[tp] = safe
+        return out
+
+    def mark_committed(self, positions: dict[TopicPartition, int]) -> None:
+        with self._lock:
+            for tp, offset in positions.items():
+                if tp in self._next:
+                    self._committed[tp] = offset
+
+    def forget(self, tps: list[TopicPartition]) -> None:
+        """Drop partitions this worker no longer owns."""
+        with self._lock:
+            for tp in tps:
+                self._in_flight.pop(tp, None)
+                self._next.pop(tp, None)
+                self._committed.pop(tp, None)

@@ -1,0 +1,126 @@
+"""The vLLM engine: one ``AsyncLLM``, which batches all in-flight requests continuously."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.settings import WorkerSettings
+from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
+    """Engine arguments passed through from configuration."""
+    args: dict[str, Any] = {
+        "model": str(model_path),
+        "served_model_name": settings.served_model_name or None,
+        "dtype": settings.dtype,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_model_len": settings.max_model_len,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "disable_log_stats": False,
+    }
+    if settings.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    elif settings.kv_cache_memory_bytes is not None:
+        args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    return args
+
+
+class VllmEngine:
+    """Adapts vLLM's ``AsyncLLM`` to the worker's ``Engine`` protocol."""
+
+    def __init__(self, settings: WorkerSettings, model_path: Path, model_name: str) -> None:
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.model_name = model_name
+        self.max_num_seqs = settings.max_num_seqs
+        self.max_model_len = settings.max_model_len
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(settings, model_path)))
+        self._running: set[str] = set()
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        messages = [m.model_dump() for m in request.messages]
+        text = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _sampling(self, request: EngineRequest, prompt_len: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise EngineRejected(
+                "context_length_exceeded",
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the messages use {prompt_len}.",
+            )
+        s = request.sampling
+        max_tokens = s.max_tokens if s.max_tokens is not None else room
+        if max_tokens > room:
+            raise EngineRejected(
+                "context_length_exceeded",
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the messages use {prompt_len} and max_tokens asks for {max_tokens}.",
+            )
+        params: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "stop": list(s.stop) or None,
+            "seed": s.seed,
+            "n": s.n,
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(s, name)
+            if value is not None:
+                params[name] = value
+        try:
+            return SamplingParams(**params)
+        except (ValueError, TypeError) as exc:
+            raise EngineRejected("invalid_sampling_params", str(exc)) from exc
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        prompt_ids = self._prompt_ids(request)
+        params = self._sampling(request, len(prompt_ids))
+        self._running.add(request.request_id)
+        try:
+            stream = self._llm.generate(
+                {"prompt_token_ids": prompt_ids}, params, request.request_id
+            )
+            async for out in stream:
+                completion = out.outputs[0]
+                yield EngineOutput(
+                    text=completion.text,
+                    token_ids=tuple(completion.token_ids),
+                    prompt_tokens=len(prompt_ids),
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    stop_reason=completion.stop_reason,
+                )
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+        except (VLLMClientError, ValueError) as exc:
+            raise EngineRejected("invalid_request", str(exc)) from exc
+        finally:
+            self._running.discard(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    def close(self) -> None:
+        self._llm.shutdown()
