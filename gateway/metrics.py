@@ -1,0 +1,25 @@
+"""The gateway's Prometheus metrics, on a registry the app owns."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("gateway_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=registry)
+        self.accepted = Counter("gateway_turns_accepted",
+                                "Turns whose prompt Kafka acknowledged", registry=registry)
+        self.active_streams = Gauge("gateway_active_streams", "Open SSE streams",
+                                    registry=registry)
+        self.ttft = Histogram("gateway_ttft_seconds",
+                              "From prompt acknowledged to GenerationStarted seen",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.latency = Histogram("gateway_generation_seconds",
+                                 "From prompt acknowledged to GenerationFinished seen",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.completion_tokens = Counter("gateway_completion_tokens",
+                                         "Completion tokens delivered", registry=registry)

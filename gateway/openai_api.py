@@ -1,0 +1,149 @@
+"""OpenAI chat-completions wire format: the request model and the response shapes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.errors import APIError
+from schemas import ChatMessage, SamplingParams, Usage
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class InMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart]
+
+    def to_event(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content
+        )
+        return ChatMessage(role=self.role, content=text)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    messages: list[InMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    logprobs: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limit(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+    def sampling(self) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            stop=stop,
+            seed=self.seed,
+        )
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """Parse and validate a request body, or raise a 400 that says what is wrong."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}",
+                       code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        request = ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"Invalid value for '{param}': {err['msg']}.",
+                       code="invalid_value" if err["type"] != "missing" else "missing_required",
+                       param=param) from exc
+    if request.n != 1:
+        raise APIError(400, "Only n=1 is supported.", code="unsupported_value", param="n")
+    if request.logprobs:
+        raise APIError(400, "logprobs are not supported yet.", code="unsupported_value",
+                       param="logprobs")
+    return request
+
+
+def usage_json(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def chunk(
+    completion_id: str, created: int, model: str, delta: dict[str, Any],
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                     "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(completion_id: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
+    }
+
+
+def completion(
+    completion_id: str, created: int, model: str, text: str, finish_reason: str, usage: Usage
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS.get(finish_reason, finish_reason),
+        }],
+        "usage": usage_json(usage),
+    }
