@@ -1,0 +1,146 @@
+"""Session fixtures: a real Kafka broker and a real PostgreSQL on free ports, started once,
+and the pipeline's processes (projector, vLLM worker, gateway) run as in production."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.kafka_broker import KafkaBroker
+from infra.postgres import PostgresServer
+from infra.process import free_port
+from pipeline.kafka import ensure_topics, wait_for_broker
+from pipeline.settings import REPO_ROOT
+from pipeline.topics import topic_specs
+from projections.migrate import migrate
+
+PARTITIONS = 3
+MODEL = "tiny-random-llama"
+
+
+@dataclass
+class Stack:
+    bootstrap: str
+    database_url: str
+    logs: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "PIPELINE_KAFKA_BOOTSTRAP": self.bootstrap,
+            "DATABASE_URL": self.database_url,
+            "PIPELINE_PARTITIONS": str(PARTITIONS),
+            "PIPELINE_LOG_LEVEL": "INFO",
+        })
+        env.update(extra)
+        return env
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("kafka")
+    broker = KafkaBroker(home=home, libs=REPO_ROOT / ".state" / "kafka-libs",
+                         port=free_port(), controller_port=free_port())
+    # PostgreSQL may run as another OS user: give it a directory that user can reach.
+    pg_home = Path(tempfile.mkdtemp(prefix="pipeline-test-pg-"))
+    postgres = PostgresServer(home=pg_home, port=free_port(), database="pipeline_test")
+    broker.start()
+    try:
+        postgres.start()
+        wait_for_broker(broker.bootstrap)
+        ensure_topics(broker.bootstrap, topic_specs(PARTITIONS))
+        migrate(postgres.url)
+        yield Stack(broker.bootstrap, postgres.url, tmp_path_factory.mktemp("logs"))
+    finally:
+        postgres.stop()
+        broker.stop()
+        shutil.rmtree(pg_home, ignore_errors=True)
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return f"--- {self.name} ({self.log}) ---\n" + "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_service(stack: Stack, name: str, *args: str, **env: str) -> Service:
+    log = stack.logs / f"{name}-{time.monotonic_ns()}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=stack.env(**env))
+    return Service(name, proc, log)
+
+
+@dataclass
+class Pipeline:
+    stack: Stack
+    url: str
+    services: dict[str, Service] = field(default_factory=dict)
+
+    def logs(self) -> str:
+        return "\n".join(s.tail() for s in self.services.values())
+
+
+def wait_healthy(url: str, services: list[Service], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for s in services:
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"{s.name} exited with {s.proc.returncode}\n{s.tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy\n" + "\n".join(s.tail() for s in services))
+
+
+@pytest.fixture(scope="session")
+def pipeline(stack: Stack) -> Iterator[Pipeline]:
+    """Projector, vLLM worker (tiny local model) and gateway, each its own process."""
+    port = free_port()
+    services = {
+        "projector": start_service(stack, "projector", "projector"),
+        "worker": start_service(stack, "worker", "worker", "--max-num-seqs", "16"),
+        "gateway": start_service(stack, "gateway", "gateway", "--port", str(port)),
+    }
+    p = Pipeline(stack, f"http://127.0.0.1:{port}", services)
+    try:
+        wait_healthy(p.url, list(services.values()), timeout=60)
+        # Warm up: one turn through every component proves the worker's engine is up.
+        try:
+            r = httpx.post(f"{p.url}/v1/chat/completions", timeout=300, json={
+                "model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "warm up"}]})
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"warm-up failed: {exc}\n{p.logs()}") from exc
+        assert r.status_code == 200, f"{r.status_code} {r.text}\n{p.logs()}"
+        yield p
+    finally:
+        for s in services.values():
+            s.stop()

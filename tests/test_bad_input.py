@@ -1,0 +1,145 @@
+"""Bad input is contained: a clear 4xx with an OpenAI-style error and nothing written;
+undecodable records go to the dead-letter topic and every consumer keeps running."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import psycopg
+import pytest
+from confluent_kafka import Producer
+
+from pipeline.topics import DEADLETTER, PROMPTS
+from tests.conftest import MODEL, Pipeline
+from tests.logread import end_offsets, read_records
+
+pytestmark = pytest.mark.integration
+
+GOOD = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+BAD_REQUESTS = [
+    pytest.param(b"{not json", {}, 400, "invalid_json", id="malformed-json"),
+    pytest.param(b"[1, 2]", {}, 400, "invalid_json", id="not-an-object"),
+    pytest.param(b'{"model": "tiny-random-llama"}', {}, 400, "missing_required",
+                 id="missing-messages"),
+    pytest.param(b'{"model": "tiny-random-llama", "messages": "hi"}', {}, 400, "invalid_value",
+                 id="messages-wrong-type"),
+    pytest.param(b'{"model": "tiny-random-llama", "messages": []}', {}, 400, "invalid_value",
+                 id="messages-empty"),
+    pytest.param(b'{"model": "tiny-random-llama", "temperature": "hot",'
+                 b' "messages": [{"role": "user", "content": "x"}]}', {}, 400, "invalid_value",
+                 id="temperature-wrong-type"),
+    pytest.param(b'{"model": "tiny-random-llama", "max_tokens": 0,'
+                 b' "messages": [{"role": "user", "content": "x"}]}', {}, 400, "invalid_value",
+                 id="max-tokens-zero"),
+    pytest.param(b'{"model": "tiny-random-llama",'
+                 b' "messages": [{"role": "wizard", "content": "x"}]}', {}, 400, "invalid_value",
+                 id="unknown-role"),
+    pytest.param(b'{"model": "tiny-random-llama", "n": 2,'
+                 b' "messages": [{"role": "user", "content": "x"}]}', {}, 400,
+                 "unsupported_value", id="n-above-1"),
+    pytest.param(b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}',
+                 {}, 404, "model_not_found", id="unknown-model"),
+    pytest.param(b'{"model": "tiny-random-llama", "messages": [{"role": "user", "content": "x"}]}',
+                 {"X-Session-Id": str(uuid.uuid4())}, 404, "session_not_found",
+                 id="unknown-session"),
+    pytest.param(b'{"model": "tiny-random-llama", "messages": [{"role": "user", "content": "x"}]}',
+                 {"X-Session-Id": "not-a-uuid"}, 404, "session_not_found",
+                 id="malformed-session"),
+    pytest.param(b'{"model": "tiny-random-llama", "messages": [{"role": "user", "content": "'
+                 + b"x" * 1_100_000 + b'"}]}', {}, 413, "request_too_large", id="body-too-large"),
+]
+
+
+def table_counts(database_url: str) -> tuple[int, int, int]:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT (SELECT count(*) FROM conversations),"
+                           " (SELECT count(*) FROM messages),"
+                           " (SELECT count(*) FROM generations)").fetchone()
+    assert row is not None
+    return row
+
+
+@pytest.mark.parametrize(("body", "headers", "status", "code"), BAD_REQUESTS)
+def test_bad_request_gets_a_clear_error_and_writes_nothing(
+    pipeline: Pipeline, body: bytes, headers: dict[str, str], status: int, code: str
+) -> None:
+    before = end_offsets(pipeline.stack.bootstrap, PROMPTS)
+    rows_before = table_counts(pipeline.stack.database_url)
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", content=body, timeout=30,
+                   headers={"content-type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code
+    assert error["message"] and error["type"]
+    assert end_offsets(pipeline.stack.bootstrap, PROMPTS) == before
+    assert table_counts(pipeline.stack.database_url) == rows_before
+
+
+def test_unknown_route_and_method_are_json_errors(pipeline: Pipeline) -> None:
+    r = httpx.get(f"{pipeline.url}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{pipeline.url}/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(f"{pipeline.url}/v1/sessions/{uuid.uuid4()}/messages")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_prompt_too_long_for_the_model_is_a_400(pipeline: Pipeline) -> None:
+    long = " ".join(f"w{i}" for i in range(2000))  # far past the tiny model's 512 tokens
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    # The turn was accepted, so it is recorded as failed, not lost.
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        deadline = time.monotonic() + 10
+        while True:
+            row = conn.execute("SELECT count(*) FROM generations WHERE status = 'failed'"
+                               " AND error_code = 'context_length_exceeded'").fetchone()
+            if (row and row[0] >= 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert row is not None and row[0] >= 1
+
+
+def test_undecodable_records_are_dead_lettered_and_consumers_keep_running(
+    pipeline: Pipeline,
+) -> None:
+    bootstrap = pipeline.stack.bootstrap
+    producer = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random"})
+    garbage = [b"\x00\xffnot json", b'{"type": "PromptSubmitted", "v": 1}',
+               b'{"type": "NoSuchEvent"}']
+    positions = []
+    for value in garbage:
+        def remember(err: object, msg: object) -> None:
+            assert err is None
+            positions.append((msg.partition(), msg.offset()))  # type: ignore[attr-defined]
+        producer.produce(PROMPTS, key=b"garbage", value=value, on_delivery=remember)
+    assert producer.flush(10) == 0
+
+    deadline = time.monotonic() + 30
+    expected = {(c, p, o) for c in ("workers", "projector") for p, o in positions}
+    while True:
+        seen = set()
+        for _, value, headers in read_records(bootstrap, DEADLETTER):
+            if headers.get("source.topic") == PROMPTS.encode():
+                key = (headers["consumer"].decode(), int(headers["source.partition"]),
+                       int(headers["source.offset"]))
+                if key in expected:
+                    seen.add(key)
+                    assert value in garbage
+                    assert headers["reason"]
+        if seen == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert seen == expected
+
+    # Both consumers are still running: a normal turn goes through and is stored.
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", json=GOOD, timeout=60)
+    assert r.status_code == 200, r.text
+    session = r.headers["x-session-id"]
+    stored = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30).json()
+    assert [m["role"] for m in stored["data"]] == ["user", "assistant"]

@@ -1,0 +1,138 @@
+"""One chat turn end to end: openai client -> gateway -> Kafka -> vLLM worker -> Kafka
+-> gateway (SSE), and -> projector -> Postgres. Real broker, real database, real engine."""
+
+from __future__ import annotations
+
+import httpx
+import psycopg
+import pytest
+from openai import OpenAI
+
+from pipeline.topics import GENERATIONS, PROMPTS
+from schemas import GenerationFinished, GenerationStarted, PromptSubmitted, TokenDelta
+from tests.conftest import MODEL, Pipeline
+from tests.logread import read_events
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(pipeline: Pipeline) -> OpenAI:
+    return OpenAI(base_url=f"{pipeline.url}/v1", api_key="not-needed", max_retries=0,
+                  timeout=120)
+
+
+def stored_messages(pipeline: Pipeline, session: str) -> list[dict]:
+    r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+def generation_events(pipeline: Pipeline, request_id: str) -> list:
+    return [e for _, e in read_events(pipeline.stack.bootstrap, GENERATIONS)
+            if e.request_id == request_id]
+
+
+def test_models_lists_the_served_model(pipeline: Pipeline, client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_streaming_turn_is_logged_in_order_and_stored(pipeline: Pipeline, client: OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, stream=True, max_tokens=16, seed=7,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Tell me about the log."}],
+    )
+    session = raw.headers["x-session-id"]
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+
+    assert finish in (["stop"], ["length"])
+    assert usage is not None and usage.completion_tokens >= 1
+    assert usage.prompt_tokens > 0
+    assert chunks[0].choices[0].delta.role == "assistant"
+    request_id = chunks[0].id
+
+    # The log holds the turn: the prompt, then Started, gap-free deltas, Finished.
+    prompts = [e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
+               if e.request_id == request_id]
+    assert len(prompts) == 1 and isinstance(prompts[0], PromptSubmitted)
+    assert str(prompts[0].conversation_id) == session
+    events = generation_events(pipeline, request_id)
+    assert isinstance(events[0], GenerationStarted)
+    assert isinstance(events[-1], GenerationFinished)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert events[-1].deltas == len(deltas)
+    assert "".join(d.text for d in deltas) == events[-1].text == text
+    assert events[-1].usage.completion_tokens == usage.completion_tokens
+
+    # The projection stored both messages; the assistant's is exactly what was streamed.
+    stored = stored_messages(pipeline, session)
+    assert [(m["seq"], m["role"]) for m in stored] == [(0, "user"), (1, "assistant")]
+    assert stored[0]["content"] == "Tell me about the log."
+    assert stored[1]["content"] == text
+
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        row = conn.execute(
+            "SELECT status, model, completion_tokens, prompt_tokens, finish_reason"
+            " FROM generations WHERE request_id = %s", (request_id,)).fetchone()
+    assert row == ("finished", MODEL, usage.completion_tokens, usage.prompt_tokens, finish[0])
+
+
+def test_non_streaming_turn(pipeline: Pipeline, client: OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=8, temperature=0.5, top_p=0.9,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "hi"}],
+    )
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens <= 8
+    assert completion.usage.total_tokens == (completion.usage.prompt_tokens
+                                             + completion.usage.completion_tokens)
+    stored = stored_messages(pipeline, raw.headers["x-session-id"])
+    assert [m["role"] for m in stored] == ["system", "user", "assistant"]
+    assert stored[2]["content"] == choice.message.content
+
+
+def test_second_turn_sees_the_first(pipeline: Pipeline, client: OpenAI) -> None:
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "first question"}])
+    session = first.headers["x-session-id"]
+    first_reply = first.parse().choices[0].message.content
+
+    second = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=6, stream=True, extra_headers={"X-Session-Id": session},
+        messages=[{"role": "user", "content": "second question"}])
+    assert second.headers["x-session-id"] == session
+    chunks = list(second.parse())
+    second_reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    prompt = next(e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
+                  if e.request_id == chunks[0].id)
+    assert isinstance(prompt, PromptSubmitted)
+    assert [(m.role, m.content) for m in prompt.messages] == [
+        ("user", "first question"), ("assistant", first_reply), ("user", "second question")]
+    assert prompt.history_len == 2
+
+    stored = stored_messages(pipeline, session)
+    assert [(m["seq"], m["role"], m["content"]) for m in stored] == [
+        (0, "user", "first question"), (1, "assistant", first_reply),
+        (2, "user", "second question"), (3, "assistant", second_reply)]
+
+
+def test_metrics_and_health(pipeline: Pipeline) -> None:
+    assert httpx.get(f"{pipeline.url}/health").json() == {"status": "ok"}
+    body = httpx.get(f"{pipeline.url}/metrics").text
+    assert "gateway_turns_accepted_total" in body
+    accepted = next(line for line in body.splitlines()
+                    if line.startswith("gateway_turns_accepted_total"))
+    assert float(accepted.split()[1]) >= 1

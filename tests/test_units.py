@@ -1,0 +1,112 @@
+"""Pure parts, no broker: codec, offset watermarks, projection, request parsing."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.openai_api import parse_chat_request
+from pipeline.codec import DecodeError, decode, encode
+from projections.projection import project
+from schemas import (
+    ChatMessage,
+    GenerationFinished,
+    PromptSubmitted,
+    TokenDelta,
+    Usage,
+)
+from workers.offsets import OffsetTracker
+
+CONV = uuid.uuid4()
+
+
+def prompt(**kw: object) -> PromptSubmitted:
+    fields: dict[str, object] = {
+        "conversation_id": CONV, "request_id": "r1", "model": "m",
+        "messages": (ChatMessage(role="user", content="hello there"),),
+    }
+    fields.update(kw)
+    return PromptSubmitted(**fields)  # type: ignore[arg-type]
+
+
+def test_codec_round_trips_every_field() -> None:
+    event = prompt(history_len=0)
+    assert decode(encode(event)) == event
+
+
+@pytest.mark.parametrize("data", [None, b"", b"{", b'{"type": "PromptSubmitted"}',
+                                  b'{"type": "Nope", "v": 1}', b"\xff\xfe"])
+def test_codec_rejects_what_is_not_an_event(data: bytes | None) -> None:
+    with pytest.raises(DecodeError):
+        decode(data)
+
+
+def test_watermark_commits_below_the_oldest_in_flight_offset() -> None:
+    t = OffsetTracker()
+    tp = ("chat.prompts", 0)
+    for offset in (5, 6, 7):
+        t.taken(tp, offset)
+    t.done(tp, 6)
+    assert t.committable() == {tp: 5}  # 5 still in flight: nothing past it is safe
+    t.mark_committed({tp: 5})
+    assert t.committable() == {}
+    t.done(tp, 5)
+    assert t.committable() == {tp: 7}
+    t.done(tp, 7)
+    assert t.committable() == {tp: 8}
+    t.forget([tp])
+    assert t.committable() == {}
+
+
+def test_projection_places_messages_by_history_length() -> None:
+    event = prompt(
+        messages=(ChatMessage(role="user", content="a"), ChatMessage(role="assistant", content="b"),
+                  ChatMessage(role="user", content="c")),
+        history_len=2,
+    )
+    inserts = [w.params for w in project(event) if "INTO messages" in w.sql]
+    assert [(p[1], p[2], p[3]) for p in inserts] == [(2, "user", "c")]
+    assert event.reply_seq == 3
+
+
+def test_projection_stores_the_reply_at_its_seq_and_ignores_deltas() -> None:
+    finished = GenerationFinished(
+        conversation_id=CONV, request_id="r1", model="m", reply_seq=1, finish_reason="length",
+        text="xyz", usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=5)
+    writes = project(finished)
+    message = next(w.params for w in writes if "INTO messages" in w.sql)
+    assert message[1:4] == (1, "assistant", "xyz")
+    assert project(TokenDelta(conversation_id=CONV, request_id="r1", seq=0, text="x")) == []
+
+
+def test_projection_titles_a_new_conversation_from_its_first_user_message() -> None:
+    conversation = project(prompt())[0]
+    assert conversation.params[2] == "hello there"
+    assert project(prompt(messages=(ChatMessage(role="user", content="x"),) * 2,
+                          history_len=1))[0].params[2] is None
+
+
+def test_chat_request_maps_sampling_parameters() -> None:
+    req = parse_chat_request(
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        b' {"type": "text", "text": "b"}]}], "max_tokens": 9, "temperature": 0.2, "top_p": 0.5,'
+        b' "stop": "END", "seed": 3, "stream_options": {"include_usage": true}}')
+    assert req.messages[0].to_event() == ChatMessage(role="user", content="ab")
+    sampling = req.sampling()
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.stop,
+            sampling.seed) == (9, 0.2, 0.5, ("END",), 3)
+    assert req.include_usage()
+
+
+@pytest.mark.parametrize("body", [b"", b"null", b'{"model": "m", "messages": [{"role": "user"}]}',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "stop": ["a", "b", "c", "d", "e"]}',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "logprobs": true}'])
+def test_chat_request_errors_are_400s(body: bytes) -> None:
+    with pytest.raises(APIError) as err:
+        parse_chat_request(body)
+    assert err.value.status == 400
+    assert err.value.body()["error"]["message"]  # type: ignore[index]
