@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.process import port_open, read_pid, spawn_daemon, stop_pid, wait_until
@@ -41,6 +41,7 @@ class KafkaBroker:
     port: int = 9092
     controller_port: int = 9093
     heap: str = "768m"
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def bootstrap(self) -> str:
@@ -108,7 +109,8 @@ class KafkaBroker:
                            "-t", cluster_id, "-c", str(config)),
                 check=True, capture_output=True, text=True,
             )
-        spawn_daemon(self._java("kafka.Kafka", str(config)), self.log_file, self.pid_file)
+        self._proc = spawn_daemon(self._java("kafka.Kafka", str(config)), self.log_file,
+                                  self.pid_file)
         wait_until(lambda: self.running() and port_open(self.port), timeout,
                    f"Kafka broker on {self.bootstrap}", self.log_file)
 
@@ -116,4 +118,7 @@ class KafkaBroker:
         pid = read_pid(self.pid_file)
         if pid is not None:
             stop_pid(pid, timeout=30)
+        if self._proc is not None:
+            self._proc.wait()  # reap our child
+            self._proc = None
         self.pid_file.unlink(missing_ok=True)

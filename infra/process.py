@@ -46,7 +46,9 @@ def read_pid(pid_file: Path) -> int | None:
     return pid if pid_alive(pid) else None
 
 
-def spawn_daemon(cmd: list[str], log_file: Path, pid_file: Path, **kwargs: object) -> int:
+def spawn_daemon(
+    cmd: list[str], log_file: Path, pid_file: Path, **kwargs: object
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own session (so Ctrl-C in a terminal reaches it only through us)."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as out:
@@ -55,7 +57,7 @@ def spawn_daemon(cmd: list[str], log_file: Path, pid_file: Path, **kwargs: objec
             start_new_session=True, **kwargs,  # type: ignore[call-overload]
         )
     pid_file.write_text(str(proc.pid))
-    return int(proc.pid)
+    return proc
 
 
 def stop_pid(pid: int, timeout: float = 20.0) -> None:

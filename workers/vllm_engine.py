@@ -44,7 +44,8 @@ class VllmEngine:
         self.max_num_seqs = settings.max_num_seqs
         self.max_model_len = settings.max_model_len
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(settings, model_path)))
+        args = AsyncEngineArgs(**engine_args(settings, model_path))
+        self._llm: Any = AsyncLLM.from_engine_args(args)
         self._running: set[str] = set()
 
     def running(self) -> int:
@@ -94,15 +95,14 @@ class VllmEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt_ids = self._prompt_ids(request)
         params = self._sampling(request, len(prompt_ids))
         self._running.add(request.request_id)
         try:
-            stream = self._llm.generate(
-                {"prompt_token_ids": prompt_ids}, params, request.request_id
-            )
+            stream = self._llm.generate(tokens_input(prompt_ids), params, request.request_id)
             async for out in stream:
                 completion = out.outputs[0]
                 yield EngineOutput(
@@ -123,4 +123,7 @@ class VllmEngine:
         await self._llm.abort(request_id)
 
     def close(self) -> None:
-        self._llm.shutdown()
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            del llm  # collected now, while the interpreter is whole
