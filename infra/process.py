@@ -46,15 +46,13 @@ def read_pid(pid_file: Path) -> int | None:
     return pid if pid_alive(pid) else None
 
 
-def spawn_daemon(
-    cmd: list[str], log_file: Path, pid_file: Path, **kwargs: object
-) -> subprocess.Popen[bytes]:
+def spawn_daemon(cmd: list[str], log_file: Path, pid_file: Path) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own session (so Ctrl-C in a terminal reaches it only through us)."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, **kwargs,  # type: ignore[call-overload]
+            start_new_session=True,
         )
     pid_file.write_text(str(proc.pid))
     return proc
