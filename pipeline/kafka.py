@@ -223,6 +223,33 @@ class AsyncConsumer:
     def assignment_sync(self) -> list[tuple[str, int]]:
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
 
+    def lag_sync(self) -> dict[TP, int]:
+        """Records behind the end of each assigned partition (from cached watermarks)."""
+        lag = {}
+        for tp in self._consumer.position(self._consumer.assignment()):
+            _, high = self._consumer.get_watermark_offsets(tp, cached=True)
+            if tp.offset >= 0 and high >= 0:
+                lag[(tp.topic, tp.partition)] = max(int(high) - int(tp.offset), 0)
+        return lag
+
+    def assign_partitions_sync(self, partitions: list[TP]) -> dict[TP, int]:
+        """Read ``partitions`` from their start up to the end they have now; return the
+        ends of those that hold anything."""
+        ends: dict[TP, int] = {}
+        starts = []
+        for topic, p in partitions:
+            low, high = self.watermarks_sync(topic, p)
+            if high > low:
+                ends[(topic, p)] = high
+                starts.append(TopicPartition(topic, p, low))
+        self._consumer.assign(starts)
+        return ends
+
+    def assign_from_start_sync(self, topics: list[str]) -> dict[TP, int]:
+        """Every partition of ``topics``, as ``assign_partitions_sync``."""
+        return self.assign_partitions_sync(
+            [(t, p) for t in topics for p in self.partitions_sync(t)])
+
     def watermarks_sync(self, topic: str, partition: int, timeout: float = 5.0) -> tuple[int, int]:
         low, high = self._consumer.get_watermark_offsets(
             TopicPartition(topic, partition), timeout=timeout, cached=False

@@ -65,4 +65,6 @@ class ProjectorSettings(BaseSettings):
 
     batch_max_events: int = Field(default=500, ge=1)
     batch_max_ms: float = Field(default=50.0, gt=0)
+    # How soon the group notices a dead projector and hands its partitions on.
+    session_timeout_ms: int = Field(default=10_000, ge=6_000)
     metrics_port: int = 0
