@@ -5,6 +5,8 @@
     pipeline gateway                 the OpenAI-compatible HTTP gateway
     pipeline worker                  a generation worker (vLLM)
     pipeline projector               the Postgres projection
+    pipeline replay --from-beginning rebuild the store from the log into an empty schema
+    pipeline audit SESSION_ID        a session's full event history, from the log
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
@@ -22,7 +24,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +256,60 @@ def _parser() -> argparse.ArgumentParser:
     wk.add_argument("--metrics-port", type=int)
     pj = sub.add_parser("projector", help="run the Postgres projection")
     pj.add_argument("--metrics-port", type=int)
+    rp = sub.add_parser("replay", help="rebuild the store from the log into an empty target")
+    rp.add_argument("--from-beginning", action="store_true", required=True,
+                    help="read both topics from their start (the only mode)")
+    target = rp.add_mutually_exclusive_group()
+    target.add_argument("--schema", help="rebuild into this new schema of DATABASE_URL")
+    target.add_argument("--target-url", help="rebuild into this (empty) database")
+    rp.add_argument("--until", type=_timestamp,
+                    help="only events that occurred at or before this ISO-8601 time")
+    au = sub.add_parser("audit", help="print a session's event history from the log")
+    au.add_argument("session_id", type=uuid.UUID)
+    au.add_argument("--json", action="store_true", help="one JSON object per line")
+    au.add_argument("--deltas", action="store_true", help="list every TokenDelta")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
+
+
+def _timestamp(text: str) -> datetime:
+    moment = datetime.fromisoformat(text)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from projections.replay import ReplayError, run_replay
+
+    url = args.target_url or common.database_url
+    if not args.target_url and not args.schema:
+        raise SystemExit("replay needs a target: --schema NAME or --target-url URL "
+                         "(the live store is never overwritten)")
+    try:
+        stats = run_replay(common.kafka_bootstrap, url, args.schema, args.until)
+    except (ReplayError, ValueError) as exc:
+        print(f"replay refused: {exc}", file=sys.stderr)
+        return 2
+    print(f"replayed {stats.records} records in {stats.seconds:.1f}s "
+          f"({stats.rate:,.0f} events/s): {stats.applied} applied, "
+          f"{stats.skipped_after_until} after --until, {stats.undecodable} undecodable")
+    return 0
+
+
+def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    import json
+
+    from projections.audit import audit, format_text
+
+    entries = audit(common.kafka_bootstrap, args.session_id)
+    if not entries:
+        print(f"no events for session {args.session_id}", file=sys.stderr)
+        return 1
+    if args.json:
+        for entry in entries:
+            print(json.dumps(entry.to_json(), ensure_ascii=False))
+    else:
+        print(format_text(entries, deltas=args.deltas))
+    return 0
 
 
 def _overrides(args: argparse.Namespace, *names: str) -> dict[str, Any]:
@@ -287,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(common, worker)
     elif args.command == "projector":
         run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))
+    elif args.command == "replay":
+        return run_replay_command(common, args)
+    elif args.command == "audit":
+        return run_audit_command(common, args)
     elif args.command == "demo":
         return run_demo(common, GatewaySettings(), external_db)
     return 0

@@ -6,19 +6,30 @@ Two processes migrating at once serialise on the lock; the second sees the work 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 _LOCK_KEY = 0x63686174  # "chat"
 
 
-def migrate(database_url: str) -> list[str]:
-    """Apply pending migrations; return the versions applied now."""
+def in_schema(database_url: str, schema: str | None) -> str:
+    """``database_url`` with ``schema`` first on the search path."""
+    if schema is None:
+        return database_url
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+        raise ValueError(f"invalid schema name {schema!r}: use lowercase letters, digits, _")
+    return make_conninfo(database_url, options=f"-c search_path={schema}")
+
+
+def migrate(database_url: str, schema: str | None = None) -> list[str]:
+    """Apply pending migrations (into ``schema`` if given); return the versions applied now."""
     applied_now: list[str] = []
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    with psycopg.connect(in_schema(database_url, schema), autocommit=True) as conn:
         conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
         try:
             conn.execute(
