@@ -24,6 +24,14 @@ class InMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
 
+    @field_validator("content")
+    @classmethod
+    def _no_nul(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        texts = [value] if isinstance(value, str) else [p.text for p in value]
+        if any("\x00" in t for t in texts):
+            raise ValueError("must not contain NUL (\\u0000) characters")
+        return value
+
     def to_event(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content

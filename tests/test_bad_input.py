@@ -37,6 +37,9 @@ BAD_REQUESTS = [
     pytest.param(b'{"model": "tiny-random-llama",'
                  b' "messages": [{"role": "wizard", "content": "x"}]}', {}, 400, "invalid_value",
                  id="unknown-role"),
+    pytest.param(b'{"model": "tiny-random-llama",'
+                 b' "messages": [{"role": "user", "content": "nul \\u0000 here"}]}', {}, 400,
+                 "invalid_value", id="nul-character"),
     pytest.param(b'{"model": "tiny-random-llama", "n": 2,'
                  b' "messages": [{"role": "user", "content": "x"}]}', {}, 400,
                  "unsupported_value", id="n-above-1"),

@@ -1,0 +1,210 @@
+"""The store is exactly the log: replay equality, point-in-time replay, audit, projectors
+killed mid-load and sharing a group, and events the store refuses (real Kafka, Postgres)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+import psycopg
+import pytest
+from confluent_kafka import Producer
+from psycopg import sql
+
+from pipeline.codec import encode
+from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
+from schemas import ChatMessage, PromptSubmitted
+from tests.conftest import MODEL, Pipeline, Service, start_service
+from tests.logread import end_offsets, read_records
+
+pytestmark = pytest.mark.integration
+
+TABLES = {
+    "conversations": "id",
+    "messages": "conversation_id, seq",
+    "generations": "request_id",
+    "projector_positions": "topic, partition",
+}
+
+
+def turn(pipeline: Pipeline, text: str, session: str | None = None, max_tokens: int = 6) -> str:
+    headers = {"X-Session-Id": session} if session else {}
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", headers=headers, timeout=120, json={
+        "model": MODEL, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": text}]})
+    assert r.status_code == 200, r.text
+    return r.headers["x-session-id"]
+
+
+def wait_caught_up(pipeline: Pipeline, timeout: float = 60) -> None:
+    """Until the stored positions reach the current end of both topics."""
+    bootstrap = pipeline.stack.bootstrap
+    ends = {(t, p): o for t in (PROMPTS, GENERATIONS)
+            for p, o in end_offsets(bootstrap, t).items() if o > 0}
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(pipeline.stack.database_url, autocommit=True) as conn:
+        while True:
+            stored = {(t, p): o for t, p, o in conn.execute(
+                "SELECT topic, partition, next_offset FROM projector_positions")}
+            if all(stored.get(tp, 0) >= end for tp, end in ends.items()):
+                return
+            assert time.monotonic() < deadline, f"projection stuck: {stored} < {ends}"
+            time.sleep(0.1)
+
+
+def snapshot(database_url: str, schema: str) -> dict[str, list[tuple]]:
+    with psycopg.connect(database_url) as conn:
+        return {
+            table: conn.execute(sql.SQL("SELECT * FROM {}.{} ORDER BY " + order).format(
+                sql.Identifier(schema), sql.Identifier(table))).fetchall()
+            for table, order in TABLES.items()
+        }
+
+
+def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True,
+                          text=True, env=pipeline.stack.env(), timeout=300)
+
+
+def replay_into_new_schema(pipeline: Pipeline, *extra: str) -> str:
+    schema = f"replay_{uuid.uuid4().hex[:10]}"
+    done = cli(pipeline, "replay", "--from-beginning", "--schema", schema, *extra)
+    assert done.returncode == 0, done.stderr
+    assert "events/s" in done.stdout
+    return schema
+
+
+def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
+    session = turn(pipeline, "replay me")
+    turn(pipeline, "and again", session)
+    wait_caught_up(pipeline)
+    schema = replay_into_new_schema(pipeline)
+    live = snapshot(pipeline.stack.database_url, "public")
+    rebuilt = snapshot(pipeline.stack.database_url, schema)
+    for table in TABLES:
+        assert rebuilt[table] == live[table], table
+    assert len(live["messages"]) >= 4
+
+    # A replay never writes over a store that holds data.
+    again = cli(pipeline, "replay", "--from-beginning", "--schema", schema)
+    assert again.returncode == 2 and "already holds" in again.stderr
+
+
+def test_point_in_time_replay(pipeline: Pipeline) -> None:
+    before = turn(pipeline, "before the moment")
+    time.sleep(0.05)
+    moment = datetime.now(UTC)
+    time.sleep(0.05)
+    after = turn(pipeline, "after the moment")
+    wait_caught_up(pipeline)
+    schema = replay_into_new_schema(pipeline, "--until", moment.isoformat())
+    rebuilt = snapshot(pipeline.stack.database_url, schema)
+    ids = {str(row[0]) for row in rebuilt["conversations"]}
+    assert before in ids and after not in ids
+    messages = [(str(m[0]), m[1], m[2]) for m in rebuilt["messages"] if str(m[0]) == before]
+    assert messages == [(before, 0, "user"), (before, 1, "assistant")]
+
+
+def test_audit_prints_a_sessions_history_from_the_log(pipeline: Pipeline) -> None:
+    session = turn(pipeline, "audit me")
+    turn(pipeline, "second turn", session)
+    done = cli(pipeline, "audit", session, "--json")
+    assert done.returncode == 0, done.stderr
+    entries = [json.loads(line) for line in done.stdout.splitlines()]
+    kinds = [e["event"]["type"] for e in entries]
+    assert kinds[0] == "PromptSubmitted" and kinds.count("PromptSubmitted") == 2
+    assert kinds.count("GenerationStarted") == 2 and kinds.count("GenerationFinished") == 2
+    assert all(e["event"]["conversation_id"] == session for e in entries)
+    assert {e["topic"] for e in entries} == {PROMPTS, GENERATIONS}
+    assert all(isinstance(e["offset"], int) for e in entries)
+
+    text = cli(pipeline, "audit", session)
+    assert text.returncode == 0
+    assert "PromptSubmitted" in text.stdout and "TokenDelta x" in text.stdout
+    assert cli(pipeline, "audit", str(uuid.uuid4())).returncode == 1
+
+
+def test_event_the_store_refuses_is_dead_lettered_and_projection_goes_on(
+    pipeline: Pipeline,
+) -> None:
+    poison = PromptSubmitted(conversation_id=uuid.uuid4(), request_id=f"poison-{uuid.uuid4()}",
+                             model=MODEL, messages=(ChatMessage(role="user", content="a\x00b"),))
+    producer = Producer({"bootstrap.servers": pipeline.stack.bootstrap,
+                         "partitioner": "murmur2_random", "enable.idempotence": True})
+    producer.produce(PROMPTS, key=str(poison.conversation_id).encode(), value=encode(poison))
+    assert producer.flush(10) == 0
+    session = turn(pipeline, "still projecting?")
+    wait_caught_up(pipeline)
+    reasons = [h["reason"].decode() for _, value, h in read_records(pipeline.stack.bootstrap,
+                                                                      DEADLETTER)
+               if h.get("consumer") == b"projector" and value == encode(poison)]
+    assert len(reasons) == 1 and "rejected by the store" in reasons[0]
+    r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
+    assert [m["role"] for m in r.json()["data"]] == ["user", "assistant"]
+    # Only the refused event is parked; the worker's events for that turn still project.
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM messages WHERE conversation_id = %s"
+                            " AND role = 'user'", (poison.conversation_id,)).fetchone() == (0,)
+
+
+def test_projectors_killed_under_load_and_sharing_a_group_leave_an_exact_store(
+    pipeline: Pipeline,
+) -> None:
+    """Extra projectors join the group (partitions are shared), and are SIGKILLed and
+    restarted while turns flow. Afterwards the store equals a replay of the log."""
+
+    def extra() -> Service:
+        return start_service(pipeline.stack, "projector-extra", "projector",
+                             PROJECTOR_SESSION_TIMEOUT_MS="6000",
+                             PROJECTOR_BATCH_MAX_EVENTS="20")
+
+    extras = [extra(), extra()]
+    sessions: list[str] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for i in range(24):
+                sessions.append(turn(pipeline, f"load turn {i}", max_tokens=8))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    kills = 0
+    try:
+        while any(t.is_alive() for t in threads) or kills < 4:
+            time.sleep(1.5)
+            victim = extras[kills % len(extras)]
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait()
+            extras[kills % len(extras)] = extra()
+            kills += 1
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        wait_caught_up(pipeline, timeout=90)
+    finally:
+        for s in extras:
+            s.stop()
+    assert kills >= 4 and len(sessions) == 48
+
+    schema = replay_into_new_schema(pipeline)
+    live = snapshot(pipeline.stack.database_url, "public")
+    rebuilt = snapshot(pipeline.stack.database_url, schema)
+    for table in TABLES:
+        assert rebuilt[table] == live[table], table
+    by_conversation: dict[str, list[str]] = {}
+    for row in live["messages"]:
+        by_conversation.setdefault(str(row[0]), []).append(row[2])
+    assert all(by_conversation[s] == ["user", "assistant"] for s in sessions)
+    finished = [r for r in live["generations"] if str(r[1]) in set(sessions)]
+    assert len(finished) == 48 and {r[5] for r in finished} == {"finished"}
