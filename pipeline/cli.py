@@ -7,6 +7,7 @@
     pipeline projector               the Postgres projection
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
+    pipeline bench projection        projector and replay rates (needs `infra up`)
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
@@ -268,6 +269,12 @@ def _parser() -> argparse.ArgumentParser:
     au.add_argument("session_id", type=uuid.UUID)
     au.add_argument("--json", action="store_true", help="one JSON object per line")
     au.add_argument("--deltas", action="store_true", help="list every TokenDelta")
+    bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bp = bench_sub.add_parser("projection", help="projector and replay events/s")
+    bp.add_argument("--turns", type=int, default=10_000)
+    bp.add_argument("--deltas", type=int, default=16, help="TokenDeltas per synthetic turn")
+    bp.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
 
@@ -347,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_replay_command(common, args)
     elif args.command == "audit":
         return run_audit_command(common, args)
+    elif args.command == "bench":
+        from projections.bench import run
+
+        print(run(common.kafka_bootstrap, common.database_url, args.turns, args.deltas,
+                  args.out))
     elif args.command == "demo":
         return run_demo(common, GatewaySettings(), external_db)
     return 0

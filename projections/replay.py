@@ -71,7 +71,6 @@ async def replay(
 ) -> ReplayStats:
     prepare_target(database_url, schema)
     consumer = AsyncConsumer(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")
-    started = time.perf_counter()
     records_seen = applied = undecodable = 0
 
     def keep(event: Event) -> bool:
@@ -82,6 +81,7 @@ async def replay(
         remaining = dict(ends)
         total = await consumer.call(_count_to_read, consumer, remaining)
         bar = tqdm(total=total, unit="ev", desc="replay", disable=not progress)
+        started = time.perf_counter()  # the rate covers reading and applying only
         async with await psycopg.AsyncConnection.connect(in_schema(database_url, schema)) as conn:
             while remaining:
                 records = await consumer.poll_batch(batch_size, 0.5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -47,6 +47,14 @@ class Usage(Frozen):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class EventIds(TypedDict, total=False):
+    """The identifying fields one turn's events share, to pass as ``**ids``."""
+
+    conversation_id: uuid.UUID
+    request_id: str
+    tenant: str
 
 
 class EventBase(Frozen):

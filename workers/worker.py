@@ -13,9 +13,7 @@ import logging
 import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass
-from typing import TypedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -24,6 +22,7 @@ from pipeline.deadletter import dead_letter
 from pipeline.kafka import AsyncConsumer, EventProducer, Record
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
+    EventIds,
     FinishReason,
     GenerationCancelled,
     GenerationFailed,
@@ -53,12 +52,6 @@ class WorkerMetrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.dead_letters = Counter("worker_dead_letters", "Prompts sent to the dead-letter topic",
                                     registry=registry)
-
-
-class EventIds(TypedDict):
-    conversation_id: uuid.UUID
-    request_id: str
-    tenant: str
 
 
 @dataclass
