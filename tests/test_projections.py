@@ -18,6 +18,7 @@ import pytest
 from confluent_kafka import Producer
 from psycopg import sql
 
+from infra.process import free_port
 from pipeline.codec import encode
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
 from schemas import ChatMessage, PromptSubmitted
@@ -208,3 +209,28 @@ def test_projectors_killed_under_load_and_sharing_a_group_leave_an_exact_store(
     assert all(by_conversation[s] == ["user", "assistant"] for s in sessions)
     finished = [r for r in live["generations"] if str(r[1]) in set(sessions)]
     assert len(finished) == 48 and {r[5] for r in finished} == {"finished"}
+
+
+def test_projection_lag_is_exposed_as_metrics(pipeline: Pipeline) -> None:
+    port = free_port()
+    extra = start_service(pipeline.stack, "projector-metrics", "projector",
+                          PROJECTOR_METRICS_PORT=str(port))
+    try:
+        turn(pipeline, "measure my lag")
+        wait_caught_up(pipeline)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+                values = {line.split()[0]: float(line.split()[1]) for line in body.splitlines()
+                          if line.startswith("projector_lag_")}
+                if values.get("projector_lag_events") == 0.0:
+                    break
+            except httpx.HTTPError:
+                values = {}
+            assert time.monotonic() < deadline, f"lag metrics never reached 0: {values}"
+            time.sleep(0.3)
+        assert values == {"projector_lag_events": 0.0, "projector_lag_seconds": 0.0}
+        assert "projector_batch_seconds_count" in body
+    finally:
+        extra.stop()
