@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         from projections.bench import run
 
         print(run(common.kafka_bootstrap, common.database_url, args.turns, args.deltas,
-                  args.out))
+                  common.partitions, args.out))
     elif args.command == "demo":
         return run_demo(common, GatewaySettings(), external_db)
     return 0

@@ -36,6 +36,7 @@ from schemas import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+__all__ = ["AsyncConsumer", "EventProducer", "KafkaException", "ProduceError", "Record"]
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,12 @@ def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def delete_topics(bootstrap: str, names: list[str]) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.delete_topics(names, operation_timeout=30).values():
+        fut.result()
 
 
 def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> list[str]:

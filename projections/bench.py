@@ -1,11 +1,12 @@
 """``pipeline bench projection``: how fast the projector and a replay write the store.
 
-It needs a running stack (``pipeline infra up``). It writes synthetic turns (model
-``bench-synthetic``, labelled as such) to the live topics: each turn is a
-PromptSubmitted, a GenerationStarted, ``deltas`` TokenDeltas and a GenerationFinished.
-It runs a projector in this process (in group ``projector``: any other projector
-running shares the work), times how long the store takes to reach the log's end,
-then replays the whole log into a scratch schema and times that, and drops it.
+It needs a running stack (``pipeline infra up``) and touches nothing of the live
+pipeline: it creates scratch topics and schemas, and deletes them afterwards. It
+writes synthetic turns (model ``bench-synthetic``): each a PromptSubmitted, a
+GenerationStarted, ``deltas`` TokenDeltas and a GenerationFinished. A projector in
+this process, in a group of its own, projects them into one scratch schema: the
+figure is how long the store takes to reach the log's end. Then a replay rebuilds
+the same log into another scratch schema, timed on its own.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import psycopg
 from prometheus_client import CollectorRegistry
 from psycopg import sql
 
-from pipeline.kafka import AsyncConsumer, EventProducer
+from pipeline.kafka import AsyncConsumer, EventProducer, delete_topics, ensure_topics
 from pipeline.settings import ProjectorSettings
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import TopicSpec
+from projections.migrate import in_schema, migrate
 from projections.projector import Projector
 from projections.replay import replay
 from schemas import (
@@ -43,6 +45,7 @@ MODEL = "bench-synthetic"
 @dataclass(frozen=True)
 class ProjectionFigures:
     turns: int
+    partitions: int
     events: int
     produce_events_per_s: float
     projector_events_per_s: float
@@ -52,19 +55,21 @@ class ProjectionFigures:
     measured_at: str
 
 
-async def _produce(producer: EventProducer, turns: int, deltas: int) -> int:
+async def _produce(producer: EventProducer, topics: tuple[str, str], turns: int,
+                   deltas: int) -> int:
+    prompts, generations = topics
     sent = 0
     futures = []
     for i in range(turns):
         ids = EventIds(conversation_id=uuid.uuid4(), request_id=f"bench-{uuid.uuid4().hex}")
-        futures.append(producer.send(PROMPTS, PromptSubmitted(
+        futures.append(producer.send(prompts, PromptSubmitted(
             **ids, model=MODEL,
             messages=(ChatMessage(role="user", content=f"synthetic turn {i}"),))))
-        futures.append(producer.send(GENERATIONS, GenerationStarted(
+        futures.append(producer.send(generations, GenerationStarted(
             **ids, model=MODEL, worker="bench", reply_seq=1, prompt_tokens=12)))
         for seq in range(deltas):
-            futures.append(producer.send(GENERATIONS, TokenDelta(**ids, seq=seq, text=" tok")))
-        futures.append(producer.send(GENERATIONS, GenerationFinished(
+            futures.append(producer.send(generations, TokenDelta(**ids, seq=seq, text=" tok")))
+        futures.append(producer.send(generations, GenerationFinished(
             **ids, model=MODEL, reply_seq=1, finish_reason="length", text=" tok" * deltas,
             usage=Usage(prompt_tokens=12, completion_tokens=deltas), deltas=deltas,
             ttft_ms=50.0, duration_ms=500.0)))
@@ -76,12 +81,12 @@ async def _produce(producer: EventProducer, turns: int, deltas: int) -> int:
     return sent
 
 
-async def _log_end(bootstrap: str) -> dict[tuple[str, int], int]:
+async def _log_end(bootstrap: str, topics: tuple[str, str]) -> dict[tuple[str, int], int]:
     consumer = AsyncConsumer(bootstrap, f"bench-{uuid.uuid4().hex[:8]}")
     try:
         def ends() -> dict[tuple[str, int], int]:
             return {(t, p): consumer.watermarks_sync(t, p)[1]
-                    for t in (PROMPTS, GENERATIONS) for p in consumer.partitions_sync(t)}
+                    for t in topics for p in consumer.partitions_sync(t)}
         return await consumer.call(ends)
     finally:
         await consumer.close()
@@ -103,33 +108,40 @@ async def _wait_projected(database_url: str, ends: dict[tuple[str, int], int],
 
 
 async def bench_projection(bootstrap: str, database_url: str, turns: int,
-                           deltas: int) -> ProjectionFigures:
-    stop = asyncio.Event()
-    projector = Projector(ProjectorSettings(), bootstrap, database_url, CollectorRegistry())
-    task = asyncio.create_task(projector.run(stop))
+                           deltas: int, partitions: int) -> ProjectionFigures:
+    run_id = uuid.uuid4().hex[:8]
+    topics = (f"bench.{run_id}.prompts", f"bench.{run_id}.generations")
+    live, rebuilt = f"bench_{run_id}", f"bench_{run_id}_replay"
+    ensure_topics(bootstrap, [TopicSpec(t, partitions, {}) for t in topics])
     try:
-        await _wait_projected(database_url, await _log_end(bootstrap), within_s=120)
-        await asyncio.sleep(2)  # let the group settle with this projector in it
-        producer = EventProducer(bootstrap, linger_ms=5)
-        started = time.perf_counter()
-        events = await _produce(producer, turns, deltas)
-        produced = time.perf_counter() - started
-        producer.close()
-        await _wait_projected(database_url, await _log_end(bootstrap), within_s=600)
-        projected = time.perf_counter() - started
-    finally:
-        stop.set()
-        await task
-
-    schema = f"bench_replay_{uuid.uuid4().hex[:8]}"
-    try:
-        stats = await replay(bootstrap, database_url, schema=schema)
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(live)))
+        migrate(database_url, schema=live)
+        live_url = in_schema(database_url, live)
+        stop = asyncio.Event()
+        projector = Projector(ProjectorSettings(), bootstrap, live_url, CollectorRegistry(),
+                              topics=topics, group=f"bench-projector-{run_id}")
+        task = asyncio.create_task(projector.run(stop))
+        try:
+            producer = EventProducer(bootstrap, linger_ms=5)
+            started = time.perf_counter()
+            events = await _produce(producer, topics, turns, deltas)
+            produced = time.perf_counter() - started
+            producer.close()
+            await _wait_projected(live_url, await _log_end(bootstrap, topics), within_s=600)
+            projected = time.perf_counter() - started
+        finally:
+            stop.set()
+            await task
+        stats = await replay(bootstrap, database_url, schema=rebuilt, topics=topics)
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                sql.Identifier(schema)))
+            for schema in (live, rebuilt):
+                conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                    sql.Identifier(schema)))
+        delete_topics(bootstrap, list(topics))
     return ProjectionFigures(
-        turns=turns, events=events, produce_events_per_s=events / produced,
+        turns=turns, partitions=partitions, events=events, produce_events_per_s=events / produced,
         projector_events_per_s=events / projected, projector_seconds=projected,
         replay_records=stats.records, replay_events_per_s=stats.rate,
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -151,11 +163,13 @@ def report(figures: ProjectionFigures, out_dir: Path) -> str:
     (out_dir / "projection.json").write_text(json.dumps(asdict(figures), indent=2) + "\n")
     (out_dir / "projection.md").write_text(
         f"# Projection benchmark ({figures.measured_at})\n\n{table}\n\n"
-        "Measured with `pipeline bench projection` on one machine (2 cores) with the\n"
-        "broker, PostgreSQL and the bench sharing it.\n")
+        f"Measured with `pipeline bench projection --turns {figures.turns}` on one machine\n"
+        "(2 cores) shared by the broker, PostgreSQL and the bench, in scratch topics\n"
+        f"({figures.partitions} partitions) and schemas that it deletes afterwards.\n")
     return table
 
 
-def run(bootstrap: str, database_url: str, turns: int, deltas: int, out_dir: Path) -> str:
-    figures = asyncio.run(bench_projection(bootstrap, database_url, turns, deltas))
+def run(bootstrap: str, database_url: str, turns: int, deltas: int, partitions: int,
+        out_dir: Path) -> str:
+    figures = asyncio.run(bench_projection(bootstrap, database_url, turns, deltas, partitions))
     return report(figures, out_dir)

@@ -31,6 +31,11 @@ class Write:
 
 TITLE_CHARS = 80
 
+
+def storable(text: str) -> str:
+    """Postgres text cannot hold NUL; the store shows it as U+FFFD (the log keeps it)."""
+    return text.replace("\x00", "\ufffd")
+
 _UPSERT_CONVERSATION = """
 INSERT INTO conversations (id, tenant, title, created_at, updated_at)
 VALUES (%s, %s, %s, %s, %s)
@@ -99,7 +104,7 @@ def _title(event: PromptSubmitted) -> str | None:
     if event.history_len:
         return None
     first_user = next((m.content for m in event.messages if m.role == "user"), "")
-    title = " ".join(first_user.split())
+    title = " ".join(storable(first_user).split())
     return title[:TITLE_CHARS] or None
 
 
@@ -120,7 +125,8 @@ def project(event: Event) -> list[Write]:
         for seq in range(event.history_len, len(event.messages)):
             msg = event.messages[seq]
             writes.append(
-                Write(_INSERT_MESSAGE, (conv, seq, msg.role, msg.content, event.request_id, at))
+                Write(_INSERT_MESSAGE,
+                      (conv, seq, msg.role, storable(msg.content), event.request_id, at))
             )
         writes.append(
             Write(
@@ -142,7 +148,7 @@ def project(event: Event) -> list[Write]:
         writes.append(
             Write(
                 _INSERT_MESSAGE,
-                (conv, event.reply_seq, "assistant", event.text, event.request_id, at),
+                (conv, event.reply_seq, "assistant", storable(event.text), event.request_id, at),
             )
         )
         writes.append(
@@ -158,7 +164,7 @@ def project(event: Event) -> list[Write]:
             Write(
                 _FAILED_GENERATION,
                 (event.request_id, conv, event.tenant, event.attempt, event.code,
-                 event.message, at),
+                 storable(event.message), at),
             )
         )
     elif isinstance(event, GenerationCancelled):

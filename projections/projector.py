@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.deadletter import dead_letter
-from pipeline.kafka import BEGINNING, AsyncConsumer, EventProducer, Record
+from pipeline.kafka import BEGINNING, AsyncConsumer, EventProducer, KafkaException, Record
 from pipeline.settings import ProjectorSettings
 from pipeline.topics import GENERATIONS, PROMPTS
 from projections.projection import project
@@ -139,11 +139,15 @@ class Projector:
         bootstrap: str,
         database_url: str,
         registry: CollectorRegistry,
+        topics: tuple[str, str] = (PROMPTS, GENERATIONS),
+        group: str = GROUP,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
         self.database_url = database_url
         self.metrics = ProjectorMetrics(registry)
+        self.topics = topics
+        self.group = group
 
     def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
         """Start every assigned partition at the position stored with the rows."""
@@ -155,9 +159,9 @@ class Projector:
 
     async def run(self, stop: asyncio.Event) -> None:
         producer = EventProducer(self.bootstrap)
-        consumer = AsyncConsumer(self.bootstrap, GROUP,
+        consumer = AsyncConsumer(self.bootstrap, self.group,
                                  **{"session.timeout.ms": self.settings.session_timeout_ms})
-        consumer.subscribe([PROMPTS, GENERATIONS], on_assign=self._on_assign)
+        consumer.subscribe(list(self.topics), on_assign=self._on_assign)
         try:
             async with await psycopg.AsyncConnection.connect(self.database_url) as conn:
                 while not stop.is_set():
@@ -166,7 +170,7 @@ class Projector:
                     )
                     if records:
                         positions = await self._apply(conn, producer, records)
-                        await consumer.commit(positions)  # for lag tools; Postgres is the truth
+                        await self._commit_for_lag_tools(consumer, positions)
                         newest = records[-1].timestamp_ms / 1000
                     else:
                         newest = time.time()
@@ -177,13 +181,23 @@ class Projector:
             await consumer.close()
             producer.close()
 
+    async def _commit_for_lag_tools(
+        self, consumer: AsyncConsumer, positions: dict[TP, int]
+    ) -> None:
+        """Mirror the positions into Kafka for lag tools; Postgres holds the real ones."""
+        try:
+            await consumer.commit(positions)
+        except KafkaException as exc:
+            log.warning("could not mirror positions to Kafka (harmless): %s", exc)
+
     async def _apply(
         self, conn: psycopg.AsyncConnection, producer: EventProducer, records: list[Record]
     ) -> dict[TP, int]:
         started = time.perf_counter()
 
         async def park(parked: list[tuple[Record, str]]) -> None:
-            await asyncio.gather(*(dead_letter(producer, r, why, GROUP) for r, why in parked))
+            await asyncio.gather(*(dead_letter(producer, r, why, self.group)
+                                   for r, why in parked))
 
         batch = await apply_batch(conn, records, park)
         self.metrics.dead_letters.inc(len(batch.parked))

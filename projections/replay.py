@@ -68,6 +68,7 @@ async def replay(
     until: datetime | None = None,
     batch_size: int = 2000,
     progress: bool = True,
+    topics: tuple[str, str] = (PROMPTS, GENERATIONS),
 ) -> ReplayStats:
     prepare_target(database_url, schema)
     consumer = AsyncConsumer(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")
@@ -77,7 +78,7 @@ async def replay(
         return until is None or event.occurred_at <= until
 
     try:
-        ends = await consumer.call(consumer.assign_from_start_sync, [PROMPTS, GENERATIONS])
+        ends = await consumer.call(consumer.assign_from_start_sync, list(topics))
         remaining = dict(ends)
         total = await consumer.call(_count_to_read, consumer, remaining)
         bar = tqdm(total=total, unit="ev", desc="replay", disable=not progress)

@@ -21,7 +21,7 @@ from psycopg import sql
 from infra.process import free_port
 from pipeline.codec import encode
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
-from schemas import ChatMessage, PromptSubmitted
+from schemas import GenerationFinished, Usage
 from tests.conftest import MODEL, Pipeline, Service, start_service
 from tests.logread import end_offsets, read_records
 
@@ -135,11 +135,14 @@ def test_audit_prints_a_sessions_history_from_the_log(pipeline: Pipeline) -> Non
 def test_event_the_store_refuses_is_dead_lettered_and_projection_goes_on(
     pipeline: Pipeline,
 ) -> None:
-    poison = PromptSubmitted(conversation_id=uuid.uuid4(), request_id=f"poison-{uuid.uuid4()}",
-                             model=MODEL, messages=(ChatMessage(role="user", content="a\x00b"),))
+    # Valid by the schema, but past Postgres' integer range: the store refuses it.
+    poison = GenerationFinished(
+        conversation_id=uuid.uuid4(), request_id=f"poison-{uuid.uuid4()}", model=MODEL,
+        reply_seq=2**40, finish_reason="stop", text="x", deltas=1, duration_ms=1,
+        usage=Usage(prompt_tokens=1, completion_tokens=1))
     producer = Producer({"bootstrap.servers": pipeline.stack.bootstrap,
                          "partitioner": "murmur2_random", "enable.idempotence": True})
-    producer.produce(PROMPTS, key=str(poison.conversation_id).encode(), value=encode(poison))
+    producer.produce(GENERATIONS, key=str(poison.conversation_id).encode(), value=encode(poison))
     assert producer.flush(10) == 0
     session = turn(pipeline, "still projecting?")
     wait_caught_up(pipeline)
@@ -149,10 +152,10 @@ def test_event_the_store_refuses_is_dead_lettered_and_projection_goes_on(
     assert len(reasons) == 1 and "rejected by the store" in reasons[0]
     r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
     assert [m["role"] for m in r.json()["data"]] == ["user", "assistant"]
-    # Only the refused event is parked; the worker's events for that turn still project.
+    # The refused event left nothing half-written.
     with psycopg.connect(pipeline.stack.database_url) as conn:
-        assert conn.execute("SELECT count(*) FROM messages WHERE conversation_id = %s"
-                            " AND role = 'user'", (poison.conversation_id,)).fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM generations WHERE request_id = %s",
+                            (poison.request_id,)).fetchone() == (0,)
 
 
 def test_projectors_killed_under_load_and_sharing_a_group_leave_an_exact_store(

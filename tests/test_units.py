@@ -110,3 +110,12 @@ def test_chat_request_errors_are_400s(body: bytes) -> None:
         parse_chat_request(body)
     assert err.value.status == 400
     assert err.value.body()["error"]["message"]  # type: ignore[index]
+
+
+def test_projection_stores_nul_as_a_replacement_character() -> None:
+    finished = GenerationFinished(
+        conversation_id=CONV, request_id="r1", model="m", reply_seq=1, finish_reason="stop",
+        text="a\x00b", usage=Usage(prompt_tokens=1, completion_tokens=1), deltas=1,
+        duration_ms=1)
+    message = next(w.params for w in project(finished) if "INTO messages" in w.sql)
+    assert message[3] == "a\ufffdb"

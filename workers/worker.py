@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.deadletter import dead_letter
-from pipeline.kafka import AsyncConsumer, EventProducer, Record
+from pipeline.kafka import AsyncConsumer, EventProducer, KafkaException, Record
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
     EventIds,
@@ -77,9 +77,10 @@ class Worker:
     # -- consumer side -------------------------------------------------------
     def _on_revoke(self, consumer: AsyncConsumer, revoked: list[tuple[str, int]]) -> None:
         safe = {tp: o for tp, o in self.tracker.committable().items() if tp in revoked}
-        if safe:
+        try:
             consumer.commit_sync(safe)
-            self.tracker.mark_committed(safe)
+        except KafkaException as exc:  # the next owner re-reads from the last commit
+            log.warning("commit on revoke failed: %s", exc)
         self.tracker.forget(revoked)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -107,19 +108,25 @@ class Worker:
                 for record in await consumer.poll_batch(free, 0.05):
                     await self._take(record)
                 if time.monotonic() - last_commit > COMMIT_INTERVAL_S:
-                    positions = self.tracker.committable()
-                    await consumer.commit(positions)
-                    self.tracker.mark_committed(positions)
+                    await self._commit(consumer)
                     last_commit = time.monotonic()
             await self._drain()
-            positions = self.tracker.committable()
-            await consumer.commit(positions)
-            self.tracker.mark_committed(positions)
+            await self._commit(consumer)
         finally:
             await consumer.close()
             self._producer.close()
         if self._fatal is not None:
             raise self._fatal
+
+    async def _commit(self, consumer: AsyncConsumer) -> None:
+        """Commit the safe positions; on failure keep them pending and retry next time."""
+        positions = self.tracker.committable()
+        try:
+            await consumer.commit(positions)
+        except KafkaException as exc:
+            log.warning("offset commit failed, will retry: %s", exc)
+            return
+        self.tracker.mark_committed(positions)
 
     async def _drain(self, grace_s: float = 30.0) -> None:
         tasks = [f.task for f in self.in_flight.values()]
@@ -165,6 +172,9 @@ class Worker:
         finish_reason: FinishReason = "abort"
         final: GenerationFinished | GenerationFailed
         try:
+            if prompt.model != self.engine.model_name:
+                raise EngineRejected("model_not_served", f"This worker serves "
+                                     f"'{self.engine.model_name}', not '{prompt.model}'.")
             request = EngineRequest(prompt.request_id, prompt.messages, prompt.sampling)
             async for out in self.engine.generate(request):
                 if ttft is None:
