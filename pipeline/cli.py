@@ -176,7 +176,14 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     _run_until_signalled(projector.run)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool) -> int:
+    # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited ignored.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     infra_up(common, external_db)
     exe = [sys.executable, "-m", "pipeline"]
     procs = {name: subprocess.Popen([*exe, name]) for name in ("projector", "worker", "gateway")}
