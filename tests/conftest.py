@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
 from infra.kafka_broker import KafkaBroker
@@ -21,8 +22,9 @@ from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.settings import REPO_ROOT
-from pipeline.topics import topic_specs
+from pipeline.topics import GENERATIONS, PROMPTS, topic_specs
 from projections.migrate import migrate
+from tests.logread import end_offsets
 
 PARTITIONS = 3
 MODEL = "tiny-random-llama"
@@ -103,6 +105,20 @@ class Pipeline:
 
     def logs(self) -> str:
         return "\n".join(s.tail() for s in self.services.values())
+
+    def wait_projected(self, timeout: float = 60) -> None:
+        """Until the projector's stored positions reach the current end of both topics."""
+        ends = {(t, p): o for t in (PROMPTS, GENERATIONS)
+                for p, o in end_offsets(self.stack.bootstrap, t).items() if o > 0}
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.stack.database_url, autocommit=True) as conn:
+            while True:
+                stored = {(t, p): o for t, p, o in conn.execute(
+                    "SELECT topic, partition, next_offset FROM projector_positions")}
+                if all(stored.get(tp, 0) >= end for tp, end in ends.items()):
+                    return
+                assert time.monotonic() < deadline, f"projection stuck: {stored} < {ends}"
+                time.sleep(0.05)
 
 
 def wait_healthy(url: str, services: list[Service], timeout: float) -> None:

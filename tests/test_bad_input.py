@@ -69,6 +69,7 @@ def table_counts(database_url: str) -> tuple[int, int, int]:
 def test_bad_request_gets_a_clear_error_and_writes_nothing(
     pipeline: Pipeline, body: bytes, headers: dict[str, str], status: int, code: str
 ) -> None:
+    pipeline.wait_projected()  # earlier turns' rows must not land mid-test
     before = end_offsets(pipeline.stack.bootstrap, PROMPTS)
     rows_before = table_counts(pipeline.stack.database_url)
     r = httpx.post(f"{pipeline.url}/v1/chat/completions", content=body, timeout=30,

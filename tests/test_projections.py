@@ -23,7 +23,7 @@ from pipeline.codec import encode
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
 from schemas import GenerationFinished, Usage
 from tests.conftest import MODEL, Pipeline, Service, start_service
-from tests.logread import end_offsets, read_records
+from tests.logread import read_records
 
 pytestmark = pytest.mark.integration
 
@@ -42,22 +42,6 @@ def turn(pipeline: Pipeline, text: str, session: str | None = None, max_tokens: 
         "messages": [{"role": "user", "content": text}]})
     assert r.status_code == 200, r.text
     return r.headers["x-session-id"]
-
-
-def wait_caught_up(pipeline: Pipeline, timeout: float = 60) -> None:
-    """Until the stored positions reach the current end of both topics."""
-    bootstrap = pipeline.stack.bootstrap
-    ends = {(t, p): o for t in (PROMPTS, GENERATIONS)
-            for p, o in end_offsets(bootstrap, t).items() if o > 0}
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(pipeline.stack.database_url, autocommit=True) as conn:
-        while True:
-            stored = {(t, p): o for t, p, o in conn.execute(
-                "SELECT topic, partition, next_offset FROM projector_positions")}
-            if all(stored.get(tp, 0) >= end for tp, end in ends.items()):
-                return
-            assert time.monotonic() < deadline, f"projection stuck: {stored} < {ends}"
-            time.sleep(0.1)
 
 
 def snapshot(database_url: str, schema: str) -> dict[str, list[tuple]]:
@@ -85,7 +69,7 @@ def replay_into_new_schema(pipeline: Pipeline, *extra: str) -> str:
 def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
     session = turn(pipeline, "replay me")
     turn(pipeline, "and again", session)
-    wait_caught_up(pipeline)
+    pipeline.wait_projected()
     schema = replay_into_new_schema(pipeline)
     live = snapshot(pipeline.stack.database_url, "public")
     rebuilt = snapshot(pipeline.stack.database_url, schema)
@@ -104,7 +88,7 @@ def test_point_in_time_replay(pipeline: Pipeline) -> None:
     moment = datetime.now(UTC)
     time.sleep(0.05)
     after = turn(pipeline, "after the moment")
-    wait_caught_up(pipeline)
+    pipeline.wait_projected()
     schema = replay_into_new_schema(pipeline, "--until", moment.isoformat())
     rebuilt = snapshot(pipeline.stack.database_url, schema)
     ids = {str(row[0]) for row in rebuilt["conversations"]}
@@ -145,7 +129,7 @@ def test_event_the_store_refuses_is_dead_lettered_and_projection_goes_on(
     producer.produce(GENERATIONS, key=str(poison.conversation_id).encode(), value=encode(poison))
     assert producer.flush(10) == 0
     session = turn(pipeline, "still projecting?")
-    wait_caught_up(pipeline)
+    pipeline.wait_projected()
     reasons = [h["reason"].decode() for _, value, h in read_records(pipeline.stack.bootstrap,
                                                                       DEADLETTER)
                if h.get("consumer") == b"projector" and value == encode(poison)]
@@ -195,7 +179,7 @@ def test_projectors_killed_under_load_and_sharing_a_group_leave_an_exact_store(
         for t in threads:
             t.join()
         assert not errors, errors
-        wait_caught_up(pipeline, timeout=90)
+        pipeline.wait_projected(timeout=90)
     finally:
         for s in extras:
             s.stop()
@@ -220,7 +204,7 @@ def test_projection_lag_is_exposed_as_metrics(pipeline: Pipeline) -> None:
                           PROJECTOR_METRICS_PORT=str(port))
     try:
         turn(pipeline, "measure my lag")
-        wait_caught_up(pipeline)
+        pipeline.wait_projected()
         deadline = time.monotonic() + 30
         while True:
             try:
