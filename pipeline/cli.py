@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -138,24 +139,41 @@ def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Pat
     return path, settings.served_model_name or TINY_MODEL_NAME
 
 
+def make_engine(common: CommonSettings, settings: WorkerSettings) -> Any:
+    if settings.engine == "sim":
+        from workers.sim_engine import SimEngine
+
+        log.warning("SIMULATED engine: no model runs; for load and fault tests only")
+        return SimEngine(settings.served_model_name or "sim", ttft_ms=settings.sim_ttft_ms,
+                         tokens_per_s=settings.sim_tokens_per_s,
+                         max_num_seqs=settings.max_num_seqs or 256,
+                         max_model_len=settings.max_model_len or 8192)
+    from workers.vllm_engine import VllmEngine
+
+    path, name = resolve_model(common, settings)
+    if not settings.model and settings.max_model_len is None:
+        settings = settings.model_copy(update={"max_model_len": 512})
+    return VllmEngine(settings, path, name)
+
+
 def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
     from prometheus_client import CollectorRegistry
 
     from pipeline.metrics import serve_metrics
-    from workers.vllm_engine import VllmEngine
     from workers.worker import Worker
 
-    if settings.engine != "vllm":
-        raise SystemExit(f"unknown engine {settings.engine!r}; available: vllm")
-    path, name = resolve_model(common, settings)
     registry = CollectorRegistry()
-    serve_metrics(registry, settings.metrics_port)
 
     async def main(stop: asyncio.Event) -> None:
-        engine = VllmEngine(settings, path, name)
+        engine = make_engine(common, settings)
         try:
-            log.info("worker ready: model %s, max_num_seqs %d", name, settings.max_num_seqs)
-            await Worker(engine, common.kafka_bootstrap, registry).run(stop)
+            log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
+                     engine.model_name, engine.max_num_seqs)
+            worker = Worker(engine, common.kafka_bootstrap, registry,
+                            session_timeout_ms=settings.session_timeout_ms,
+                            recovery_window_s=settings.recovery_window_s)
+            serve_metrics(registry, settings.metrics_port)
+            await worker.run(stop)
         finally:
             engine.close()
 
@@ -253,7 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
     wk = sub.add_parser("worker", help="run a generation worker")
-    wk.add_argument("--engine", choices=["vllm"])
+    wk.add_argument("--engine", choices=["vllm", "sim"],
+                    help="vllm (default), or sim: a SIMULATED engine for load/fault tests")
     wk.add_argument("--model", help="model directory (default: the tiny random model)")
     wk.add_argument("--served-model-name")
     wk.add_argument("--dtype")
@@ -261,6 +280,11 @@ def _parser() -> argparse.ArgumentParser:
     wk.add_argument("--max-model-len", type=int)
     wk.add_argument("--gpu-memory-utilization", type=float)
     wk.add_argument("--tensor-parallel-size", type=int)
+    wk.add_argument("--speculative-config", type=json.loads,
+                    help='vLLM speculative decoding, as JSON: \'{"method": "ngram", ...}\'')
+    wk.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=None)
+    wk.add_argument("--kv-cache-memory-bytes", type=int)
     wk.add_argument("--metrics-port", type=int)
     pj = sub.add_parser("projector", help="run the Postgres projection")
     pj.add_argument("--metrics-port", type=int)
@@ -310,8 +334,6 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
 
 
 def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
-    import json
-
     from projections.audit import audit, format_text
 
     entries = audit(common.kafka_bootstrap, args.session_id)
@@ -353,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "worker":
         worker = WorkerSettings(**_overrides(
             args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
-            "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port"))
+            "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
+            "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes"))
         run_worker(common, worker)
     elif args.command == "projector":
         run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))

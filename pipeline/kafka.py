@@ -117,6 +117,25 @@ class EventProducer:
         self._thread.join()
 
 
+def _poll(consumer: Consumer, max_records: int, timeout: float) -> list[Record]:
+    records = []
+    for msg in consumer.consume(max_records, timeout):
+        err = msg.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                continue
+            if err.fatal() or not err.retriable():
+                raise KafkaException(err)
+            log.warning("transient consumer error: %s", err)
+            continue
+        _, ts = msg.timestamp()
+        records.append(Record(
+            Position(msg.topic() or "", msg.partition() or 0, msg.offset() or 0),
+            msg.key(), msg.value(), ts,
+        ))
+    return records
+
+
 def _resolve(future: asyncio.Future[Position], result: Position | BaseException) -> None:
     if future.done():
         return
@@ -181,26 +200,7 @@ class AsyncConsumer:
     # The methods below run on the consumer thread (from callbacks, or via ``call``).
 
     def poll_batch_sync(self, max_records: int, timeout: float) -> list[Record]:
-        records = []
-        for msg in self._consumer.consume(max_records, timeout):
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.fatal() or not err.retriable():
-                    raise KafkaException(err)
-                log.warning("transient consumer error: %s", err)
-                continue
-            _, ts = msg.timestamp()
-            records.append(
-                Record(
-                    Position(msg.topic() or "", msg.partition() or 0, msg.offset() or 0),
-                    msg.key(),
-                    msg.value(),
-                    ts,
-                )
-            )
-        return records
+        return _poll(self._consumer, max_records, timeout)
 
     async def poll_batch(self, max_records: int, wait_s: float) -> list[Record]:
         return await self.call(self.poll_batch_sync, max_records, wait_s)
@@ -276,6 +276,37 @@ class AsyncConsumer:
             await self.call(self._consumer.close)
         finally:
             self._executor.shutdown(wait=True)
+
+
+def scan_partitions(
+    bootstrap: str, topic: str, partitions: list[int], since_ms: int, timeout: float = 60.0
+) -> list[Record]:
+    """Every record of ``topic``'s ``partitions`` from time ``since_ms`` to their current end."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        starts = consumer.offsets_for_times(
+            [TopicPartition(topic, p, since_ms) for p in partitions], timeout=timeout)
+        ends: dict[int, int] = {}
+        assignment = []
+        for tp in starts:
+            _, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+            if tp.offset >= 0 and tp.offset < high:  # -1: nothing that recent
+                ends[tp.partition] = high
+                assignment.append(tp)
+        consumer.assign(assignment)
+        records: list[Record] = []
+        deadline = time.monotonic() + timeout
+        while ends:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"scan of {topic} {partitions} did not finish")
+            for record in _poll(consumer, 5000, 0.5):
+                records.append(record)
+                if record.position.offset + 1 >= ends.get(record.position.partition, 0):
+                    ends.pop(record.position.partition, None)
+        return records
+    finally:
+        consumer.close()
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,20 +45,30 @@ class GatewaySettings(BaseSettings):
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
 
-    engine: str = "vllm"
+    # "vllm", or "sim": a SIMULATED engine for load and fault tests (no model).
+    engine: Literal["vllm", "sim"] = "vllm"
     # A Hugging Face model directory. Empty: make (once) and serve the tiny random model.
     model: str = ""
     served_model_name: str = ""
     dtype: str = "float32"
-    max_num_seqs: int = Field(default=32, ge=1)
-    max_model_len: int = Field(default=512, ge=16)
+    # Defaults: 32 for vLLM, 256 for the simulated engine.
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    # Default: 512 for the tiny model, the model's own otherwise.
+    max_model_len: int | None = Field(default=None, ge=16)
     kv_cache_memory_bytes: int | None = 256 * 2**20
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)
     enable_prefix_caching: bool = True
-    # Token coalescing: a TokenDelta carries at most this much wall time of output.
-    coalesce_ms: float = Field(default=0.0, ge=0)
+    speculative_config: dict[str, Any] | None = None
     metrics_port: int = 0
+    # How soon the group notices a dead worker and hands its prompts on.
+    session_timeout_ms: int = Field(default=10_000, ge=6_000)
+    # How far back a worker looks for unfinished turns when handed a partition:
+    # at least the longest a generation may take.
+    recovery_window_s: float = Field(default=300.0, gt=0)
+    # The simulated engine: time to first token and per-sequence decode rate.
+    sim_ttft_ms: float = Field(default=50.0, ge=0)
+    sim_tokens_per_s: float = Field(default=50.0, gt=0)
 
 
 class ProjectorSettings(BaseSettings):

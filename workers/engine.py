@@ -14,6 +14,8 @@ class EngineRequest:
     request_id: str
     messages: tuple[ChatMessage, ...]
     sampling: SamplingParams
+    # Tokens an earlier attempt already emitted: the engine continues after them.
+    prefix_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,5 +50,7 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def running(self) -> int: ...
+
+    def kv_cache_usage(self) -> float | None: ...
 
     def close(self) -> None: ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from pipeline.settings import WorkerSettings
 from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_NUM_SEQS = 32
 
 
 def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
@@ -19,10 +21,11 @@ def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
         "model": str(model_path),
         "served_model_name": settings.served_model_name or None,
         "dtype": settings.dtype,
-        "max_num_seqs": settings.max_num_seqs,
+        "max_num_seqs": settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         "max_model_len": settings.max_model_len,
         "tensor_parallel_size": settings.tensor_parallel_size,
         "enable_prefix_caching": settings.enable_prefix_caching,
+        "speculative_config": settings.speculative_config,
         "disable_log_stats": False,
     }
     if settings.gpu_memory_utilization is not None:
@@ -30,6 +33,36 @@ def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
     elif settings.kv_cache_memory_bytes is not None:
         args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     return args
+
+
+@dataclass
+class SchedulerView:
+    """The latest scheduler figures vLLM reported (filled by ``_StatsTap``)."""
+
+    kv_cache_usage: float | None = None
+    running: int = 0
+    waiting: int = 0
+
+
+def _stats_tap(view: SchedulerView) -> Any:
+    """A vLLM stat logger factory that copies scheduler stats into ``view``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _StatsTap(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                view.kv_cache_usage = scheduler_stats.kv_cache_usage
+                view.running = scheduler_stats.num_running_reqs
+                view.waiting = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _StatsTap
 
 
 class VllmEngine:
@@ -41,15 +74,21 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_name = model_name
-        self.max_num_seqs = settings.max_num_seqs
-        self.max_model_len = settings.max_model_len
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         args = AsyncEngineArgs(**engine_args(settings, model_path))
-        self._llm: Any = AsyncLLM.from_engine_args(args)
+        self.scheduler = SchedulerView()
+        self._llm: Any = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stats_tap(self.scheduler)])
+        config = self._llm.vllm_config
+        self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        self.max_model_len = int(config.model_config.max_model_len)
         self._running: set[str] = set()
 
     def running(self) -> int:
         return len(self._running)
+
+    def kv_cache_usage(self) -> float | None:
+        return self.scheduler.kv_cache_usage
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         messages = [m.model_dump() for m in request.messages]
@@ -58,7 +97,7 @@ class VllmEngine:
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def _sampling(self, request: EngineRequest, prompt_len: int) -> Any:
+    def _sampling(self, request: EngineRequest, prompt_len: int, done: int) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -70,7 +109,8 @@ class VllmEngine:
                 f"the messages use {prompt_len}.",
             )
         s = request.sampling
-        max_tokens = s.max_tokens if s.max_tokens is not None else room
+        max_tokens = s.max_tokens if s.max_tokens is not None else room + done
+        max_tokens -= done  # an earlier attempt generated these already
         if max_tokens > room:
             raise EngineRejected(
                 "context_length_exceeded",
@@ -99,7 +139,9 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt_ids = self._prompt_ids(request)
-        params = self._sampling(request, len(prompt_ids))
+        done = len(request.prefix_token_ids)
+        params = self._sampling(request, len(prompt_ids) + done, done)
+        prompt_ids += request.prefix_token_ids
         self._running.add(request.request_id)
         try:
             stream = self._llm.generate(tokens_input(prompt_ids), params, request.request_id)

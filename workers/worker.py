@@ -1,9 +1,14 @@
 """The worker: consumes ``chat.prompts`` in group ``workers`` and runs many prompts at once.
 
-* Every prompt becomes its own task on one engine, so the engine batches them continuously.
-* Fetching pauses while ``max_num_seqs`` generations are in flight.
-* A prompt's offset is committed only once its generation's terminal event is durable
-  (low watermark of in-flight offsets per partition).
+* Every prompt becomes its own task on one engine, so the engine batches them
+  continuously; fetching pauses while ``max_num_seqs`` generations are in flight.
+* A prompt's offset is committed only once its generation's terminal event is
+  durable (the low watermark of in-flight offsets per partition).
+* Takeover: a worker handed a partition first reads what earlier owners left in
+  the log (``workers.recovery``). Turns that ended are not run again; unfinished
+  ones continue after their emitted tokens, under the next ``attempt``, with
+  ``seq`` carrying on. A worker losing a partition abandons its turns there before
+  the rebalance completes, so two owners never write the same turn at once.
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.deadletter import dead_letter
-from pipeline.kafka import AsyncConsumer, EventProducer, KafkaException, Record
+from pipeline.kafka import AsyncConsumer, EventProducer, KafkaException, Record, scan_partitions
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
     EventIds,
@@ -34,48 +39,110 @@ from schemas import (
 )
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.offsets import OffsetTracker
+from workers.recovery import Recovered, fold
 
 log = logging.getLogger(__name__)
 GROUP = "workers"
 COMMIT_INTERVAL_S = 0.1
+TP = tuple[str, int]
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.running = Gauge("worker_running_sequences", "Generations in flight",
-                             registry=registry)
+    def __init__(self, registry: CollectorRegistry, worker: Worker) -> None:
+        engine = worker.engine
+        Gauge("worker_running_sequences", "Generations the engine is running",
+              registry=registry).set_function(engine.running)
+        Gauge("worker_waiting_sequences", "Generations taken but not yet running in the engine",
+              registry=registry).set_function(
+                  lambda: max(len(worker.in_flight) - engine.running(), 0))
+        Gauge("worker_batch_utilisation", "Running sequences / max_num_seqs",
+              registry=registry).set_function(lambda: engine.running() / engine.max_num_seqs)
+        Gauge("worker_kv_cache_usage", "KV-cache usage as the engine reports it (0-1)",
+              registry=registry).set_function(lambda: engine.kv_cache_usage() or 0.0)
+        self.in_flight_peak = Gauge("worker_in_flight_peak",
+                                    "Most generations ever in flight at once",
+                                    registry=registry)
+        self.lag = Gauge("worker_prompt_lag", "Prompts behind the end of the assigned partitions",
+                         registry=registry)
         self.tokens = Counter("worker_generated_tokens", "Tokens generated", registry=registry)
         self.generations = Counter("worker_generations", "Generations ended, by outcome",
                                    ["outcome"], registry=registry)
-        self.ttft = Histogram("worker_ttft_seconds", "Time from prompt taken to first token",
-                              registry=registry,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.resumed = Counter("worker_resumed_generations",
+                               "Turns continued from an earlier attempt", registry=registry)
+        self.ttft = Histogram("worker_ttft_seconds", "Prompt taken to first token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("worker_inter_token_seconds", "Time between tokens of a sequence",
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.dead_letters = Counter("worker_dead_letters", "Prompts sent to the dead-letter topic",
                                     registry=registry)
 
 
 @dataclass
 class InFlight:
+    tp: TP
     task: asyncio.Task[None]
     cancelled: bool = False
 
 
+@dataclass
+class Progress:
+    """A turn's generation so far, including what earlier attempts emitted."""
+
+    attempt: int = 0
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, rec: Recovered) -> Progress:
+        emitted = rec.emitted()
+        return cls(rec.attempt + 1, [d.text for d in emitted],
+                   [t for d in emitted for t in d.token_ids])
+
+
 class Worker:
     def __init__(
-        self, engine: Engine, bootstrap: str, registry: CollectorRegistry, name: str = ""
+        self, engine: Engine, bootstrap: str, registry: CollectorRegistry, name: str = "",
+        *, session_timeout_ms: int = 10_000, recovery_window_s: float = 300.0,
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.metrics = WorkerMetrics(registry)
+        self.session_timeout_ms = session_timeout_ms
+        self.recovery_window_s = recovery_window_s
         self.tracker = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
+        self.peak_in_flight = 0
+        self.recovered: dict[str, Recovered] = {}
+        self.metrics = WorkerMetrics(registry, self)
         self._slot_freed = asyncio.Event()
         self._fatal: BaseException | None = None
         self._producer: EventProducer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    # -- consumer side -------------------------------------------------------
-    def _on_revoke(self, consumer: AsyncConsumer, revoked: list[tuple[str, int]]) -> None:
+    # -- rebalances (these run on the consumer's thread, inside a poll) -------
+    def _on_assign(self, assigned: list[TP]) -> None:
+        partitions = [p for t, p in assigned if t == PROMPTS]
+        since_ms = int((time.time() - self.recovery_window_s) * 1000)
+        records = scan_partitions(self.bootstrap, GENERATIONS, partitions, since_ms)
+        events = []
+        for record in records:
+            try:
+                events.append(decode(record.value))
+            except DecodeError:
+                continue
+        # Ended turns need only their mark; unfinished ones keep their deltas.
+        found = {rid: rec if not rec.ended else Recovered(rec.attempt, True)
+                 for rid, rec in fold(events).items() if rid not in self.in_flight}
+        self.recovered = found  # an assignment is whole: earlier findings are stale
+        unfinished = sum(not r.ended for r in found.values())
+        log.info("assigned %s; %d recent turns in the log, %d unfinished",
+                 partitions, len(found), unfinished)
+
+    def _on_revoke(self, consumer: AsyncConsumer, revoked: list[TP]) -> None:
+        assert self._loop is not None
+        abandon = asyncio.run_coroutine_threadsafe(self._abandon(revoked), self._loop)
+        abandon.result(timeout=60)
         safe = {tp: o for tp, o in self.tracker.committable().items() if tp in revoked}
         try:
             consumer.commit_sync(safe)
@@ -83,10 +150,25 @@ class Worker:
             log.warning("commit on revoke failed: %s", exc)
         self.tracker.forget(revoked)
 
+    async def _abandon(self, revoked: list[TP]) -> None:
+        """Stop this worker's turns in revoked partitions; their new owner resumes them."""
+        flights = [f for f in self.in_flight.values() if f.tp in revoked]
+        for flight in flights:
+            flight.task.cancel()
+        await asyncio.gather(*(f.task for f in flights), return_exceptions=True)
+        assert self._producer is not None
+        await asyncio.to_thread(self._producer.flush, 30)
+        if flights:
+            log.info("handed %d unfinished turns to the next owner", len(flights))
+
+    # -- the loop ---------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
         self._producer = EventProducer(self.bootstrap)
-        consumer = AsyncConsumer(self.bootstrap, GROUP)
-        consumer.subscribe([PROMPTS], on_revoke=lambda tps: self._on_revoke(consumer, tps))
+        consumer = AsyncConsumer(self.bootstrap, GROUP,
+                                 **{"session.timeout.ms": self.session_timeout_ms})
+        consumer.subscribe([PROMPTS], on_assign=self._on_assign,
+                           on_revoke=lambda tps: self._on_revoke(consumer, tps))
         paused = False
         last_commit = 0.0
         try:
@@ -104,11 +186,12 @@ class Worker:
                         await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
                     except TimeoutError:
                         await consumer.poll_batch(1, 0)  # serve rebalances while paused
-                    continue
-                for record in await consumer.poll_batch(free, 0.05):
-                    await self._take(record)
+                else:
+                    for record in await consumer.poll_batch(free, 0.05):
+                        await self._take(record)
                 if time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                     await self._commit(consumer)
+                    self.metrics.lag.set(sum((await consumer.call(consumer.lag_sync)).values()))
                     last_commit = time.monotonic()
             await self._drain()
             await self._commit(consumer)
@@ -139,75 +222,103 @@ class Worker:
     async def _take(self, record: Record) -> None:
         assert self._producer is not None
         tp = (record.position.topic, record.position.partition)
+        offset = record.position.offset
+        self.tracker.taken(tp, offset)
         try:
             event = decode(record.value)
         except DecodeError as exc:
             await dead_letter(self._producer, record, str(exc), GROUP)
             self.metrics.dead_letters.inc()
-            self.tracker.taken(tp, record.position.offset)
-            self.tracker.done(tp, record.position.offset)
+            self.tracker.done(tp, offset)
             return
-        self.tracker.taken(tp, record.position.offset)
         if isinstance(event, PromptSubmitted):
-            task = asyncio.create_task(self._generate(event, tp, record.position.offset))
-            self.in_flight[event.request_id] = InFlight(task)
-            self.metrics.running.set(len(self.in_flight))
+            rec = self.recovered.pop(event.request_id, None)
+            if rec is not None and rec.ended:
+                self.tracker.done(tp, offset)  # it ended before its offset was committed
+                return
+            if event.request_id in self.in_flight:
+                self.tracker.done(tp, offset)  # a redelivery of a turn we are running
+                return
+            progress = Progress.resumed(rec) if rec is not None else Progress()
+            task = asyncio.create_task(self._generate(event, tp, offset, progress))
+            self.in_flight[event.request_id] = InFlight(tp, task)
+            self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+            self.metrics.in_flight_peak.set(self.peak_in_flight)
             return
         if isinstance(event, GenerationCancelled):
             flight = self.in_flight.get(event.request_id)
             if flight is not None and not flight.cancelled:
                 flight.cancelled = True
                 await self.engine.abort(event.request_id)
-        self.tracker.done(tp, record.position.offset)
+        self.tracker.done(tp, offset)
 
-    # -- generation side -----------------------------------------------------
-    async def _generate(self, prompt: PromptSubmitted, tp: tuple[str, int], offset: int) -> None:
+    # -- one generation ------------------------------------------------------
+    async def _generate(
+        self, prompt: PromptSubmitted, tp: TP, offset: int, progress: Progress
+    ) -> None:
         assert self._producer is not None
         ids = EventIds(conversation_id=prompt.conversation_id, request_id=prompt.request_id,
                        tenant=prompt.tenant)
-        started = time.monotonic()
+        attempt = progress.attempt
+        started = last_token = time.monotonic()
         ttft: float | None = None
-        parts: list[str] = []
-        completion_tokens = prompt_tokens = 0
+        prompt_tokens = 0
         finish_reason: FinishReason = "abort"
         final: GenerationFinished | GenerationFailed
+        if attempt:
+            self.metrics.resumed.inc()
+            log.info("resuming %s at seq %d (attempt %d)", prompt.request_id,
+                     len(progress.parts), attempt)
         try:
             if prompt.model != self.engine.model_name:
                 raise EngineRejected("model_not_served", f"This worker serves "
                                      f"'{self.engine.model_name}', not '{prompt.model}'.")
-            request = EngineRequest(prompt.request_id, prompt.messages, prompt.sampling)
+            request = EngineRequest(prompt.request_id, prompt.messages, prompt.sampling,
+                                    tuple(progress.token_ids))
             async for out in self.engine.generate(request):
+                now = time.monotonic()
                 if ttft is None:
-                    ttft = time.monotonic() - started
+                    ttft = now - started
                     prompt_tokens = out.prompt_tokens
                     self.metrics.ttft.observe(ttft)
                     self._producer.send(GENERATIONS, GenerationStarted(
-                        **ids, model=self.engine.model_name, worker=self.name,
+                        **ids, model=self.engine.model_name, worker=self.name, attempt=attempt,
                         reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens))
+                elif out.token_ids:
+                    self.metrics.itl.observe((now - last_token) / len(out.token_ids))
+                last_token = now
                 if out.text or out.token_ids:
                     self._producer.send(GENERATIONS, TokenDelta(
-                        **ids, seq=len(parts), text=out.text, token_ids=out.token_ids))
-                    parts.append(out.text)
-                    completion_tokens += len(out.token_ids)
+                        **ids, attempt=attempt, seq=len(progress.parts), text=out.text,
+                        token_ids=out.token_ids))
+                    progress.parts.append(out.text)
+                    progress.token_ids.extend(out.token_ids)
                     self.metrics.tokens.inc(len(out.token_ids))
                 if out.finish_reason in ("stop", "length"):
                     finish_reason = "stop" if out.finish_reason == "stop" else "length"
             final = GenerationFinished(
-                **ids, model=self.engine.model_name, reply_seq=prompt.reply_seq,
-                finish_reason=finish_reason,
-                text="".join(parts), deltas=len(parts),
-                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+                **ids, model=self.engine.model_name, attempt=attempt, reply_seq=prompt.reply_seq,
+                finish_reason=finish_reason, text="".join(progress.parts),
+                deltas=len(progress.parts),
+                usage=Usage(prompt_tokens=prompt_tokens,
+                            completion_tokens=len(progress.token_ids)),
                 ttft_ms=None if ttft is None else ttft * 1000,
                 duration_ms=(time.monotonic() - started) * 1000,
             )
+        except asyncio.CancelledError:
+            # Abandoned on revoke or shutdown: no terminal event, the offset stays
+            # uncommitted, and the next owner resumes from what was emitted.
+            self._forget(prompt.request_id)
+            raise
         except EngineRejected as exc:
-            final = GenerationFailed(**ids, code=exc.code, message=str(exc))
+            final = GenerationFailed(**ids, attempt=attempt, code=exc.code, message=str(exc))
         except EngineDead as exc:
-            final = GenerationFailed(**ids, code="engine_dead", message=str(exc))
+            final = GenerationFailed(**ids, attempt=attempt, code="engine_dead", message=str(exc))
             self._fatal = exc
         except Exception as exc:
             log.exception("generation %s failed", prompt.request_id)
-            final = GenerationFailed(**ids, code="internal_error", message=type(exc).__name__)
+            final = GenerationFailed(**ids, attempt=attempt, code="internal_error",
+                                     message=type(exc).__name__)
         try:
             await self._producer.send(GENERATIONS, final)
         except Exception as exc:  # the turn stays uncommitted and is redelivered
@@ -217,6 +328,8 @@ class Worker:
             self.tracker.done(tp, offset)
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
-        self.in_flight.pop(prompt.request_id, None)
-        self.metrics.running.set(len(self.in_flight))
+        self._forget(prompt.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
         self._slot_freed.set()
