@@ -102,6 +102,7 @@ class Pipeline:
     stack: Stack
     url: str
     services: dict[str, Service] = field(default_factory=dict)
+    worker_metrics: str = ""
 
     def logs(self) -> str:
         return "\n".join(s.tail() for s in self.services.values())
@@ -139,13 +140,15 @@ def wait_healthy(url: str, services: list[Service], timeout: float) -> None:
 @pytest.fixture(scope="session")
 def pipeline(stack: Stack) -> Iterator[Pipeline]:
     """Projector, vLLM worker (tiny local model) and gateway, each its own process."""
-    port = free_port()
+    port, worker_metrics = free_port(), free_port()
     services = {
         "projector": start_service(stack, "projector", "projector"),
-        "worker": start_service(stack, "worker", "worker", "--max-num-seqs", "16"),
+        "worker": start_service(stack, "worker", "worker", "--max-num-seqs", "16",
+                                "--metrics-port", str(worker_metrics)),
         "gateway": start_service(stack, "gateway", "gateway", "--port", str(port)),
     }
-    p = Pipeline(stack, f"http://127.0.0.1:{port}", services)
+    p = Pipeline(stack, f"http://127.0.0.1:{port}", services,
+                 worker_metrics=f"http://127.0.0.1:{worker_metrics}/metrics")
     try:
         wait_healthy(p.url, list(services.values()), timeout=60)
         # Warm up: one turn through every component proves the worker's engine is up.

