@@ -171,7 +171,8 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                      engine.model_name, engine.max_num_seqs)
             worker = Worker(engine, common.kafka_bootstrap, registry,
                             session_timeout_ms=settings.session_timeout_ms,
-                            recovery_window_s=settings.recovery_window_s)
+                            recovery_window_s=settings.recovery_window_s,
+                            coalesce_ms=settings.coalesce_ms)
             serve_metrics(registry, settings.metrics_port)
             await worker.run(stop)
         finally:
@@ -285,6 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     wk.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None)
     wk.add_argument("--kv-cache-memory-bytes", type=int)
+    wk.add_argument("--coalesce-ms", type=float,
+                    help="emit at most one TokenDelta per N ms per request (0: per step)")
     wk.add_argument("--metrics-port", type=int)
     pj = sub.add_parser("projector", help="run the Postgres projection")
     pj.add_argument("--metrics-port", type=int)
@@ -376,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         worker = WorkerSettings(**_overrides(
             args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
             "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
-            "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes"))
+            "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes",
+            "coalesce_ms"))
         run_worker(common, worker)
     elif args.command == "projector":
         run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))

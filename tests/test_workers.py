@@ -77,12 +77,13 @@ def sim(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimP
         services["gateway"] = start_service(sim_stack, "sim-gateway", "gateway", "--port",
                                             str(port), GATEWAY_MODELS="sim")
         workers = {}
-        for name in ("a", "b"):
+        for name, coalesce_ms in (("a", "0"), ("b", "150")):
             metrics = free_port()
             service = start_service(
                 sim_stack, f"sim-worker-{name}", "worker", "--engine", "sim",
                 "--max-num-seqs", str(SIM_SEQS), "--metrics-port", str(metrics),
-                WORKER_SIM_TOKENS_PER_S=str(SIM_RATE), WORKER_SESSION_TIMEOUT_MS="6000")
+                WORKER_SIM_TOKENS_PER_S=str(SIM_RATE), WORKER_SESSION_TIMEOUT_MS="6000",
+                WORKER_COALESCE_MS=coalesce_ms)
             services[f"worker-{name}"] = service
             workers[name] = (service, f"http://127.0.0.1:{metrics}/metrics")
         p = SimPipeline(sim_stack, f"http://127.0.0.1:{port}", services)
@@ -136,6 +137,10 @@ def test_backpressure_holds_the_bound_and_everything_completes(sim: SimPipeline)
     with ThreadPoolExecutor(40) as pool:
         results = list(pool.map(lambda i: stream_chat(sim.url, chat(i, 10)), range(40)))
     assert all(r.done and r.text == expected_sim_text(10) for r in results)
+    assert_log_seqs_exact(sim.stack, results)
+    sizes = {len(e.token_ids) for _, e in read_events(sim.stack.bootstrap, GENERATIONS)
+             if isinstance(e, TokenDelta)}
+    assert 1 in sizes and max(sizes) > 1  # per step on worker a, coalesced on worker b
     peaks = [metric(url, "worker_in_flight_peak") for _, url in sim.workers.values()]
     assert max(peaks) == SIM_SEQS, peaks  # the bound was reached ...
     assert all(p <= SIM_SEQS for p in peaks), peaks  # ... and never passed

@@ -104,12 +104,14 @@ class Worker:
     def __init__(
         self, engine: Engine, bootstrap: str, registry: CollectorRegistry, name: str = "",
         *, session_timeout_ms: int = 10_000, recovery_window_s: float = 300.0,
+        coalesce_ms: float = 0.0,
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.session_timeout_ms = session_timeout_ms
         self.recovery_window_s = recovery_window_s
+        self.coalesce_s = coalesce_ms / 1000
         self.tracker = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
         self.peak_in_flight = 0
@@ -260,8 +262,23 @@ class Worker:
         ids = EventIds(conversation_id=prompt.conversation_id, request_id=prompt.request_id,
                        tenant=prompt.tenant)
         attempt = progress.attempt
-        started = last_token = time.monotonic()
+        started = last_token = last_emit = time.monotonic()
         ttft: float | None = None
+        held_text: list[str] = []
+        held_ids: list[int] = []
+
+        def emit() -> None:
+            """One TokenDelta for what was held: seq stays gap-free."""
+            assert self._producer is not None
+            text = "".join(held_text)
+            self._producer.send(GENERATIONS, TokenDelta(
+                **ids, attempt=attempt, seq=len(progress.parts), text=text,
+                token_ids=tuple(held_ids)))
+            progress.parts.append(text)
+            progress.token_ids.extend(held_ids)
+            held_text.clear()
+            held_ids.clear()
+
         prompt_tokens = 0
         finish_reason: FinishReason = "abort"
         final: GenerationFinished | GenerationFailed
@@ -288,14 +305,18 @@ class Worker:
                     self.metrics.itl.observe((now - last_token) / len(out.token_ids))
                 last_token = now
                 if out.text or out.token_ids:
-                    self._producer.send(GENERATIONS, TokenDelta(
-                        **ids, attempt=attempt, seq=len(progress.parts), text=out.text,
-                        token_ids=out.token_ids))
-                    progress.parts.append(out.text)
-                    progress.token_ids.extend(out.token_ids)
+                    held_text.append(out.text)
+                    held_ids.extend(out.token_ids)
                     self.metrics.tokens.inc(len(out.token_ids))
+                    # The first tokens go at once (time to first token); later ones are
+                    # coalesced per engine step, or per ``coalesce_ms`` when set.
+                    if not progress.parts or now - last_emit >= self.coalesce_s:
+                        emit()
+                        last_emit = now
                 if out.finish_reason in ("stop", "length"):
                     finish_reason = "stop" if out.finish_reason == "stop" else "length"
+            if held_text or held_ids:
+                emit()
             final = GenerationFinished(
                 **ids, model=self.engine.model_name, attempt=attempt, reply_seq=prompt.reply_seq,
                 finish_reason=finish_reason, text="".join(progress.parts),
@@ -307,7 +328,8 @@ class Worker:
             )
         except asyncio.CancelledError:
             # Abandoned on revoke or shutdown: no terminal event, the offset stays
-            # uncommitted, and the next owner resumes from what was emitted.
+            # uncommitted, and the next owner resumes from what was emitted (tokens
+            # still held back here are generated again by the next owner).
             self._forget(prompt.request_id)
             raise
         except EngineRejected as exc:
