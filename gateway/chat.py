@@ -28,7 +28,6 @@ from schemas import (
     GenerationStarted,
     PromptSubmitted,
     TokenDelta,
-    Usage,
 )
 
 log = logging.getLogger(__name__)
@@ -210,5 +209,3 @@ def _log_failure(future: asyncio.Future[Position]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.error("could not publish a cancellation: %s", future.exception())
 
-
-__all__ = ["ChatService", "Turn", "Usage"]

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pipeline.codec import DecodeError, Position, decode
 from pipeline.kafka import AsyncConsumer
 from pipeline.topics import GENERATIONS
-from schemas import GenerationFailed, GenerationFinished, GenerationStarted, TokenDelta
+from schemas import GenerationEvent
 
 log = logging.getLogger(__name__)
-GenerationEvent = GenerationStarted | TokenDelta | GenerationFinished | GenerationFailed
 
 
 @dataclass(frozen=True)
@@ -61,10 +60,6 @@ class GenerationTail:
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-
-    @property
-    def active(self) -> int:
-        return len(self._queues)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -166,6 +166,8 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
 
     async def main(stop: asyncio.Event) -> None:
         engine = make_engine(common, settings)
+        if settings.engine == "sim":  # fault injection, simulated engine only
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.crash)
         try:
             log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
                      engine.model_name, engine.max_num_seqs)
@@ -309,6 +311,12 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--turns", type=int, default=10_000)
     bp.add_argument("--deltas", type=int, default=16, help="TokenDeltas per synthetic turn")
     bp.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    bw = bench_sub.add_parser("worker", help="vLLM worker tokens/s: pipeline vs AsyncLLM")
+    bw.add_argument("--concurrency", default="1,8,32",
+                    help="comma-separated closed-loop client counts")
+    bw.add_argument("--max-tokens", type=int, default=128)
+    bw.add_argument("--port", type=int, default=8011, help="the bench gateway's port")
+    bw.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
 
@@ -333,6 +341,21 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
     print(f"replayed {stats.records} records in {stats.seconds:.1f}s "
           f"({stats.rate:,.0f} events/s): {stats.applied} applied, "
           f"{stats.skipped_after_until} after --until, {stats.undecodable} undecodable")
+    return 0
+
+
+def run_worker_bench(common: CommonSettings, args: argparse.Namespace) -> int:
+    from workers import bench
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    settings = WorkerSettings()
+    settings = settings.model_copy(update={
+        "max_num_seqs": settings.max_num_seqs or max(32, *levels),
+        "max_model_len": settings.max_model_len or 512})
+    path, name = resolve_model(common, settings)
+    figures = bench.bench(settings, path, name, levels, args.max_tokens, args.port,
+                          common.state_dir / "bench-logs")
+    print(bench.report(figures, args.out))
     return 0
 
 
@@ -388,11 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_replay_command(common, args)
     elif args.command == "audit":
         return run_audit_command(common, args)
-    elif args.command == "bench":
+    elif args.command == "bench" and args.bench == "projection":
         from projections.bench import run
 
         print(run(common.kafka_bootstrap, common.database_url, args.turns, args.deltas,
                   common.partitions, args.out))
+    elif args.command == "bench" and args.bench == "worker":
+        return run_worker_bench(common, args)
     elif args.command == "demo":
         return run_demo(common, GatewaySettings(), external_db)
     return 0

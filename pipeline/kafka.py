@@ -221,9 +221,6 @@ class AsyncConsumer:
     def resume_all_sync(self) -> None:
         self._consumer.resume(self._consumer.assignment())
 
-    def assignment_sync(self) -> list[tuple[str, int]]:
-        return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
-
     def lag_sync(self) -> dict[TP, int]:
         """Records behind the end of each assigned partition (from cached watermarks)."""
         lag = {}

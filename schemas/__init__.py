@@ -2,7 +2,6 @@
 
 from schemas.events import (
     EVENT_ADAPTER,
-    TERMINAL_EVENTS,
     ChatMessage,
     Event,
     EventIds,
@@ -21,7 +20,6 @@ from schemas.events import (
 
 __all__ = [
     "EVENT_ADAPTER",
-    "TERMINAL_EVENTS",
     "ChatMessage",
     "Event",
     "EventIds",

@@ -138,6 +138,6 @@ Event = Annotated[
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
+# What each chat topic carries.
 PromptEvent = PromptSubmitted | GenerationCancelled
 GenerationEvent = GenerationStarted | TokenDelta | GenerationFinished | GenerationFailed
-TERMINAL_EVENTS = (GenerationFinished, GenerationFailed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,21 +80,28 @@ class Service:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return f"--- {self.name} ({self.log}) ---\n" + "\n".join(text.splitlines()[-lines:])
 
+    def kill(self) -> None:
+        """SIGKILL the service and every process it started (vLLM's engine processes)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self, timeout: float = 30) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
 
 
 def start_service(stack: Stack, name: str, *args: str, **env: str) -> Service:
     log = stack.logs / f"{name}-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
+        # Its own process group: a crash test kills the service with all its children,
+        # as a container runtime or systemd does.
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=stack.env(**env))
+                                stdout=out, stderr=subprocess.STDOUT, env=stack.env(**env),
+                                start_new_session=True)
     return Service(name, proc, log)
 
 

@@ -4,7 +4,6 @@ killed mid-load and sharing a group, and events the store refuses (real Kafka, P
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -172,8 +171,7 @@ def test_projectors_killed_under_load_and_sharing_a_group_leave_an_exact_store(
         while any(t.is_alive() for t in threads) or kills < 4:
             time.sleep(1.5)
             victim = extras[kills % len(extras)]
-            victim.proc.send_signal(signal.SIGKILL)
-            victim.proc.wait()
+            victim.kill()
             extras[kills % len(extras)] = extra()
             kills += 1
         for t in threads:

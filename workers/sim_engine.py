@@ -4,8 +4,10 @@ It follows the ``Engine`` protocol with no model at all: after ``ttft_ms`` a
 sequence emits one token every ``1 / tokens_per_s`` seconds, and at most
 ``max_num_seqs`` sequences run at once (the rest wait, as in vLLM's scheduler).
 Token ``i`` of every reply is the text ``t{i} ``, so a reader can check a stream
-for gaps and duplicates by its text alone. Its defaults resemble a GPU serving a
-small model: 50 ms to first token, 50 tokens/s per sequence, 256 sequences.
+for gaps and duplicates by its text alone. ``crash()`` (SIGUSR1 to a simulated
+worker) makes the engine die, as a GPU fault would, for fault tests. Its defaults
+resemble a GPU serving a small model: 50 ms to first token, 50 tokens/s per
+sequence, 256 sequences.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from workers.engine import EngineOutput, EngineRejected, EngineRequest
+from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
 
 SIM_VOCAB_BASE = 1000
 
@@ -43,9 +45,14 @@ class SimEngine:
         self._known: set[str] = set()  # waiting or running
         self._running: set[str] = set()
         self._aborted: set[str] = set()
+        self._dead = False
 
     def running(self) -> int:
         return len(self._running)
+
+    def crash(self) -> None:
+        """Fault injection: every generation, running or new, fails as if the GPU died."""
+        self._dead = True
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         prompt_tokens = sum(len(m.content.split()) + 4 for m in request.messages)
@@ -55,12 +62,16 @@ class SimEngine:
                                  f"This model's maximum context length is {self.max_model_len}"
                                  f" tokens; the request needs {prompt_tokens + wanted}.")
         start = len(request.prefix_token_ids)
+        if self._dead:
+            raise EngineDead("simulated engine crashed")
         self._known.add(request.request_id)
         try:
             async with self._slots:
                 self._running.add(request.request_id)
                 await asyncio.sleep(self._ttft)
                 for index in range(start, wanted):
+                    if self._dead:
+                        raise EngineDead("simulated engine crashed")
                     if request.request_id in self._aborted:
                         yield EngineOutput("", (), prompt_tokens, finish_reason="abort")
                         return
