@@ -118,8 +118,18 @@ class EventProducer:
 
 
 def _poll(consumer: Consumer, max_records: int, timeout: float) -> list[Record]:
+    """Up to ``max_records``: wait at most ``timeout`` for the first, then take only what
+    is already buffered. (``consume(n, timeout)`` alone waits until it has all ``n``
+    or the timeout passes, which adds the whole timeout to every hop when traffic is light.)
+    """
+    first = consumer.poll(timeout)
+    if first is None:
+        return []
+    messages = [first]
+    if max_records > 1:
+        messages += consumer.consume(max_records - 1, 0)
     records = []
-    for msg in consumer.consume(max_records, timeout):
+    for msg in messages:
         err = msg.error()
         if err is not None:
             if err.code() == KafkaError._PARTITION_EOF:

@@ -60,9 +60,9 @@ class WorkerSettings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, ge=1)
     enable_prefix_caching: bool = True
     speculative_config: dict[str, Any] | None = None
-    # Token coalescing: 0 emits one TokenDelta per engine step per request; N > 0
-    # emits at most one per N ms per request (the first token always goes at once).
-    coalesce_ms: float = Field(default=0.0, ge=0)
+    # Token coalescing: at most one TokenDelta per N ms per request (the first token
+    # always goes at once); 0 emits one per engine step per request.
+    coalesce_ms: float = Field(default=10.0, ge=0)
     metrics_port: int = 0
     # How soon the group notices a dead worker and hands its prompts on.
     session_timeout_ms: int = Field(default=10_000, ge=6_000)

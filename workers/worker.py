@@ -104,7 +104,7 @@ class Worker:
     def __init__(
         self, engine: Engine, bootstrap: str, registry: CollectorRegistry, name: str = "",
         *, session_timeout_ms: int = 10_000, recovery_window_s: float = 300.0,
-        coalesce_ms: float = 0.0,
+        coalesce_ms: float = 10.0,
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
