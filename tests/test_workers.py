@@ -267,7 +267,7 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> 
         wait_for(owns_partitions, 180, "the extra vLLM worker to own partitions")
         wait_for(lambda: metric(pipeline.worker_metrics, "worker_assigned_partitions") >= 1,
                  60, "the first worker to rejoin")
-        body = {"max_tokens": 120}
+        body = {"max_tokens": 300}  # long enough that the kill lands mid-generation
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(stream_chat, pipeline.url, {
                 **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
