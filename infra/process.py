@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def stop_pid(pid: int, timeout: float = 20.0) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
+
+
+def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Until ``url`` answers 200; fail at once if one of ``procs`` exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a component exited during start-up; see its log")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
 
 
 def wait_until(

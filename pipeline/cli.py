@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -202,6 +201,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool) -> int:
+    from infra.process import wait_http
+
     # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited ignored.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -210,7 +211,10 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     procs = {name: subprocess.Popen([*exe, name]) for name in ("projector", "worker", "gateway")}
     base = f"http://{gateway.host}:{gateway.port}"
     try:
-        _wait_http(f"{base}/health", procs, timeout=120)
+        try:
+            wait_http(f"{base}/health", list(procs.values()), timeout=120)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
         print(_demo_banner(base, gateway.models.split(",")[0]), flush=True)
         while all(p.poll() is None for p in procs.values()):
             time.sleep(0.5)
@@ -230,20 +234,6 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
             except subprocess.TimeoutExpired:
                 p.kill()
         infra_down(common)
-
-
-def _wait_http(url: str, procs: dict[str, subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs.values()):
-            raise SystemExit("a component exited during start-up; see its log above")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"{url} did not answer within {timeout:.0f}s")
 
 
 def _demo_banner(base: str, model: str) -> str:

@@ -138,6 +138,5 @@ Event = Annotated[
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
-# What each chat topic carries.
-PromptEvent = PromptSubmitted | GenerationCancelled
+# What chat.generations carries.
 GenerationEvent = GenerationStarted | TokenDelta | GenerationFinished | GenerationFailed

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from infra.process import wait_http
 from pipeline.settings import WorkerSettings
 from schemas import ChatMessage, SamplingParams
 from workers.engine import EngineRequest
@@ -101,19 +102,6 @@ async def run_pipeline(url: str, model: str, levels: list[int],
         return results
 
 
-def _wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a pipeline process exited during start-up")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 def bench(settings: WorkerSettings, model: Path, name: str, levels: list[int], max_tokens: int,
           port: int, log_dir: Path) -> dict[str, object]:
     direct = asyncio.run(run_direct(settings, model, name, levels, max_tokens))
@@ -129,7 +117,7 @@ def bench(settings: WorkerSettings, model: Path, name: str, levels: list[int], m
         procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT))
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", procs, timeout=120)
+        wait_http(f"{url}/health", procs, timeout=120)
         cpu = time.process_time()
         through = asyncio.run(run_pipeline(url, name, levels, max_tokens))
         client_cpu = time.process_time() - cpu
