@@ -208,7 +208,10 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     signal.signal(signal.SIGTERM, _interrupt)
     infra_up(common, external_db)
     exe = [sys.executable, "-m", "pipeline"]
-    procs = {name: subprocess.Popen([*exe, name]) for name in ("projector", "worker", "gateway")}
+    # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
+    # and one that will not stop is killed with every process it started (vLLM's engine).
+    procs = {name: subprocess.Popen([*exe, name], start_new_session=True)
+             for name in ("projector", "worker", "gateway")}
     base = f"http://{gateway.host}:{gateway.port}"
     try:
         try:
@@ -232,7 +235,8 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
             try:
                 p.wait(timeout=40)
             except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
         infra_down(common)
 
 
