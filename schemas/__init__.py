@@ -3,6 +3,9 @@
 from schemas.events import (
     EVENT_ADAPTER,
     ChatMessage,
+    ClientAttached,
+    ClientDetached,
+    ControlEvent,
     Event,
     EventIds,
     FinishReason,
@@ -13,6 +16,8 @@ from schemas.events import (
     GenerationStarted,
     PromptSubmitted,
     SamplingParams,
+    SessionCreated,
+    SessionDeleted,
     TokenDelta,
     Usage,
 )
@@ -20,6 +25,9 @@ from schemas.events import (
 __all__ = [
     "EVENT_ADAPTER",
     "ChatMessage",
+    "ClientAttached",
+    "ClientDetached",
+    "ControlEvent",
     "Event",
     "EventIds",
     "FinishReason",
@@ -30,6 +38,8 @@ __all__ = [
     "GenerationStarted",
     "PromptSubmitted",
     "SamplingParams",
+    "SessionCreated",
+    "SessionDeleted",
     "TokenDelta",
     "Usage",
 ]

@@ -38,6 +38,8 @@ class SamplingParams(Frozen):
     stop: tuple[str, ...] = ()
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # Generate max_tokens even past end-of-sequence (benchmarks, tests), as vLLM allows.
+    ignore_eos: bool = False
 
 
 class Usage(Frozen):
@@ -77,6 +79,8 @@ class PromptSubmitted(EventBase):
     history_len: int = Field(default=0, ge=0)
     sampling: SamplingParams = SamplingParams()
     idempotency_key: str | None = None
+    # Keep generating when every client has gone away (a client asked for it).
+    background: bool = False
 
     @property
     def reply_seq(self) -> int:
@@ -85,8 +89,37 @@ class PromptSubmitted(EventBase):
 
 
 class GenerationCancelled(EventBase):
+    """Stop the turn now (a client asked to)."""
+
     type: Literal["GenerationCancelled"] = "GenerationCancelled"
     reason: str = "client"
+
+
+class ClientDetached(EventBase):
+    """A client following the turn went away. The worker stops the turn after
+    ``grace_s`` unless some client attaches again first (or the turn is ``background``)."""
+
+    type: Literal["ClientDetached"] = "ClientDetached"
+    attachment: str = Field(min_length=1, max_length=200)
+    grace_s: float = Field(ge=0)
+
+
+class ClientAttached(EventBase):
+    """A client (re)attached to a running turn, possibly through another gateway."""
+
+    type: Literal["ClientAttached"] = "ClientAttached"
+    attachment: str = Field(min_length=1, max_length=200)
+
+
+class SessionCreated(EventBase):
+    type: Literal["SessionCreated"] = "SessionCreated"
+    title: str | None = Field(default=None, max_length=200)
+
+
+class SessionDeleted(EventBase):
+    """The session is gone: the store forgets its messages, the gateway refuses it."""
+
+    type: Literal["SessionDeleted"] = "SessionDeleted"
 
 
 class GenerationStarted(EventBase):
@@ -130,6 +163,10 @@ class GenerationFailed(EventBase):
 Event = Annotated[
     PromptSubmitted
     | GenerationCancelled
+    | ClientDetached
+    | ClientAttached
+    | SessionCreated
+    | SessionDeleted
     | GenerationStarted
     | TokenDelta
     | GenerationFinished
@@ -140,3 +177,7 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 # What chat.generations carries.
 GenerationEvent = GenerationStarted | TokenDelta | GenerationFinished | GenerationFailed
+# What chat.prompts carries besides prompts: facts about a turn or a session.
+ControlEvent = (
+    GenerationCancelled | ClientDetached | ClientAttached | SessionCreated | SessionDeleted
+)
