@@ -13,12 +13,15 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from schemas import (
+    ClientAttached,
+    ClientDetached,
     Event,
-    GenerationCancelled,
     GenerationFailed,
     GenerationFinished,
     GenerationStarted,
     PromptSubmitted,
+    SessionCreated,
+    SessionDeleted,
     TokenDelta,
 )
 
@@ -26,7 +29,7 @@ from schemas import (
 @dataclass(frozen=True)
 class Write:
     sql: str
-    params: tuple[Any, ...]
+    params: tuple[Any, ...] | dict[str, Any]
 
 
 TITLE_CHARS = 80
@@ -40,24 +43,41 @@ _UPSERT_CONVERSATION = """
 INSERT INTO conversations (id, tenant, title, created_at, updated_at)
 VALUES (%s, %s, %s, %s, %s)
 ON CONFLICT (id) DO UPDATE SET
-    title = COALESCE(conversations.title, EXCLUDED.title),
+    title = CASE WHEN conversations.deleted THEN NULL
+                 ELSE COALESCE(conversations.title, EXCLUDED.title) END,
     created_at = LEAST(conversations.created_at, EXCLUDED.created_at),
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
 """
 
+# A deleted session takes no more messages, whichever topic is read first.
 _INSERT_MESSAGE = """
 INSERT INTO messages (conversation_id, seq, role, content, request_id, created_at)
-VALUES (%s, %s, %s, %s, %s, %s)
+SELECT %(conv)s, %(seq)s, %(role)s, %(content)s, %(request_id)s, %(at)s
+WHERE NOT EXISTS (SELECT 1 FROM conversations WHERE id = %(conv)s AND deleted)
 ON CONFLICT (conversation_id, seq) DO NOTHING
 """
 
+_DELETE_CONVERSATION = """
+INSERT INTO conversations (id, tenant, title, created_at, updated_at, deleted)
+VALUES (%s, %s, NULL, %s, %s, true)
+ON CONFLICT (id) DO UPDATE SET
+    deleted = true,
+    title = NULL,
+    updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
+"""
+
+_DELETE_MESSAGES = "DELETE FROM messages WHERE conversation_id = %s"
+
 _PROMPT_GENERATION = """
-INSERT INTO generations (request_id, conversation_id, tenant, model, sampling, status, submitted_at)
-VALUES (%s, %s, %s, %s, %s, 'pending', %s)
+INSERT INTO generations (request_id, conversation_id, tenant, model, sampling, status,
+    submitted_at, idempotency_key, background)
+VALUES (%s, %s, %s, %s, %s, 'pending', %s, %s, %s)
 ON CONFLICT (request_id) DO UPDATE SET
     model = EXCLUDED.model,
     sampling = EXCLUDED.sampling,
-    submitted_at = EXCLUDED.submitted_at
+    submitted_at = EXCLUDED.submitted_at,
+    idempotency_key = EXCLUDED.idempotency_key,
+    background = EXCLUDED.background
 """
 
 _STARTED_GENERATION = """
@@ -100,39 +120,43 @@ ON CONFLICT (request_id) DO UPDATE SET
 """
 
 
-def _title(event: PromptSubmitted) -> str | None:
-    if event.history_len:
+def _title(event: Event) -> str | None:
+    if isinstance(event, SessionCreated):
+        text = event.title or ""
+    elif isinstance(event, PromptSubmitted) and not event.history_len:
+        text = next((m.content for m in event.messages if m.role == "user"), "")
+    else:
         return None
-    first_user = next((m.content for m in event.messages if m.role == "user"), "")
-    title = " ".join(storable(first_user).split())
-    return title[:TITLE_CHARS] or None
+    return " ".join(storable(text).split())[:TITLE_CHARS] or None
+
+
+def _message(conv: object, seq: int, role: str, content: str, request_id: str,
+             at: object) -> Write:
+    return Write(_INSERT_MESSAGE, {"conv": conv, "seq": seq, "role": role,
+                                   "content": storable(content), "request_id": request_id,
+                                   "at": at})
 
 
 def project(event: Event) -> list[Write]:
     """The writes that make the store reflect ``event``."""
-    if isinstance(event, TokenDelta):
-        return []  # deltas live in the log; the store keeps whole messages
+    if isinstance(event, (TokenDelta, ClientAttached, ClientDetached)):
+        return []  # deltas live in the log (the store keeps whole messages); so do attachments
     at = event.occurred_at
     conv = event.conversation_id
-    writes = [
-        Write(
-            _UPSERT_CONVERSATION,
-            (conv, event.tenant, _title(event) if isinstance(event, PromptSubmitted) else None,
-             at, at),
-        )
-    ]
+    if isinstance(event, SessionDeleted):
+        return [Write(_DELETE_CONVERSATION, (conv, event.tenant, at, at)),
+                Write(_DELETE_MESSAGES, (conv,))]
+    writes = [Write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at))]
     if isinstance(event, PromptSubmitted):
         for seq in range(event.history_len, len(event.messages)):
             msg = event.messages[seq]
-            writes.append(
-                Write(_INSERT_MESSAGE,
-                      (conv, seq, msg.role, storable(msg.content), event.request_id, at))
-            )
+            writes.append(_message(conv, seq, msg.role, msg.content, event.request_id, at))
         writes.append(
             Write(
                 _PROMPT_GENERATION,
                 (event.request_id, conv, event.tenant, event.model,
-                 Jsonb(event.sampling.model_dump(mode="json")), at),
+                 Jsonb(event.sampling.model_dump(mode="json")), at, event.idempotency_key,
+                 event.background),
             )
         )
     elif isinstance(event, GenerationStarted):
@@ -145,12 +169,8 @@ def project(event: Event) -> list[Write]:
         )
     elif isinstance(event, GenerationFinished):
         status = "cancelled" if event.finish_reason == "abort" else "finished"
-        writes.append(
-            Write(
-                _INSERT_MESSAGE,
-                (conv, event.reply_seq, "assistant", storable(event.text), event.request_id, at),
-            )
-        )
+        writes.append(_message(conv, event.reply_seq, "assistant", event.text,
+                               event.request_id, at))
         writes.append(
             Write(
                 _FINISHED_GENERATION,
@@ -167,6 +187,6 @@ def project(event: Event) -> list[Write]:
                  storable(event.message), at),
             )
         )
-    elif isinstance(event, GenerationCancelled):
-        pass  # a request to stop; the worker's GenerationFinished(abort) records the outcome
+    # GenerationCancelled asks to stop; the worker's GenerationFinished(abort) records the
+    # outcome. SessionCreated only makes the conversation row.
     return writes
