@@ -9,6 +9,18 @@ from dataclasses import dataclass
 PROMPTS = "chat.prompts"
 GENERATIONS = "chat.generations"
 DEADLETTER = "chat.deadletter"
+# The workers' consumer group. Each worker's client id names the model it serves, so
+# anyone can tell from the group's live members which models are served.
+WORKERS_GROUP = "workers"
+_WORKER_CLIENT = "chat-worker/"
+
+
+def worker_client_id(model: str) -> str:
+    return _WORKER_CLIENT + model
+
+
+def served_model(client_id: str) -> str | None:
+    return client_id[len(_WORKER_CLIENT):] if client_id.startswith(_WORKER_CLIENT) else None
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ class VllmEngine:
             "stop": list(s.stop) or None,
             "seed": s.seed,
             "n": s.n,
+            "ignore_eos": s.ignore_eos,
             "output_kind": RequestOutputKind.DELTA,
         }
         for name in ("temperature", "top_p", "top_k"):

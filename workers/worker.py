@@ -4,6 +4,11 @@
   continuously; fetching pauses while ``max_num_seqs`` generations are in flight.
 * A prompt's offset is committed only once its generation's terminal event is
   durable (the low watermark of in-flight offsets per partition).
+* Clients come and go: ``ClientDetached`` starts a grace period after which the turn
+  is stopped unless a ``ClientAttached`` arrives first (``background`` turns never
+  stop for that); ``GenerationCancelled`` stops it at once; ``SessionDeleted`` stops
+  every turn of the session. These facts are in the log, so a worker taking over
+  sees them too.
 * Takeover: a worker handed a partition first reads what earlier owners left in
   the log (``workers.recovery``). Turns that ended are not run again; unfinished
   ones continue after their emitted tokens, under the next ``attempt``, with
@@ -18,15 +23,19 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import AsyncConsumer, EventProducer, KafkaException, Record, scan_partitions
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import GENERATIONS, PROMPTS, WORKERS_GROUP, worker_client_id
 from schemas import (
+    ClientAttached,
+    ClientDetached,
     EventIds,
     FinishReason,
     GenerationCancelled,
@@ -34,6 +43,7 @@ from schemas import (
     GenerationFinished,
     GenerationStarted,
     PromptSubmitted,
+    SessionDeleted,
     TokenDelta,
     Usage,
 )
@@ -42,10 +52,13 @@ from workers.offsets import OffsetTracker
 from workers.recovery import Recovered, fold
 
 log = logging.getLogger(__name__)
-GROUP = "workers"
+GROUP = WORKERS_GROUP
 COMMIT_INTERVAL_S = 0.1
 TP = tuple[str, int]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Turns that ended here, remembered so a re-submitted prompt (an idempotent retry
+# racing its original) is not run twice.
+ENDED_MEMORY = 100_000
 
 
 class WorkerMetrics:
@@ -84,6 +97,10 @@ class WorkerMetrics:
 class InFlight:
     tp: TP
     task: asyncio.Task[None]
+    prompt: PromptSubmitted
+    # The clients following the turn; the original request is attached from the start.
+    attached: set[str] = field(default_factory=set)
+    grace: asyncio.Task[None] | None = None
     cancelled: bool = False
 
 
@@ -118,8 +135,10 @@ class Worker:
         self.in_flight: dict[str, InFlight] = {}
         self.peak_in_flight = 0
         self.recovered: dict[str, Recovered] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics(registry, self)
         self._slot_freed = asyncio.Event()
+        self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fatal: BaseException | None = None
         self._producer: EventProducer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,6 +158,7 @@ class Worker:
         found = {rid: rec if not rec.ended else Recovered(rec.attempt, True)
                  for rid, rec in fold(events).items() if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
+        self._assignments += 1
         self.metrics.assigned.set(len(partitions))
         unfinished = sum(not r.ended for r in found.values())
         log.info("assigned %s; %d recent turns in the log, %d unfinished",
@@ -172,26 +192,32 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._producer = EventProducer(self.bootstrap)
         consumer = AsyncConsumer(self.bootstrap, GROUP,
-                                 **{"session.timeout.ms": self.session_timeout_ms})
+                                 **{"session.timeout.ms": self.session_timeout_ms,
+                                    "client.id": worker_client_id(self.engine.model_name)})
         consumer.subscribe([PROMPTS], on_assign=self._on_assign,
                            on_revoke=lambda tps: self._on_revoke(consumer, tps))
-        paused = False
+        paused: bool | None = None  # as applied to the assignment of version `applied`
+        applied = -1
         last_commit = 0.0
         try:
             while not stop.is_set() and self._fatal is None:
                 free = self.engine.max_num_seqs - len(self.in_flight)
-                if free <= 0 and not paused:
-                    await consumer.call(consumer.pause_all_sync)
-                    paused = True
-                elif free > 0 and paused:
-                    await consumer.call(consumer.resume_all_sync)
-                    paused = False
+                # A new assignment may hold partitions paused before a rebalance, or
+                # none paused while the engine is full: set the state anew each time.
+                if (free <= 0) != paused or applied != self._assignments:
+                    applied = self._assignments
+                    paused = free <= 0
+                    await consumer.call(consumer.pause_all_sync if paused
+                                        else consumer.resume_all_sync)
                 if paused:
                     self._slot_freed.clear()
                     try:
                         await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
                     except TimeoutError:
-                        await consumer.poll_batch(1, 0)  # serve rebalances while paused
+                        # Serve rebalances while paused. A record can still arrive (from
+                        # a partition just assigned): take it, never drop it.
+                        for record in await consumer.poll_batch(1, 0):
+                            await self._take(record)
                 else:
                     for record in await consumer.poll_batch(free, 0.05):
                         await self._take(record)
@@ -238,25 +264,49 @@ class Worker:
             self.tracker.done(tp, offset)
             return
         if isinstance(event, PromptSubmitted):
-            rec = self.recovered.pop(event.request_id, None)
-            if rec is not None and rec.ended:
-                self.tracker.done(tp, offset)  # it ended before its offset was committed
-                return
-            if event.request_id in self.in_flight:
-                self.tracker.done(tp, offset)  # a redelivery of a turn we are running
-                return
-            progress = Progress.resumed(rec) if rec is not None else Progress()
-            task = asyncio.create_task(self._generate(event, tp, offset, progress))
-            self.in_flight[event.request_id] = InFlight(tp, task)
-            self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
-            self.metrics.in_flight_peak.set(self.peak_in_flight)
+            self._start(event, tp, offset)
             return
-        if isinstance(event, GenerationCancelled):
-            flight = self.in_flight.get(event.request_id)
-            if flight is not None and not flight.cancelled:
-                flight.cancelled = True
-                await self.engine.abort(event.request_id)
+        flight = self.in_flight.get(event.request_id)
+        if isinstance(event, GenerationCancelled) and flight is not None:
+            await self._cancel(flight)
+        elif isinstance(event, ClientDetached) and flight is not None:
+            flight.attached.discard(event.attachment)
+            if not flight.attached and not flight.prompt.background and flight.grace is None:
+                age = (datetime.now(UTC) - event.occurred_at).total_seconds()
+                flight.grace = asyncio.create_task(
+                    self._cancel(flight, after_s=max(event.grace_s - age, 0.0)))
+        elif isinstance(event, ClientAttached) and flight is not None:
+            flight.attached.add(event.attachment)
+            if flight.grace is not None:
+                flight.grace.cancel()
+                flight.grace = None
+        elif isinstance(event, SessionDeleted):
+            for other in list(self.in_flight.values()):
+                if other.prompt.conversation_id == event.conversation_id:
+                    await self._cancel(other)
         self.tracker.done(tp, offset)
+
+    def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> None:
+        rid = prompt.request_id
+        rec = self.recovered.pop(rid, None)
+        if (rec is not None and rec.ended) or rid in self.ended or rid in self.in_flight:
+            # It ended before its offset was committed, or it is a re-submission of a
+            # turn that ended or is running here: either way, not run twice.
+            self.tracker.done(tp, offset)
+            return
+        progress = Progress.resumed(rec) if rec is not None else Progress()
+        task = asyncio.create_task(self._generate(prompt, tp, offset, progress))
+        self.in_flight[rid] = InFlight(tp, task, prompt, attached={rid})
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        self.metrics.in_flight_peak.set(self.peak_in_flight)
+
+    async def _cancel(self, flight: InFlight, after_s: float = 0.0) -> None:
+        if after_s:
+            await asyncio.sleep(after_s)
+            log.info("no client came back for %s: stopping it", flight.prompt.request_id)
+        if not flight.cancelled:
+            flight.cancelled = True
+            await self.engine.abort(flight.prompt.request_id)
 
     # -- one generation ------------------------------------------------------
     async def _generate(
@@ -354,8 +404,14 @@ class Worker:
             self.tracker.done(tp, offset)
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
-        self._forget(prompt.request_id)
+        self._forget(prompt.request_id, ended=True)
 
-    def _forget(self, request_id: str) -> None:
-        self.in_flight.pop(request_id, None)
+    def _forget(self, request_id: str, ended: bool = False) -> None:
+        flight = self.in_flight.pop(request_id, None)
+        if flight is not None and flight.grace is not None:
+            flight.grace.cancel()
+        if ended:
+            self.ended[request_id] = None
+            while len(self.ended) > ENDED_MEMORY:
+                self.ended.popitem(last=False)
         self._slot_freed.set()
