@@ -36,7 +36,8 @@ from schemas import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-__all__ = ["AsyncConsumer", "EventProducer", "KafkaException", "ProduceError", "Record"]
+__all__ = ["AsyncConsumer", "EventProducer", "GroupStatus", "KafkaException", "ProduceError",
+           "Record"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,10 @@ def _resolve(future: asyncio.Future[Position], result: Position | BaseException)
 
 
 TP = tuple[str, int]
+# librdkafka adds a newly assigned partition to its fetches only once the long poll in
+# flight returns (``fetch.wait.max.ms``, 500 ms by default). Consumers whose assignment
+# changes while a client waits keep that poll short.
+QUICK_ASSIGN = {"fetch.wait.max.ms": 10}
 # Given the partitions just assigned, the offsets to start them at (None: the committed ones).
 OnAssign = Callable[[list[TP]], dict[TP, int] | None]
 OnRevoke = Callable[[list[TP]], None]
@@ -271,18 +276,81 @@ class AsyncConsumer:
             raise KafkaException(info.error if info else f"no topic {topic}")
         return sorted(info.partitions)
 
-    def assign_at_end_sync(self, topic: str) -> dict[int, int]:
-        """Read every partition of ``topic`` from its current end (concrete offsets,
-        so nothing produced after this call can be missed); return those offsets."""
-        ends = {p: self.watermarks_sync(topic, p)[1] for p in self.partitions_sync(topic)}
-        self._consumer.assign([TopicPartition(topic, p, o) for p, o in ends.items()])
-        return ends
+    def add_partitions_sync(self, starts: dict[TP, int]) -> None:
+        """Also read these partitions, each from the given offset (the rest keep their place)."""
+        self._consumer.incremental_assign(
+            [TopicPartition(t, p, o) for (t, p), o in starts.items()])
+
+    def drop_partitions_sync(self, partitions: list[TP]) -> None:
+        self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
+
+    def read_range_sync(
+        self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0
+    ) -> list[Record]:
+        """The records of one partition from ``start`` up to (not including) ``end``."""
+        if start >= end:
+            return []
+        tp = TopicPartition(topic, partition, start)
+        self._consumer.assign([tp])
+        records: list[Record] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                batch = _poll(self._consumer, 5000, 0.2)
+                records += [r for r in batch if r.position.offset < end]
+                if batch and batch[-1].position.offset + 1 >= end:
+                    return records
+                if not batch and self._consumer.position([tp])[0].offset >= end:
+                    return records  # the range ends in offsets that hold no record
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"reading {topic}/{partition} [{start}, {end}) timed out")
+        finally:
+            self._consumer.unassign()
+
+    def offset_for_time_sync(self, topic: str, partition: int, ms: int,
+                             timeout: float = 10.0) -> int:
+        """The first offset at or after time ``ms`` (the end of the partition if none)."""
+        found = self._consumer.offsets_for_times([TopicPartition(topic, partition, ms)],
+                                                 timeout=timeout)[0]
+        if found.offset >= 0:
+            return int(found.offset)
+        return self.watermarks_sync(topic, partition)[1]
 
     async def close(self) -> None:
         try:
             await self.call(self._consumer.close)
         finally:
             self._executor.shutdown(wait=True)
+
+
+class GroupStatus:
+    """A consumer group seen from outside, without joining it: how far it is behind the
+    end of a topic (its committed offsets), and its live members' client ids."""
+
+    def __init__(self, bootstrap: str, group: str) -> None:
+        self._group = group
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                                   "enable.auto.commit": False})
+        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+
+    def client_ids(self, timeout: float = 5.0) -> list[str]:
+        futures = self._admin.describe_consumer_groups([self._group], request_timeout=timeout)
+        return [m.client_id for m in futures[self._group].result().members]
+
+    def per_partition(self, topic: str, timeout: float = 5.0) -> dict[int, tuple[int, int]]:
+        """Per partition: (committed offset, end offset); a partition the group never
+        committed counts from its start."""
+        meta = self._consumer.list_topics(topic, timeout=timeout).topics[topic]
+        parts = [TopicPartition(topic, p) for p in sorted(meta.partitions)]
+        out = {}
+        for tp in self._consumer.committed(parts, timeout=timeout):
+            low, high = self._consumer.get_watermark_offsets(tp, timeout=timeout)
+            committed = tp.offset if tp.offset >= 0 else low
+            out[tp.partition] = (int(committed), int(high))
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()
 
 
 def scan_partitions(

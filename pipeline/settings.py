@@ -40,6 +40,19 @@ class GatewaySettings(BaseSettings):
     max_tokens_limit: int = Field(default=32_768, ge=1)
     # The model names the workers serve, comma-separated (what /v1/models lists).
     models: str = "tiny-random-llama"
+    # When every client of a turn has gone away, the worker stops it after this long
+    # unless one comes back (through any gateway). Requests with "background": true
+    # keep running regardless.
+    cancel_grace_s: float = Field(default=10.0, ge=0)
+    # Admission: refuse new turns (429) while the workers' backlog (prompts accepted but
+    # not finished, running ones included) is over this bound.
+    max_backlog: int = Field(default=2048, ge=1)
+    # A slow client's stream is dropped past this many queued events or bytes of text
+    # (consecutive deltas merge first); it resumes with Last-Event-ID.
+    stream_max_items: int = Field(default=1000, ge=8)
+    stream_max_bytes: int = Field(default=4_000_000, ge=1024)
+    # Stop reading a generations partition this long after its last stream ended.
+    tail_linger_s: float = Field(default=60.0, ge=0)
 
 
 class WorkerSettings(BaseSettings):
