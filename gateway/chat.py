@@ -1,28 +1,43 @@
-"""A chat turn: accept it durably, then follow its generation in the log."""
+"""A chat turn: accept it durably, then follow its generation in the log.
+
+A client follows a turn through a ``Following``: the turn's events already in the
+log (read once, when it attaches late or resumes), then the live ones from the
+process's fan-out. A stream that ends before its turn does publishes
+``ClientDetached``; the worker stops the turn after the grace period unless a
+client attaches again (``ClientAttached``), through any gateway.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway import openai_api
+from gateway.cursor import Cursor, failure_error, sse
 from gateway.errors import APIError
+from gateway.fleet import Fleet
+from gateway.ids import completion_id, conversation_of, idempotent_conversation
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatRequest
-from gateway.sessions import SessionStore
-from gateway.tail import Delivered, GenerationTail
-from pipeline.codec import Position
+from gateway.store import ConversationStore
+from gateway.tail import Delivered, GenerationTail, Overflow, Subscription
+from gateway.view import ConversationView, TurnState
+from pipeline.codec import DecodeError, Position, decode
 from pipeline.kafka import EventProducer
 from pipeline.settings import GatewaySettings
-from pipeline.topics import PROMPTS
+from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
+    ClientAttached,
+    ClientDetached,
+    Event,
     GenerationCancelled,
+    GenerationEvent,
     GenerationFailed,
     GenerationFinished,
     GenerationStarted,
@@ -31,44 +46,50 @@ from schemas import (
 )
 
 log = logging.getLogger(__name__)
-
-# Failures caused by the request itself; the client gets a 400 for them.
-CLIENT_FAILURES = {"context_length_exceeded", "invalid_sampling_params", "invalid_request"}
+# Worker and gateway clocks may differ: read a turn's events from this long before
+# its prompt's time when replaying it from the start.
+CLOCK_SKEW_MS = 5_000
 
 
 @dataclass
-class Turn:
-    """An accepted turn whose generation the gateway is following."""
+class Following:
+    """One client following one turn."""
 
-    prompt: PromptSubmitted
-    queue: asyncio.Queue[Delivered]
-    created: int = field(default_factory=lambda: int(time.time()))
-    accepted_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def id(self) -> str:
-        return self.prompt.request_id
+    completion_id: str
+    conversation_id: uuid.UUID
+    tenant: str
+    created: int
+    model: str
+    sub: Subscription
+    history: list[Delivered]
+    attachment: str
+    resume_after: int | None = None
+    accepted_at: float = 0.0
 
 
 class ChatService:
     def __init__(
-        self,
-        settings: GatewaySettings,
-        producer: EventProducer,
-        tail: GenerationTail,
-        sessions: SessionStore,
-        metrics: GatewayMetrics,
-        models: list[str],
+        self, settings: GatewaySettings, producer: EventProducer, tail: GenerationTail,
+        store: ConversationStore, fleet: Fleet, metrics: GatewayMetrics,
+        configured_models: list[str],
     ) -> None:
         self.settings = settings
         self.producer = producer
         self.tail = tail
-        self.sessions = sessions
+        self.store = store
+        self.fleet = fleet
         self.metrics = metrics
-        self.models = models
+        self.configured_models = configured_models
+        self._open: Counter[uuid.UUID] = Counter()  # conversations with an open stream
+
+    @property
+    def models(self) -> list[str]:
+        """The models live workers serve; before any worker is up, the configured ones
+        (requests for them wait in the log for a worker)."""
+        return sorted(self.fleet.models) or self.configured_models
 
     def check_limits(self, request: ChatRequest) -> None:
-        if request.model not in self.models:
+        if request.model not in self.fleet.models and request.model not in self.configured_models:
             raise APIError(404, f"The model '{request.model}' does not exist.",
                            code="model_not_found", param="model")
         if len(request.messages) > self.settings.max_messages:
@@ -79,133 +100,227 @@ class ChatService:
             raise APIError(400, f"max_tokens is at most {self.settings.max_tokens_limit}.",
                            code="invalid_value", param="max_tokens")
 
-    async def accept(
-        self, request: ChatRequest, session: uuid.UUID | None, tenant: str,
-        idempotency_key: str | None,
-    ) -> Turn:
-        """Write the turn's PromptSubmitted and return once Kafka has acknowledged it."""
+    async def visible_view(self, conversation_id: uuid.UUID, tenant: str) -> ConversationView:
+        view = await self.store.view(conversation_id)
+        if not view.visible_to(tenant):
+            raise APIError(404, f"No session found with id '{conversation_id}'.",
+                           code="session_not_found", param="session_id")
+        return view
+
+    # -- a new turn -------------------------------------------------------------
+    async def accept(self, request: ChatRequest, session: uuid.UUID | None, tenant: str,
+                     idempotency_key: str | None) -> Following:
+        """Write the turn's PromptSubmitted; return once Kafka acknowledged it. With an
+        idempotency key that was used before, follow the original turn instead."""
         self.check_limits(request)
-        history = await self.sessions.history(session, tenant) if session else []
+        key = idempotency_key
+        conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
+        request_id = completion_id(conversation, tenant, key)
+        history = []
+        if session is not None or key is not None:
+            view = await self.store.view(conversation)
+            turn = view.turns.get(request_id) if key is not None else None
+            if turn is not None and view.visible_to(tenant):
+                self.metrics.idempotent_replays.inc()
+                return await self.attach_turn(view, turn, tenant, None)
+            if session is not None:
+                if not view.visible_to(tenant):
+                    raise APIError(404, f"No session found with id '{session}'.",
+                                   code="session_not_found", param="session_id")
+                busy = view.busy()
+                if busy is not None:
+                    raise APIError(409, f"The session's previous turn ({busy.request_id}) is "
+                                   "still generating; wait for it to finish.",
+                                   code="turn_in_progress")
+                history = view.history()
+        self.fleet.admit()
         prompt = PromptSubmitted(
-            conversation_id=session or uuid.uuid4(),
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
-            tenant=tenant,
-            model=request.model,
-            messages=(*history, *(m.to_event() for m in request.messages)),
-            history_len=len(history),
-            sampling=request.sampling(),
-            idempotency_key=idempotency_key,
+            conversation_id=conversation, request_id=request_id, tenant=tenant,
+            model=request.model, messages=(*history, *(m.to_event() for m in request.messages)),
+            history_len=len(history), sampling=request.sampling(), idempotency_key=key,
+            background=request.background,
         )
-        # Subscribe before producing, so no event of this turn can pass unseen.
-        turn = Turn(prompt, self.tail.subscribe(prompt.request_id))
+        # Follow before producing, so no event of this turn can pass unseen.
+        sub = await self.tail.follow(request_id, _key(conversation),
+                                     self.store.partition_of(conversation))
         try:
             await asyncio.wait_for(self.producer.send(PROMPTS, prompt), timeout=15)
         except Exception as exc:
-            self.tail.unsubscribe(prompt.request_id)
-            log.error("could not write prompt %s: %s", prompt.request_id, exc)
+            self.tail.unfollow(sub)
+            log.error("could not write prompt %s: %s", request_id, exc)
             raise APIError(503, "The log is unavailable; the request was not accepted.",
                            code="log_unavailable", headers={"Retry-After": "2"}) from exc
         self.metrics.accepted.inc()
-        return turn
+        return Following(request_id, conversation, tenant, int(prompt.occurred_at.timestamp()),
+                         prompt.model, sub, [], attachment=request_id,
+                         accepted_at=time.monotonic())
 
-    def cancel(self, turn: Turn, reason: str) -> None:
-        event = GenerationCancelled(conversation_id=turn.prompt.conversation_id,
-                                    request_id=turn.id, tenant=turn.prompt.tenant, reason=reason)
-        self.producer.send(PROMPTS, event).add_done_callback(_log_failure)
+    # -- an existing turn ---------------------------------------------------------
+    async def find_turn(self, completion: str,
+                        tenant: str) -> tuple[ConversationView, TurnState]:
+        view = await self.store.view(conversation_of(completion))
+        turn = view.turns.get(completion)
+        if turn is None or not view.visible_to(tenant):
+            raise APIError(404, f"No chat completion found with id '{completion}'.",
+                           code="completion_not_found")
+        return view, turn
 
-    async def _events(self, turn: Turn) -> AsyncIterator[Delivered]:
-        """The turn's generation events in order, each once, until a terminal one."""
-        deadline = turn.accepted_at + self.settings.generation_timeout_s
-        next_seq = 0
+    async def attach(self, completion: str, tenant: str,
+                     last_event_id: tuple[int, int] | None) -> Following:
+        """Follow a running or finished turn, after ``last_event_id`` if given."""
+        view, turn = await self.find_turn(completion, tenant)
+        return await self.attach_turn(view, turn, tenant, last_event_id)
+
+    async def attach_turn(self, view: ConversationView, turn: TurnState, tenant: str,
+                          last_event_id: tuple[int, int] | None) -> Following:
+        conversation = uuid.UUID(str(view.id))
+        partition = self.store.partition_of(conversation)
+        if last_event_id is not None and last_event_id[0] != partition:
+            raise APIError(400, "Last-Event-ID does not name an event of this stream.",
+                           code="invalid_last_event_id", param="Last-Event-ID")
+        sub = await self.tail.follow(turn.request_id, _key(conversation), partition)
+        try:
+            if last_event_id is not None:
+                start = last_event_id[1]
+            else:
+                since = int(turn.submitted_at.timestamp() * 1000) if turn.submitted_at else 0
+                start = await self.store.reader.call(
+                    self.store.reader.offset_for_time_sync, GENERATIONS, partition,
+                    since - CLOCK_SKEW_MS)
+            records = await self.store.reader.call(
+                self.store.reader.read_range_sync, GENERATIONS, partition, start, sub.start)
+            history = [Delivered(r.position, event) for r, event in _decoded(records, conversation)
+                       if event.request_id == turn.request_id]
+            if last_event_id is not None and start < sub.start and (
+                    not history or history[0].position.offset != start):
+                raise APIError(400, "Last-Event-ID does not name an event of this stream.",
+                               code="invalid_last_event_id", param="Last-Event-ID")
+            attachment = uuid.uuid4().hex
+            ended = any(isinstance(d.event, (GenerationFinished, GenerationFailed))
+                        for d in history)
+            if not ended:
+                await self.producer.send(PROMPTS, ClientAttached(
+                    conversation_id=conversation, request_id=turn.request_id, tenant=tenant,
+                    attachment=attachment))
+        except BaseException:
+            self.tail.unfollow(sub)
+            raise
+        created = int(turn.submitted_at.timestamp()) if turn.submitted_at else 0
+        return Following(turn.request_id, conversation, tenant, created, turn.model or "",
+                         sub, history, attachment,
+                         last_event_id[1] if last_event_id is not None else None)
+
+    async def cancel(self, completion: str, tenant: str) -> str:
+        """Ask the worker to stop a turn now; return the turn's status before that."""
+        view, turn = await self.find_turn(completion, tenant)
+        if turn.status in ("pending", "running"):
+            await self.producer.send(PROMPTS, GenerationCancelled(
+                conversation_id=uuid.UUID(str(view.id)), request_id=completion, tenant=tenant,
+                reason="client request"))
+        return turn.status
+
+    # -- following ----------------------------------------------------------------
+    async def _events(self, f: Following) -> AsyncIterator[Delivered]:
+        """The turn's events: those read from the log, then the live ones."""
+        for item in f.history:
+            yield item
+        deadline = time.monotonic() + self.settings.generation_timeout_s
         while True:
-            remaining = deadline - time.monotonic()
             try:
-                delivered = await asyncio.wait_for(turn.queue.get(), timeout=max(remaining, 0))
+                item = await asyncio.wait_for(f.sub.get(),
+                                              timeout=max(deadline - time.monotonic(), 0))
             except TimeoutError:
                 raise APIError(504, "The generation did not finish in time.",
                                code="generation_timeout") from None
-            event = delivered.event
-            if isinstance(event, TokenDelta):
-                if event.seq < next_seq:
-                    continue  # a redelivered duplicate
-                if event.seq > next_seq:
-                    log.error("gap in %s: expected seq %d, got %d", turn.id, next_seq, event.seq)
-                next_seq = event.seq + 1
-            yield delivered
-            if isinstance(event, (GenerationFinished, GenerationFailed)):
-                return
+            yield item
 
-    async def collect(self, turn: Turn) -> dict[str, Any]:
-        """Wait for the whole reply (non-streaming)."""
-        try:
-            async for delivered in self._events(turn):
-                event = delivered.event
-                if isinstance(event, GenerationFinished):
-                    self._observe(turn, event)
-                    return openai_api.completion(turn.id, turn.created, turn.prompt.model,
-                                                 event.text, event.finish_reason, event.usage)
-                if isinstance(event, GenerationFailed):
-                    raise _failure_error(event)
-        finally:
-            self.tail.unsubscribe(turn.id)
-        raise AssertionError("unreachable")
+    def _observe(self, f: Following, item: Delivered) -> None:
+        event = item.event
+        if isinstance(event, GenerationStarted) and event.attempt == 0 and f.accepted_at:
+            self.metrics.ttft.observe(time.monotonic() - f.accepted_at)
+        elif isinstance(event, TokenDelta):
+            self.metrics.streamed_tokens.inc(len(event.token_ids) or 1)
+        elif isinstance(event, GenerationFinished) and f.accepted_at:
+            self.metrics.latency.observe(time.monotonic() - f.accepted_at)
 
-    async def stream(self, turn: Turn, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """The reply as SSE events of OpenAI chunks, ending with ``[DONE]``."""
-        model = turn.prompt.model
-        ended = False
+    async def stream(self, f: Following, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        """The turn as SSE events of OpenAI chunks, ending with ``[DONE]``."""
+        cursor = Cursor(f.completion_id, f.created, f.model, include_usage, f.resume_after)
         self.metrics.active_streams.inc()
+        self._open[f.conversation_id] += 1
+        self.metrics.active_sessions.set(len(self._open))
+        complete = True
         try:
-            yield _sse(openai_api.chunk(turn.id, turn.created, model,
-                                        {"role": "assistant", "content": ""}))
-            async for delivered in self._events(turn):
-                event = delivered.event
-                if isinstance(event, TokenDelta):
-                    if event.text:
-                        yield _sse(openai_api.chunk(turn.id, turn.created, model,
-                                                    {"content": event.text}), delivered.position)
-                elif isinstance(event, GenerationFinished):
-                    self._observe(turn, event)
-                    reason = openai_api.FINISH_REASONS.get(event.finish_reason, "stop")
-                    yield _sse(openai_api.chunk(turn.id, turn.created, model, {}, reason),
-                               delivered.position)
-                    if include_usage:
-                        yield _sse(openai_api.usage_chunk(turn.id, turn.created, model,
-                                                          event.usage))
-                elif isinstance(event, GenerationFailed):
-                    yield _sse(_failure_error(event).body(), delivered.position)
-                elif isinstance(event, GenerationStarted):
-                    self.metrics.ttft.observe(time.monotonic() - turn.accepted_at)
-            ended = True
-        except APIError as exc:
-            ended = True
-            yield _sse(exc.body())
+            try:
+                async for item in self._events(f):
+                    self._observe(f, item)
+                    for out in cursor.feed(item):
+                        yield out
+                    if cursor.done:
+                        break
+            except APIError as exc:
+                yield sse(exc.body())
+            except Overflow:
+                complete = False  # the client reconnects with its Last-Event-ID
+                yield sse(APIError(503, "The stream fell too far behind and was dropped; "
+                                   "reconnect with Last-Event-ID to continue.",
+                                   code="stream_lagging").body())
         finally:
             self.metrics.active_streams.dec()
-            self.tail.unsubscribe(turn.id)
-            if not ended:
-                self.cancel(turn, "client disconnected")
-        yield {"data": "[DONE]"}
+            self._open[f.conversation_id] -= 1
+            if self._open[f.conversation_id] <= 0:
+                del self._open[f.conversation_id]
+            self.metrics.active_sessions.set(len(self._open))
+            self.tail.unfollow(f.sub)
+            if not cursor.done:
+                self._detach(f)
+        if complete:
+            yield {"data": "[DONE]"}
 
-    def _observe(self, turn: Turn, event: GenerationFinished) -> None:
-        self.metrics.latency.observe(time.monotonic() - turn.accepted_at)
-        self.metrics.completion_tokens.inc(event.usage.completion_tokens)
+    async def collect(self, f: Following) -> dict[str, Any]:
+        """Wait for the whole reply (non-streaming)."""
+        try:
+            async for item in self._events(f):
+                self._observe(f, item)
+                event = item.event
+                if isinstance(event, GenerationFinished):
+                    return openai_api.completion(f.completion_id, f.created, f.model,
+                                                 event.text, event.finish_reason, event.usage)
+                if isinstance(event, GenerationFailed):
+                    raise failure_error(event)
+        except Overflow:  # only a reader stalled for a very long time gets here
+            raise APIError(503, "The reply could not be collected; retry with the same "
+                           "Idempotency-Key.", code="stream_lagging") from None
+        finally:
+            self.tail.unfollow(f.sub)
+        raise AssertionError("unreachable")
+
+    def _detach(self, f: Following) -> None:
+        event = ClientDetached(conversation_id=f.conversation_id, request_id=f.completion_id,
+                               tenant=f.tenant, attachment=f.attachment,
+                               grace_s=self.settings.cancel_grace_s)
+        self.producer.send(PROMPTS, event).add_done_callback(_log_failure)
 
 
-def _sse(payload: dict[str, Any], position: Position | None = None) -> dict[str, Any]:
-    event: dict[str, Any] = {"data": json.dumps(payload, separators=(",", ":"))}
-    if position is not None:
-        event["id"] = f"{position.partition}-{position.offset}"
-    return event
+def _key(conversation_id: uuid.UUID) -> bytes:
+    return str(conversation_id).encode()
 
 
-def _failure_error(event: GenerationFailed) -> APIError:
-    if event.code in CLIENT_FAILURES:
-        return APIError(400, event.message, code=event.code)
-    return APIError(502, f"The generation failed: {event.message}", code=event.code)
+def _decoded(records: list[Any], conversation: uuid.UUID) -> list[tuple[Any, GenerationEvent]]:
+    key = _key(conversation)
+    out = []
+    for record in records:
+        if record.key != key:
+            continue
+        try:
+            event: Event = decode(record.value)
+        except DecodeError:
+            continue
+        if isinstance(event, GenerationEvent):
+            out.append((record, event))
+    return out
 
 
 def _log_failure(future: asyncio.Future[Position]) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.error("could not publish a cancellation: %s", future.exception())
-
+        log.error("could not publish that a client went away: %s", future.exception())

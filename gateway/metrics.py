@@ -21,5 +21,20 @@ class GatewayMetrics:
         self.latency = Histogram("gateway_generation_seconds",
                                  "From prompt acknowledged to GenerationFinished seen",
                                  buckets=LATENCY_BUCKETS, registry=registry)
-        self.completion_tokens = Counter("gateway_completion_tokens",
-                                         "Completion tokens delivered", registry=registry)
+        self.streamed_tokens = Counter("gateway_streamed_tokens",
+                                       "Tokens delivered to clients (rate it for tokens/s)",
+                                       registry=registry)
+        self.active_sessions = Gauge("gateway_active_sessions",
+                                     "Sessions with a stream open in this process",
+                                     registry=registry)
+        self.backlog = Gauge("gateway_backlog",
+                             "Prompts accepted and not yet finished by the workers "
+                             "(consumer lag of group workers)", registry=registry)
+        self.rejected = Counter("gateway_rejected", "Requests refused before acceptance",
+                                ["code"], registry=registry)
+        self.idempotent_replays = Counter("gateway_idempotent_replays",
+                                          "Retried requests answered with their original turn",
+                                          registry=registry)
+        self.tailed_partitions = Gauge("gateway_tailed_partitions",
+                                       "Generation partitions this process reads",
+                                       registry=registry)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -19,9 +19,12 @@ class TextPart(BaseModel):
     text: str
 
 
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
 class InMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Role
     content: str | list[TextPart]
 
     @field_validator("content")
@@ -59,6 +62,11 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     n: int = Field(default=1, ge=1)
     logprobs: bool | None = None
+    # Not OpenAI's: keep generating even when every client has gone away (as the
+    # Responses API's "background"); fetch or re-attach to the result by its id.
+    background: bool = False
+    # vLLM's extension: keep generating past end-of-sequence, up to max_tokens.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -75,14 +83,15 @@ class ChatRequest(BaseModel):
             max_tokens=self.max_completion_tokens or self.max_tokens,
             stop=stop,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
         )
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """Parse and validate a request body, or raise a 400 that says what is wrong."""
+def load_json(body: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object, or a 400 that says what is wrong."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -90,14 +99,27 @@ def parse_chat_request(body: bytes) -> ChatRequest:
                        code="invalid_json") from exc
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], data: dict[str, Any]) -> M:
+    """``data`` as ``model``, or a 400 naming the first field that is wrong."""
     try:
-        request = ChatRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise APIError(400, f"Invalid value for '{param}': {err['msg']}.",
                        code="invalid_value" if err["type"] != "missing" else "missing_required",
                        param=param) from exc
+
+
+def parse_chat_request(body: bytes | dict[str, Any]) -> ChatRequest:
+    """Parse and validate a request body, or raise a 400 that says what is wrong."""
+    request = validate(ChatRequest, body if isinstance(body, dict) else load_json(body))
     if request.n != 1:
         raise APIError(400, "Only n=1 is supported.", code="unsupported_value", param="n")
     if request.logprobs:

@@ -1,113 +1,110 @@
-"""Session history from the Postgres projection, read consistently with the log.
+"""``/v1/sessions``: create, list, read, continue and delete conversations.
 
-Before reading a conversation, the gateway notes the end of the log in the two
-partitions that hold it and waits until the projector's stored positions reach
-that point. Whatever any client saw acknowledged before the request is then in
-the rows read: read-your-writes across gateways, through the log.
+Creating and deleting a session are events on ``chat.prompts`` like any other fact;
+the projection and replay honour them. Reads of one session fold the log beyond
+the projection in, so they see the caller's own writes at once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from typing import Any
 
-from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from gateway.completions import parse_session_id, respond
 from gateway.errors import APIError
-from pipeline.kafka import AsyncConsumer
-from pipeline.partitioning import partition_for
-from pipeline.topics import GENERATIONS, PROMPTS
-from schemas import ChatMessage
+from gateway.http import read_body, resources, tenant_of
+from gateway.openai_api import InMessage, Role, load_json, parse_chat_request, validate
+from gateway.store import session_json
+from pipeline.topics import PROMPTS
+from schemas import SessionCreated, SessionDeleted
 
 
-def parse_session_id(raw: str) -> uuid.UUID:
+class NewSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    title: str | None = Field(default=None, max_length=200)
+
+
+class NewMessage(InMessage):
+    """A message appended to a session: ``content``, and ``role`` (default ``user``)."""
+
+    role: Role = "user"
+
+
+async def create(request: Request) -> Response:
+    res = resources(request)
+    body = await read_body(request, res.settings.max_body_bytes)
+    new = validate(NewSession, load_json(body) if body.strip() else {})
+    event = SessionCreated(conversation_id=uuid.uuid4(), request_id=f"session-{uuid.uuid4().hex}",
+                           tenant=tenant_of(request), title=new.title)
+    await res.producer.send(PROMPTS, event)
+    created = session_json(event.conversation_id, new.title, event.occurred_at,
+                           event.occurred_at)
+    return JSONResponse(created, status_code=201)
+
+
+async def list_sessions(request: Request) -> Response:
+    res = resources(request)
+    raw_limit = request.query_params.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise APIError(400, "limit must be an integer from 1 to 100.", code="invalid_value",
+                       param="limit")
+    raw_after = request.query_params.get("after")
     try:
-        return uuid.UUID(raw)
+        after = uuid.UUID(raw_after) if raw_after else None
     except ValueError:
-        raise APIError(404, f"No session found with id '{raw[:100]}'.",
-                       code="session_not_found", param="session_id") from None
+        raise APIError(400, "after must be a session id.", code="invalid_value",
+                       param="after") from None
+    data, more = await res.chat.store.list_sessions(tenant_of(request), int(raw_limit), after)
+    return JSONResponse({"object": "list", "data": data, "has_more": more})
 
 
-async def _require_session(conn: Any, conversation_id: uuid.UUID, tenant: str) -> None:
-    row = await (await conn.execute(
-        "SELECT deleted FROM conversations WHERE id = %s AND tenant = %s",
-        (conversation_id, tenant),
-    )).fetchone()
-    if row is None or row[0]:
-        raise APIError(404, f"No session found with id '{conversation_id}'.",
-                       code="session_not_found", param="session_id")
+async def get(request: Request) -> Response:
+    res = resources(request)
+    session = parse_session_id(request.path_params["session_id"])
+    view = await res.chat.visible_view(session, tenant_of(request))
+    return JSONResponse(session_json(session, view.title, view.created_at, view.updated_at))
 
 
-class SessionStore:
-    def __init__(
-        self, pool: AsyncConnectionPool, meta: AsyncConsumer, partitions: int, wait_s: float
-    ) -> None:
-        self.pool = pool
-        self.meta = meta
-        self.partitions = partitions
-        self.wait_s = wait_s
+async def delete(request: Request) -> Response:
+    res = resources(request)
+    session = parse_session_id(request.path_params["session_id"])
+    tenant = tenant_of(request)
+    await res.chat.visible_view(session, tenant)
+    await res.producer.send(PROMPTS, SessionDeleted(
+        conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}", tenant=tenant))
+    return JSONResponse({"id": str(session), "object": "session.deleted", "deleted": True})
 
-    async def _log_end(self, conversation_id: uuid.UUID) -> dict[tuple[str, int], int]:
-        p = partition_for(str(conversation_id).encode(), self.partitions)
 
-        def ends() -> dict[tuple[str, int], int]:
-            return {(t, p): self.meta.watermarks_sync(t, p)[1] for t in (PROMPTS, GENERATIONS)}
+async def messages(request: Request) -> Response:
+    res = resources(request)
+    session = parse_session_id(request.path_params["session_id"])
+    view = await res.chat.visible_view(session, tenant_of(request))
+    data: list[dict[str, Any]] = [
+        {"seq": seq, "role": m.role, "content": m.content, "request_id": m.request_id,
+         "created_at": m.created_at.isoformat()}
+        for seq, m in sorted(view.messages.items())
+    ]
+    return JSONResponse({"object": "list", "session_id": str(session), "data": data})
 
-        return await self.meta.call(ends)
 
-    async def catch_up(self, conversation_id: uuid.UUID) -> None:
-        """Wait until the projection holds everything the log held when we were called."""
-        targets = await self._log_end(conversation_id)
-        deadline = time.monotonic() + self.wait_s
-        delay = 0.005
-        while True:
-            async with self.pool.connection() as conn:
-                rows = await conn.execute(
-                    "SELECT topic, partition, next_offset FROM projector_positions"
-                    " WHERE (topic, partition) IN ((%s, %s), (%s, %s))",
-                    [x for tp in targets for x in tp],
-                )
-                done = {(t, p): o for t, p, o in await rows.fetchall()}
-            if all(done.get(tp, 0) >= end for tp, end in targets.items()):
-                return
-            if time.monotonic() > deadline:
-                raise APIError(503, "The conversation store is behind the log; retry shortly.",
-                               code="projection_lagging", headers={"Retry-After": "1"})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
-    async def history(self, conversation_id: uuid.UUID, tenant: str) -> list[ChatMessage]:
-        """The messages of a session, for its next turn."""
-        await self.catch_up(conversation_id)
-        async with self.pool.connection() as conn:
-            await _require_session(conn, conversation_id, tenant)
-            busy = await (await conn.execute(
-                "SELECT request_id FROM generations"
-                " WHERE conversation_id = %s AND status IN ('pending', 'running') LIMIT 1",
-                (conversation_id,),
-            )).fetchone()
-            if busy is not None:
-                raise APIError(409, f"The session's previous turn ({busy[0]}) is still "
-                               "generating; wait for it to finish.", code="turn_in_progress")
-            rows = await (await conn.execute(
-                "SELECT role, content FROM messages WHERE conversation_id = %s ORDER BY seq",
-                (conversation_id,),
-            )).fetchall()
-        return [ChatMessage(role=role, content=content) for role, content in rows]
-
-    async def messages(self, conversation_id: uuid.UUID, tenant: str) -> list[dict[str, Any]]:
-        await self.catch_up(conversation_id)
-        async with self.pool.connection() as conn:
-            await _require_session(conn, conversation_id, tenant)
-            rows = await (await conn.execute(
-                "SELECT seq, role, content, request_id, created_at FROM messages"
-                " WHERE conversation_id = %s ORDER BY seq",
-                (conversation_id,),
-            )).fetchall()
-        return [
-            {"seq": seq, "role": role, "content": content, "request_id": request_id,
-             "created_at": created_at.isoformat()}
-            for seq, role, content, request_id, created_at in rows
-        ]
+async def append(request: Request) -> Response:
+    """Append a message and answer with the reply, as a chat completion would. The body
+    takes ``content`` (and optionally ``role``) or ``messages``, and the chat
+    completion fields; ``model`` defaults to the session's last one."""
+    res = resources(request)
+    session = parse_session_id(request.path_params["session_id"])
+    data = load_json(await read_body(request, res.settings.max_body_bytes))
+    if "messages" not in data:
+        message = validate(NewMessage, {k: data.pop(k) for k in ("role", "content")
+                                        if k in data})
+        data["messages"] = [message.model_dump()]
+    if "model" not in data:
+        view = await res.chat.visible_view(session, tenant_of(request))
+        used = sorted((t.submitted_at, t.model) for t in view.turns.values()
+                      if t.submitted_at and t.model)
+        data["model"] = used[-1][1] if used else res.chat.models[0]
+    return await respond(request, parse_chat_request(data), session)

@@ -1,65 +1,209 @@
 """One fan-out per gateway process: a single consumer tails ``chat.generations`` and
-routes each event to the queue of the request waiting for it."""
+routes each event to the subscriptions of the requests waiting for it.
+
+* Partitions are read on demand: a partition is added (at its current end, a
+  concrete offset, so nothing produced afterwards is missed) when a request in it
+  is followed, and dropped after ``linger_s`` without one. Records are filtered by
+  key (conversation) before they are decoded, so a gateway pays little for the
+  partitions' other conversations.
+* Each subscription is bounded. While its reader lags, consecutive token deltas are
+  merged into one; past ``max_items`` events or ``max_bytes`` of text it is dropped
+  (the client resumes from its ``Last-Event-ID``), so a slow client never stalls others.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pipeline.codec import DecodeError, Position, decode
-from pipeline.kafka import AsyncConsumer
+from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, Record
 from pipeline.topics import GENERATIONS
-from schemas import GenerationEvent
+from schemas import GenerationEvent, TokenDelta
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Delivered:
+    """A generation event and its position; a merged delta spans ``span`` seqs."""
+
     position: Position
     event: GenerationEvent
+    span: int = 1
+
+
+class Overflow(Exception):
+    """The reader fell too far behind; its subscription was dropped."""
+
+
+class Subscription:
+    def __init__(self, request_id: str, key: bytes, partition: int, start: int,
+                 max_items: int = 1000, max_bytes: int = 4_000_000) -> None:
+        self.request_id = request_id
+        self.key = key
+        self.partition = partition
+        self.start = start  # every event at or after this offset arrives through push()
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.overflowed = False
+        self._items: deque[Delivered] = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, item: Delivered) -> None:
+        if self.overflowed:
+            return
+        last = self._items[-1] if self._items else None
+        new = item.event
+        if (last is not None and isinstance(last.event, TokenDelta)
+                and isinstance(new, TokenDelta) and new.seq == last.event.seq + last.span):
+            merged = last.event.model_copy(update={"text": last.event.text + new.text,
+                                                   "token_ids": last.event.token_ids
+                                                   + new.token_ids})
+            self._items[-1] = Delivered(item.position, merged, last.span + 1)
+        else:
+            self._items.append(item)
+        if isinstance(new, TokenDelta):
+            self._bytes += len(new.text)
+        if len(self._items) > self.max_items or self._bytes > self.max_bytes:
+            log.warning("dropping the stream of %s: its reader is too slow", self.request_id)
+            self.overflowed = True
+            self._items.clear()
+        self._ready.set()
+
+    async def get(self) -> Delivered:
+        while not self._items:
+            if self.overflowed:
+                raise Overflow
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item.event, TokenDelta):
+            self._bytes -= len(item.event.text)
+        return item
 
 
 class GenerationTail:
-    def __init__(self, bootstrap: str) -> None:
-        # Partitions are assigned, not subscribed: every gateway reads every partition,
-        # and the group id is only a label (nothing is committed).
-        self._consumer = AsyncConsumer(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}")
-        self._queues: dict[str, asyncio.Queue[Delivered]] = {}
+    def __init__(
+        self, bootstrap: str, end_of: Callable[[int], Awaitable[int]], linger_s: float = 60.0,
+        max_items: int = 1000, max_bytes: int = 4_000_000,
+    ) -> None:
+        # Partitions are assigned, not subscribed: the group id is only a label.
+        self._consumer = AsyncConsumer(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}",
+                                       **QUICK_ASSIGN)
+        self._end_of = end_of
+        self._linger_s = linger_s
+        self._limits = (max_items, max_bytes)
+        self._subs: dict[str, set[Subscription]] = {}
+        self._keys: Counter[bytes] = Counter()
+        self._next: dict[int, int] = {}  # partition -> next offset to route
+        self._users: Counter[int] = Counter()
+        self._idle_since: dict[int, float] = {}
+        self._adding = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def partitions(self) -> list[int]:
+        return sorted(self._next)
+
     async def start(self) -> None:
-        ends = await self._consumer.call(self._consumer.assign_at_end_sync, GENERATIONS)
-        log.info("tailing %s from %s", GENERATIONS, ends)
+        await self._consumer.call(self._consumer.partitions_sync, GENERATIONS)  # metadata
         self._task = asyncio.create_task(self._run(), name="generation-tail")
 
+    async def follow(self, request_id: str, key: bytes, partition: int) -> Subscription:
+        """Subscribe to a turn's events from the current end of its partition on."""
+        await self._ensure(partition)
+        sub = Subscription(request_id, key, partition, self._next[partition], *self._limits)
+        self._subs.setdefault(request_id, set()).add(sub)
+        self._keys[key] += 1
+        self._users[partition] += 1
+        self._idle_since.pop(partition, None)
+        return sub
+
+    def unfollow(self, sub: Subscription) -> None:
+        subs = self._subs.get(sub.request_id)
+        if subs is None or sub not in subs:
+            return
+        subs.discard(sub)
+        if not subs:
+            del self._subs[sub.request_id]
+        self._keys[sub.key] -= 1
+        if self._keys[sub.key] <= 0:
+            del self._keys[sub.key]
+        self._users[sub.partition] -= 1
+        if self._users[sub.partition] <= 0:
+            del self._users[sub.partition]
+            self._idle_since[sub.partition] = time.monotonic()
+
+    async def _ensure(self, partition: int) -> None:
+        if partition in self._next:
+            return
+        async with self._adding:
+            if partition in self._next:
+                return
+            end = await self._end_of(partition)
+            self._next[partition] = end
+            try:
+                await self._consumer.call(self._consumer.add_partitions_sync,
+                                          {(GENERATIONS, partition): end})
+            except BaseException:
+                del self._next[partition]
+                raise
+        log.info("tailing %s/%d from %d", GENERATIONS, partition, end)
+
+    async def _drop_idle(self) -> None:
+        now = time.monotonic()
+        idle = [p for p, since in self._idle_since.items() if now - since > self._linger_s]
+        for p in idle:
+            del self._idle_since[p]
+            self._next.pop(p, None)
+        if idle:
+            await self._consumer.call(self._consumer.drop_partitions_sync,
+                                      [(GENERATIONS, p) for p in idle])
+            log.info("stopped tailing %s/%s", GENERATIONS, idle)
+
+    def _route(self, record: Record) -> None:
+        p = record.position.partition
+        if p not in self._next:
+            return  # dropped while this batch was in flight
+        self._next[p] = record.position.offset + 1
+        if record.key not in self._keys:
+            return
+        try:
+            event = decode(record.value)
+        except DecodeError:
+            return  # the projector dead-letters it
+        subs = self._subs.get(event.request_id)
+        if subs and isinstance(event, GenerationEvent):
+            item = Delivered(record.position, event)
+            for sub in subs:
+                sub.push(item)
+
     async def _run(self) -> None:
+        last_sweep = time.monotonic()
         while True:
             try:
                 records = await self._consumer.poll_batch(1000, 0.05)
+                for record in records:
+                    self._route(record)
+                if time.monotonic() - last_sweep > 1.0:
+                    last_sweep = time.monotonic()
+                    await self._drop_idle()
+            except asyncio.CancelledError:
+                raise
             except Exception:
-                log.exception("generation tail poll failed; retrying")
+                log.exception("generation tail failed; retrying")
                 await asyncio.sleep(0.5)
-                continue
-            for record in records:
-                try:
-                    event = decode(record.value)
-                except DecodeError:
-                    continue  # the projector dead-letters it
-                queue = self._queues.get(event.request_id)
-                if queue is not None and isinstance(event, GenerationEvent):
-                    queue.put_nowait(Delivered(record.position, event))
-
-    def subscribe(self, request_id: str) -> asyncio.Queue[Delivered]:
-        queue: asyncio.Queue[Delivered] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -1,0 +1,98 @@
+"""``/v1/chat/completions``: create a turn, re-attach to it, fetch it, cancel it."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.chat import Following
+from gateway.errors import APIError
+from gateway.http import read_body, resources, tenant_of
+from gateway.ids import parse_event_id
+from gateway.openai_api import ChatRequest, parse_chat_request
+
+SESSION_HEADER = "X-Session-Id"
+# Seconds a stream may stay blocked on a client that reads nothing before it is dropped.
+SEND_TIMEOUT_S = 30
+
+
+def parse_session_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise APIError(404, f"No session found with id '{raw[:100]}'.",
+                       code="session_not_found", param="session_id") from None
+
+
+def sse_response(events: Any, headers: dict[str, str]) -> EventSourceResponse:
+    return EventSourceResponse(events, headers=headers, ping=15, send_timeout=SEND_TIMEOUT_S)
+
+
+async def respond(request: Request, chat_request: ChatRequest,
+                  session: uuid.UUID | None) -> Response:
+    """Accept a turn (or find the one an idempotency key names) and answer with it."""
+    res = resources(request)
+    following = await res.chat.accept(chat_request, session, tenant_of(request),
+                                      request.headers.get("Idempotency-Key"))
+    headers = {SESSION_HEADER: str(following.conversation_id),
+               "X-Request-Id": following.completion_id}
+    if chat_request.stream:
+        return sse_response(res.chat.stream(following, chat_request.include_usage()), headers)
+    return JSONResponse(await res.chat.collect(following), headers=headers)
+
+
+async def create(request: Request) -> Response:
+    res = resources(request)
+    chat_request = parse_chat_request(await read_body(request, res.settings.max_body_bytes))
+    raw_session = request.headers.get(SESSION_HEADER)
+    session = parse_session_id(raw_session) if raw_session else None
+    return await respond(request, chat_request, session)
+
+
+async def stream(request: Request) -> Response:
+    """Re-attach to a running or finished turn's stream (an EventSource can GET this).
+
+    ``Last-Event-ID`` (header, or the ``last_event_id`` / ``starting_after`` query
+    parameter) continues after that event; without it the stream starts over.
+    """
+    res = resources(request)
+    completion = request.path_params["completion_id"]
+    raw = (request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+           or request.query_params.get("starting_after"))
+    following: Following = await res.chat.attach(
+        completion, tenant_of(request), parse_event_id(raw) if raw else None)
+    include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
+    headers = {SESSION_HEADER: str(following.conversation_id), "X-Request-Id": completion}
+    return sse_response(res.chat.stream(following, include_usage), headers)
+
+
+async def retrieve(request: Request) -> Response:
+    """A turn's status, and its reply once it has one."""
+    res = resources(request)
+    completion = request.path_params["completion_id"]
+    view, turn = await res.chat.find_turn(completion, tenant_of(request))
+    reply = next((m for m in view.messages.values()
+                  if m.request_id == completion and m.role == "assistant"), None)
+    body: dict[str, Any] = {
+        "id": completion, "object": "chat.completion", "status": turn.status,
+        "created": int(turn.submitted_at.timestamp()) if turn.submitted_at else None,
+        "model": turn.model, "session_id": str(view.id), "choices": [],
+    }
+    if reply is not None:
+        body["choices"] = [{"index": 0, "message": {"role": "assistant",
+                                                    "content": reply.content},
+                            "finish_reason": None, "logprobs": None}]
+    return JSONResponse(body)
+
+
+async def cancel(request: Request) -> Response:
+    res = resources(request)
+    completion = request.path_params["completion_id"]
+    status = await res.chat.cancel(completion, tenant_of(request))
+    return JSONResponse({"id": completion, "object": "chat.completion.cancellation",
+                         "status": status,
+                         "cancelling": status in ("pending", "running")})

@@ -1,0 +1,116 @@
+"""What one client has been sent of one turn: log events in, OpenAI chunks out, each once.
+
+Every chunk that stands for a log event carries that event's position as its SSE
+``id``. A client that comes back with ``Last-Event-ID`` gets a cursor restored from
+the event at that position (the last one it received), then the events after it:
+no gap, no duplicate, on any gateway. No I/O.
+
+* ``GenerationStarted`` of the first attempt -> the role chunk; later attempts
+  (a worker took the turn over) send nothing, the text carries on.
+* ``TokenDelta`` -> a content chunk; a ``seq`` already sent is a duplicate and dropped.
+* ``GenerationFinished`` -> the finish chunk (and the usage chunk if asked for).
+* ``GenerationFailed`` -> an error event in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from gateway import openai_api
+from gateway.errors import APIError
+from gateway.ids import event_id
+from gateway.tail import Delivered
+from schemas import GenerationFailed, GenerationFinished, GenerationStarted, TokenDelta
+
+log = logging.getLogger(__name__)
+
+# Failures caused by the request itself; the client gets a 400 for them.
+CLIENT_FAILURES = {"context_length_exceeded", "invalid_sampling_params", "invalid_request",
+                   "model_not_served"}
+
+
+def sse(payload: dict[str, Any], delivered: Delivered | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"data": json.dumps(payload, separators=(",", ":"))}
+    if delivered is not None:
+        event["id"] = event_id(delivered.position.partition, delivered.position.offset)
+    return event
+
+
+def failure_error(event: GenerationFailed) -> APIError:
+    if event.code in CLIENT_FAILURES:
+        return APIError(400, event.message, code=event.code)
+    return APIError(502, f"The generation failed: {event.message}", code=event.code)
+
+
+class Cursor:
+    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool,
+                 resume_after: int | None = None) -> None:
+        self.completion_id = completion_id
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+        self.resume_after = resume_after  # the offset of the last event the client has
+        self.next_seq = 0
+        self.role_sent = False
+        self.done = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return openai_api.chunk(self.completion_id, self.created, self.model, delta, finish)
+
+    def _restore(self, item: Delivered) -> None:
+        """The client received ``item`` last: take up the state it implies."""
+        event = item.event
+        self.role_sent = True
+        if isinstance(event, TokenDelta):
+            self.next_seq = event.seq + item.span
+        self.done = isinstance(event, (GenerationFinished, GenerationFailed))
+
+    def feed(self, item: Delivered) -> list[dict[str, Any]]:
+        """The SSE events this log event means for the client (often none)."""
+        if self.resume_after is not None:
+            offset = item.position.offset
+            if offset < self.resume_after:
+                return []
+            if offset > self.resume_after:
+                raise APIError(400, "Last-Event-ID does not name an event of this stream.",
+                               code="invalid_last_event_id", param="Last-Event-ID")
+            if isinstance(item.event, GenerationStarted) and item.event.attempt > 0:
+                # No chunk carries a later attempt's start, so no client holds its id.
+                raise APIError(400, "Last-Event-ID does not name an event of this stream.",
+                               code="invalid_last_event_id", param="Last-Event-ID")
+            self.resume_after = None
+            self._restore(item)
+            return []
+        if self.done:
+            return []
+        event = item.event
+        if isinstance(event, GenerationStarted):
+            if self.role_sent:
+                return []
+            self.role_sent = True
+            return [sse(self._chunk({"role": "assistant", "content": ""}), item)]
+        if isinstance(event, TokenDelta):
+            if event.seq < self.next_seq:
+                return []  # a duplicate (a worker that lost the turn wrote it again)
+            if event.seq > self.next_seq:
+                log.error("gap in %s: expected seq %d, got %d", self.completion_id,
+                          self.next_seq, event.seq)
+            self.next_seq = event.seq + item.span
+            if not event.text:
+                return []
+            delta: dict[str, Any] = {"content": event.text}
+            if not self.role_sent:
+                self.role_sent = True
+                delta = {"role": "assistant", **delta}
+            return [sse(self._chunk(delta), item)]
+        self.done = True
+        if isinstance(event, GenerationFinished):
+            reason = openai_api.FINISH_REASONS.get(event.finish_reason, "stop")
+            out = [sse(self._chunk({}, reason), item)]
+            if self.include_usage:
+                out.append(sse(openai_api.usage_chunk(self.completion_id, self.created,
+                                                      self.model, event.usage)))
+            return out
+        return [sse(failure_error(event).body(), item)]

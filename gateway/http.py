@@ -1,0 +1,48 @@
+"""What every handler shares: the app's resources, the caller's tenant, body limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from starlette.requests import Request
+
+from gateway.chat import ChatService
+from gateway.errors import APIError
+from pipeline.kafka import EventProducer
+from pipeline.settings import GatewaySettings
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Resources:
+    chat: ChatService
+    producer: EventProducer
+    registry: CollectorRegistry
+    settings: GatewaySettings
+
+
+def resources(request: Request) -> Resources:
+    res: Resources = request.app.state.resources
+    return res
+
+
+def tenant_of(request: Request) -> str:
+    """The tenant the caller acts for."""
+    return DEFAULT_TENANT
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes with a 413."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body is larger than {limit} bytes.",
+                       code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"The request body is larger than {limit} bytes.",
+                           code="request_too_large")
+    return bytes(body)

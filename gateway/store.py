@@ -1,0 +1,139 @@
+"""Conversations read consistently with the log, from any gateway process.
+
+``view(conversation)`` reads the stored rows and the projector's positions in one
+snapshot, then folds in the conversation's records that lie between those
+positions and the end of the log (``gateway.view``). Whatever was acknowledged
+before the call is in the answer, even while the projector lags: a session's next
+turn sees the previous reply at once. Listing sessions spans every partition, so
+it waits for the projector instead (``catch_up``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from gateway.errors import APIError
+from gateway.view import ConversationView, Message, TurnState
+from pipeline.codec import DecodeError, decode
+from pipeline.kafka import AsyncConsumer
+from pipeline.partitioning import partition_for
+from pipeline.topics import GENERATIONS, PROMPTS
+
+TOPICS = (PROMPTS, GENERATIONS)
+
+
+def _lagging() -> APIError:
+    return APIError(503, "The conversation store is too far behind the log; retry shortly.",
+                    code="projection_lagging", headers={"Retry-After": "2"})
+
+
+class ConversationStore:
+    def __init__(
+        self, pool: AsyncConnectionPool, meta: AsyncConsumer, reader: AsyncConsumer,
+        partitions: int, wait_s: float, max_unprojected: int = 50_000,
+    ) -> None:
+        self.pool = pool
+        self.meta = meta  # quick metadata calls (watermarks)
+        self.reader = reader  # range reads, which may take longer
+        self.partitions = partitions
+        self.wait_s = wait_s
+        self.max_unprojected = max_unprojected
+
+    def partition_of(self, conversation_id: uuid.UUID) -> int:
+        return partition_for(str(conversation_id).encode(), self.partitions)
+
+    async def end_of(self, topic: str, partition: int) -> int:
+        return (await self.meta.call(self.meta.watermarks_sync, topic, partition))[1]
+
+    async def view(self, conversation_id: uuid.UUID) -> ConversationView:
+        p = self.partition_of(conversation_id)
+        ends = {t: await self.end_of(t, p) for t in TOPICS}
+        view, positions = await self._stored(conversation_id, p)
+        key = str(conversation_id).encode()
+        for topic in TOPICS:
+            start = positions.get(topic, 0)
+            if ends[topic] - start > self.max_unprojected:
+                raise _lagging()
+            records = await self.reader.call(self.reader.read_range_sync, topic, p, start,
+                                             ends[topic])
+            for record in records:
+                if record.key != key:
+                    continue
+                try:
+                    view.apply(decode(record.value))
+                except DecodeError:
+                    continue  # dead-lettered by the projector
+        return view
+
+    async def _stored(self, conversation_id: uuid.UUID,
+                      partition: int) -> tuple[ConversationView, dict[str, int]]:
+        view = ConversationView(conversation_id)
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            positions: dict[str, int] = dict(await (await conn.execute(
+                "SELECT topic, next_offset FROM projector_positions"
+                " WHERE partition = %s AND topic = ANY(%s)", (partition, list(TOPICS)),
+            )).fetchall())
+            row = await (await conn.execute(
+                "SELECT tenant, title, created_at, updated_at, deleted FROM conversations"
+                " WHERE id = %s", (conversation_id,))).fetchone()
+            if row is not None:
+                (view.tenant, view.title, view.created_at, view.updated_at,
+                 view.deleted) = row
+            for seq, role, content, request_id, at in await (await conn.execute(
+                "SELECT seq, role, content, request_id, created_at FROM messages"
+                " WHERE conversation_id = %s", (conversation_id,))).fetchall():
+                view.messages[seq] = Message(role, content, request_id, at)
+            for request_id, status, model, at, key in await (await conn.execute(
+                "SELECT request_id, status, model, submitted_at, idempotency_key"
+                " FROM generations WHERE conversation_id = %s", (conversation_id,),
+            )).fetchall():
+                view.turns[request_id] = TurnState(request_id, status, model, at, key)
+        return view, positions
+
+    async def catch_up(self, topic: str) -> None:
+        """Wait until the projection holds all of ``topic`` that the log held when called."""
+        targets = {(topic, p): await self.end_of(topic, p) for p in range(self.partitions)}
+        deadline = time.monotonic() + self.wait_s
+        delay = 0.005
+        while True:
+            async with self.pool.connection() as conn:
+                rows = await (await conn.execute(
+                    "SELECT topic, partition, next_offset FROM projector_positions"
+                    " WHERE topic = %s", (topic,))).fetchall()
+            done = {(t, p): o for t, p, o in rows}
+            if all(done.get(tp, 0) >= end for tp, end in targets.items()):
+                return
+            if time.monotonic() > deadline:
+                raise _lagging()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    async def list_sessions(self, tenant: str, limit: int,
+                            after: uuid.UUID | None) -> tuple[list[dict[str, Any]], bool]:
+        """The tenant's sessions, newest first, ``limit`` at a time after session ``after``."""
+        await self.catch_up(PROMPTS)
+        cursor = "" if after is None else (
+            " AND (created_at, id) < (SELECT created_at, id FROM conversations"
+            " WHERE id = %(after)s AND tenant = %(tenant)s)")
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(
+                "SELECT id, title, created_at, updated_at FROM conversations"
+                " WHERE tenant = %(tenant)s AND NOT deleted" + cursor +
+                " ORDER BY created_at DESC, id DESC LIMIT %(limit)s",
+                {"tenant": tenant, "after": after, "limit": limit + 1})).fetchall()
+        sessions = [session_json(i, title, created, updated)
+                    for i, title, created, updated in rows[:limit]]
+        return sessions, len(rows) > limit
+
+
+def session_json(session_id: object, title: str | None, created_at: Any,
+                 updated_at: Any) -> dict[str, Any]:
+    return {"id": str(session_id), "object": "session", "title": title,
+            "created_at": int(created_at.timestamp()) if created_at else None,
+            "updated_at": int(updated_at.timestamp()) if updated_at else None}
