@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
 
 from infra.kafka_broker import KafkaBroker
 from infra.postgres import PostgresServer
@@ -145,6 +146,32 @@ def wait_healthy(url: str, services: list[Service], timeout: float) -> None:
     raise TimeoutError(f"{url} not healthy\n" + "\n".join(s.tail() for s in services))
 
 
+def new_database(database_url: str, name: str) -> str:
+    admin = database_url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return database_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+@pytest.fixture(scope="session")
+def sim_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A second broker and database for the SIMULATED engine's load and fault tests, so
+    their workers never share a group with the vLLM worker. Each module starts the
+    processes it needs on it."""
+    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-sim"),
+                         libs=REPO_ROOT / ".state" / "kafka-libs",
+                         port=free_port(), controller_port=free_port())
+    broker.start()
+    try:
+        database_url = new_database(stack.database_url, "sim")
+        wait_for_broker(broker.bootstrap)
+        ensure_topics(broker.bootstrap, topic_specs(PARTITIONS))
+        migrate(database_url)
+        yield Stack(broker.bootstrap, database_url, stack.logs)
+    finally:
+        broker.stop()
+
+
 @pytest.fixture(scope="session")
 def pipeline(stack: Stack) -> Iterator[Pipeline]:
     """Projector, vLLM worker (tiny local model) and gateway, each its own process."""
@@ -153,7 +180,8 @@ def pipeline(stack: Stack) -> Iterator[Pipeline]:
         "projector": start_service(stack, "projector", "projector"),
         "worker": start_service(stack, "worker", "worker", "--max-num-seqs", "16",
                                 "--metrics-port", str(worker_metrics)),
-        "gateway": start_service(stack, "gateway", "gateway", "--port", str(port)),
+        "gateway": start_service(stack, "gateway", "gateway", "--port", str(port),
+                                 GATEWAY_CANCEL_GRACE_S="1"),
     }
     p = Pipeline(stack, f"http://127.0.0.1:{port}", services,
                  worker_metrics=f"http://127.0.0.1:{worker_metrics}/metrics")

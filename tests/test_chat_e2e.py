@@ -12,6 +12,7 @@ from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import GenerationFinished, GenerationStarted, PromptSubmitted, TokenDelta
 from tests.conftest import MODEL, Pipeline
 from tests.logread import read_events
+from tests.sse import resume_chat, stream_chat
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +137,14 @@ def test_metrics_and_health(pipeline: Pipeline) -> None:
     accepted = next(line for line in body.splitlines()
                     if line.startswith("gateway_turns_accepted_total"))
     assert float(accepted.split()[1]) >= 1
+
+
+def test_vllm_stream_resumes_after_a_disconnect(pipeline: Pipeline) -> None:
+    body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "keep going"}]}
+    first = stream_chat(pipeline.url, body, stop_after=3)
+    rest = resume_chat(pipeline.url, first.request_id, first.last_id)
+    assert rest.done and rest.error is None
+    final = next(e for e in generation_events(pipeline, first.request_id)
+                 if isinstance(e, GenerationFinished))
+    assert first.text + rest.text == final.text and final.usage.completion_tokens == 300

@@ -68,6 +68,9 @@ def replay_into_new_schema(pipeline: Pipeline, *extra: str) -> str:
 def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
     session = turn(pipeline, "replay me")
     turn(pipeline, "and again", session)
+    forgotten = turn(pipeline, "forget me")
+    deleted = httpx.delete(f"{pipeline.url}/v1/sessions/{forgotten}", timeout=30)
+    assert deleted.status_code == 200, deleted.text
     pipeline.wait_projected()
     schema = replay_into_new_schema(pipeline)
     live = snapshot(pipeline.stack.database_url, "public")
@@ -75,6 +78,10 @@ def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
     for table in TABLES:
         assert rebuilt[table] == live[table], table
     assert len(live["messages"]) >= 4
+    # The deletion is part of the log: the rebuilt store forgets that session too.
+    row = next(r for r in rebuilt["conversations"] if str(r[0]) == forgotten)
+    assert row[2] is None and row[5] is True  # no title, deleted
+    assert not [m for m in rebuilt["messages"] if str(m[0]) == forgotten]
 
     # A replay never writes over a store that holds data.
     again = cli(pipeline, "replay", "--from-beginning", "--schema", schema)

@@ -67,7 +67,7 @@ def test_projection_places_messages_by_history_length() -> None:
         history_len=2,
     )
     inserts = [w.params for w in project(event) if "INTO messages" in w.sql]
-    assert [(p[1], p[2], p[3]) for p in inserts] == [(2, "user", "c")]
+    assert [(p["seq"], p["role"], p["content"]) for p in inserts] == [(2, "user", "c")]
     assert event.reply_seq == 3
 
 
@@ -77,7 +77,7 @@ def test_projection_stores_the_reply_at_its_seq_and_ignores_deltas() -> None:
         text="xyz", usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=5)
     writes = project(finished)
     message = next(w.params for w in writes if "INTO messages" in w.sql)
-    assert message[1:4] == (1, "assistant", "xyz")
+    assert (message["seq"], message["role"], message["content"]) == (1, "assistant", "xyz")
     assert project(TokenDelta(conversation_id=CONV, request_id="r1", seq=0, text="x")) == []
 
 
@@ -118,4 +118,4 @@ def test_projection_stores_nul_as_a_replacement_character() -> None:
         text="a\x00b", usage=Usage(prompt_tokens=1, completion_tokens=1), deltas=1,
         duration_ms=1)
     message = next(w.params for w in project(finished) if "INTO messages" in w.sql)
-    assert message[3] == "a\ufffdb"
+    assert message["content"] == "a\ufffdb"

