@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -328,12 +329,14 @@ def test_overload_gets_429_with_retry_after(gw: Gateways) -> None:
             httpx.post(f"{gw.url}/v1/chat/completions/{r.request_id}/cancel", timeout=30)
 
 
-def test_fuzzing_the_openapi_schema_finds_no_server_error(gw: Gateways) -> None:
+def test_fuzzing_the_openapi_schema_finds_no_server_error(
+    gw: Gateways, tmp_path: Path
+) -> None:
     st = os.path.join(os.path.dirname(sys.executable), "st")
-    run = subprocess.run(
+    run = subprocess.run(  # in tmp_path, where it keeps its example database
         [st, "run", f"{gw.url}/openapi.json", "--checks", "not_a_server_error",
          "--max-examples", "25", "--workers", "2", "--seed", "1"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1]
     for service in (gw.services["gateway-1"], gw.services["gateway-2"]):
