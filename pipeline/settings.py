@@ -53,6 +53,11 @@ class GatewaySettings(BaseSettings):
     stream_max_bytes: int = Field(default=4_000_000, ge=1024)
     # Stop reading a generations partition this long after its last stream ended.
     tail_linger_s: float = Field(default=60.0, ge=0)
+    # API keys: required when set, and in any case as soon as one key exists.
+    require_auth: bool = False
+    # Serve /metrics on this address instead of the API's (port 0: on the API's).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
 
 
 class WorkerSettings(BaseSettings):
@@ -89,6 +94,10 @@ class WorkerSettings(BaseSettings):
 
 class ProjectorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PROJECTOR_", extra="ignore")
+
+    # The consumer group, one per store: a second store fed from the same log (a
+    # reporting copy, say) runs its projectors in a group of its own.
+    group: str = "projector"
 
     batch_max_events: int = Field(default=500, ge=1)
     batch_max_ms: float = Field(default=50.0, gt=0)

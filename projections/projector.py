@@ -25,7 +25,6 @@ from projections.projection import project
 from schemas import Event
 
 log = logging.getLogger(__name__)
-GROUP = "projector"
 TP = tuple[str, int]
 # Errors that belong to one event (a value Postgres refuses), not to the database.
 EVENT_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
@@ -140,14 +139,14 @@ class Projector:
         database_url: str,
         registry: CollectorRegistry,
         topics: tuple[str, str] = (PROMPTS, GENERATIONS),
-        group: str = GROUP,
+        group: str | None = None,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
         self.database_url = database_url
         self.metrics = ProjectorMetrics(registry)
         self.topics = topics
-        self.group = group
+        self.group = group or settings.group
 
     def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
         """Start every assigned partition at the position stored with the rows."""
