@@ -17,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import completions, sessions
+from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
 from gateway.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler
 from gateway.fleet import Fleet
@@ -26,6 +27,7 @@ from gateway.openapi import openapi_spec
 from gateway.store import ConversationStore
 from gateway.tail import GenerationTail
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
+from pipeline.metrics import serve_metrics
 from pipeline.settings import CommonSettings, GatewaySettings
 from pipeline.topics import GENERATIONS, PROMPTS
 
@@ -44,10 +46,8 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    res = resources(request)
-    res.chat.metrics.backlog.set(res.chat.fleet.backlog)
-    res.chat.metrics.tailed_partitions.set(len(res.chat.tail.partitions))
-    return Response(generate_latest(res.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(resources(request).registry),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi(request: Request) -> Response:
@@ -71,7 +71,7 @@ class RequestMetrics:
                 route = scope.get("route")
                 path = getattr(route, "path", "unmatched")
                 self.metrics.requests.labels(path, str(message["status"])).inc()
-                if message["status"] in (413, 429, 503):
+                if message["status"] in (401, 413, 429, 503):
                     self.metrics.rejected.labels(str(message["status"])).inc()
             await send(message)
 
@@ -93,6 +93,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         pool = AsyncConnectionPool(common.database_url, min_size=1, max_size=10, open=False)
         await pool.open(wait=True, timeout=30)
         tail: GenerationTail | None = None
+        # On an address of their own if asked (one only Prometheus reaches, say).
+        stop_metrics = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
         try:
             partitions = len(await meta.call(meta.partitions_sync, PROMPTS))
             for consumer in (meta, reader):  # so a client's first call waits for no lookup
@@ -107,11 +109,18 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
                                   settings.stream_max_items, settings.stream_max_bytes)
             await tail.start()
             fleet.start()
-            chat = ChatService(settings, producer, tail, store, fleet, gateway_metrics,
+            gateway_metrics.backlog.set_function(lambda: fleet.backlog)
+            gateway_metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
+            guard = Guard(pool, settings.require_auth)
+            log.info("API keys %s", "required" if await guard.enabled() else
+                     "not required: no key exists (pipeline keys create), serving tenant "
+                     "'default' to anyone who can reach this address")
+            chat = ChatService(settings, producer, tail, store, fleet, guard, gateway_metrics,
                                [m.strip() for m in settings.models.split(",") if m.strip()])
-            app.state.resources = Resources(chat, producer, registry, settings)
+            app.state.resources = Resources(chat, producer, guard, registry, settings)
             yield
         finally:
+            stop_metrics()
             if tail is not None:
                 await tail.stop()
             await fleet.stop()
@@ -135,9 +144,10 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         Route("/v1/sessions/{session_id}/messages", sessions.append, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if not settings.metrics_port:
+        routes.append(Route("/metrics", metrics, methods=["GET"]))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -147,5 +157,6 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             Exception: unexpected_error_handler,
         },
     )
-    app.add_middleware(RequestMetrics, metrics=gateway_metrics)
+    app.add_middleware(Authenticate)
+    app.add_middleware(RequestMetrics, metrics=gateway_metrics)  # outermost: counts 401s too
     return app

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import openai_api
+from gateway.auth import Caller, Guard, estimate_tokens
 from gateway.cursor import Cursor, failure_error, sse
 from gateway.errors import APIError
 from gateway.fleet import Fleet
@@ -70,7 +71,7 @@ class Following:
 class ChatService:
     def __init__(
         self, settings: GatewaySettings, producer: EventProducer, tail: GenerationTail,
-        store: ConversationStore, fleet: Fleet, metrics: GatewayMetrics,
+        store: ConversationStore, fleet: Fleet, guard: Guard, metrics: GatewayMetrics,
         configured_models: list[str],
     ) -> None:
         self.settings = settings
@@ -78,6 +79,7 @@ class ChatService:
         self.tail = tail
         self.store = store
         self.fleet = fleet
+        self.guard = guard
         self.metrics = metrics
         self.configured_models = configured_models
         self._open: Counter[uuid.UUID] = Counter()  # conversations with an open stream
@@ -108,11 +110,12 @@ class ChatService:
         return view
 
     # -- a new turn -------------------------------------------------------------
-    async def accept(self, request: ChatRequest, session: uuid.UUID | None, tenant: str,
+    async def accept(self, request: ChatRequest, session: uuid.UUID | None, caller: Caller,
                      idempotency_key: str | None) -> Following:
         """Write the turn's PromptSubmitted; return once Kafka acknowledged it. With an
         idempotency key that was used before, follow the original turn instead."""
         self.check_limits(request)
+        tenant = caller.tenant
         key = idempotency_key
         conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
         request_id = completion_id(conversation, tenant, key)
@@ -134,9 +137,12 @@ class ChatService:
                                    code="turn_in_progress")
                 history = view.history()
         self.fleet.admit()
+        new = tuple(m.to_event() for m in request.messages)
+        await self.guard.charge(caller, requests=0, tokens=estimate_tokens(
+            sum(len(m.content) for m in (*history, *new)), request.sampling().max_tokens))
         prompt = PromptSubmitted(
             conversation_id=conversation, request_id=request_id, tenant=tenant,
-            model=request.model, messages=(*history, *(m.to_event() for m in request.messages)),
+            model=request.model, messages=(*history, *new),
             history_len=len(history), sampling=request.sampling(), idempotency_key=key,
             background=request.background,
         )

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.chat import Following
 from gateway.errors import APIError
-from gateway.http import read_body, resources, tenant_of
+from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
 from gateway.openai_api import ChatRequest, parse_chat_request
 
@@ -36,7 +36,7 @@ async def respond(request: Request, chat_request: ChatRequest,
                   session: uuid.UUID | None) -> Response:
     """Accept a turn (or find the one an idempotency key names) and answer with it."""
     res = resources(request)
-    following = await res.chat.accept(chat_request, session, tenant_of(request),
+    following = await res.chat.accept(chat_request, session, caller_of(request),
                                       request.headers.get("Idempotency-Key"))
     headers = {SESSION_HEADER: str(following.conversation_id),
                "X-Request-Id": following.completion_id}

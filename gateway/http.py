@@ -7,18 +7,18 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 
+from gateway.auth import OPEN, Caller, Guard
 from gateway.chat import ChatService
 from gateway.errors import APIError
 from pipeline.kafka import EventProducer
 from pipeline.settings import GatewaySettings
-
-DEFAULT_TENANT = "default"
 
 
 @dataclass
 class Resources:
     chat: ChatService
     producer: EventProducer
+    guard: Guard
     registry: CollectorRegistry
     settings: GatewaySettings
 
@@ -28,9 +28,15 @@ def resources(request: Request) -> Resources:
     return res
 
 
+def caller_of(request: Request) -> Caller:
+    """Who is calling (set by ``gateway.auth.Authenticate`` on every ``/v1`` request)."""
+    caller: Caller = getattr(request.state, "caller", OPEN)
+    return caller
+
+
 def tenant_of(request: Request) -> str:
-    """The tenant the caller acts for."""
-    return DEFAULT_TENANT
+    """The tenant the caller acts for: everything it reads or changes is scoped to it."""
+    return caller_of(request).tenant
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -7,6 +7,7 @@
     pipeline projector               the Postgres projection
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
+    pipeline keys create|list|revoke API keys (per tenant, with rate limits)
     pipeline bench projection        projector and replay rates (needs `infra up`)
     pipeline demo                    all of the above, until Ctrl-C
 
@@ -22,9 +23,7 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -53,66 +52,6 @@ def _run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> No
         await main(stop)
 
     asyncio.run(runner())
-
-
-# -- infrastructure -----------------------------------------------------------
-def _kafka_port(bootstrap: str) -> int:
-    return int(bootstrap.rsplit(":", 1)[1])
-
-
-def _local_stack(common: CommonSettings) -> tuple[Any, Any]:
-    from urllib.parse import urlparse
-
-    from infra.kafka_broker import KafkaBroker
-    from infra.postgres import PostgresServer
-
-    state = common.state_dir
-    port = _kafka_port(common.kafka_bootstrap)
-    broker = KafkaBroker(home=state / "kafka", libs=state / "kafka-libs", port=port,
-                         controller_port=port + 1)
-    url = urlparse(common.database_url)
-    postgres = PostgresServer(home=state / "postgres", port=url.port or 5432,
-                              database=(url.path or "/pipeline").lstrip("/") or "pipeline")
-    return broker, postgres
-
-
-def infra_up(common: CommonSettings, external_db: bool) -> None:
-    from pipeline.kafka import ensure_topics, wait_for_broker
-    from pipeline.topics import topic_specs
-    from projections.migrate import migrate
-
-    broker, postgres = _local_stack(common)
-    print(f"Kafka      {common.kafka_bootstrap}  (data in {broker.home})", flush=True)
-    broker.start()
-    wait_for_broker(common.kafka_bootstrap)
-    created = ensure_topics(common.kafka_bootstrap, topic_specs(common.partitions))
-    if created:
-        print(f"topics     created {', '.join(created)}", flush=True)
-    if external_db:
-        print("PostgreSQL using DATABASE_URL", flush=True)
-    else:
-        print(f"PostgreSQL 127.0.0.1:{postgres.port}  (data in {postgres.home})", flush=True)
-        postgres.start()
-    applied = migrate(common.database_url)
-    print(f"migrations {'applied ' + ', '.join(applied) if applied else 'up to date'}",
-          flush=True)
-
-
-def infra_down(common: CommonSettings) -> None:
-    broker, postgres = _local_stack(common)
-    broker.stop()
-    postgres.stop()
-    print("stopped Kafka and PostgreSQL (data kept under .state/)")
-
-
-def infra_status(common: CommonSettings, external_db: bool) -> int:
-    broker, postgres = _local_stack(common)
-    kafka_up = broker.running()
-    pg_up = True if external_db else postgres.running()
-    print(f"kafka      {'running' if kafka_up else 'stopped'}  {common.kafka_bootstrap}")
-    print(f"postgres   {'running' if pg_up else 'stopped'}  "
-          f"{'DATABASE_URL' if external_db else f'127.0.0.1:{postgres.port}'}")
-    return 0 if kafka_up and pg_up else 1
 
 
 # -- services -----------------------------------------------------------------
@@ -196,66 +135,6 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     _run_until_signalled(projector.run)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool) -> int:
-    from infra.process import wait_http
-
-    # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited ignored.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-    infra_up(common, external_db)
-    exe = [sys.executable, "-m", "pipeline"]
-    # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
-    # and one that will not stop is killed with every process it started (vLLM's engine).
-    procs = {name: subprocess.Popen([*exe, name], start_new_session=True)
-             for name in ("projector", "worker", "gateway")}
-    base = f"http://{gateway.host}:{gateway.port}"
-    try:
-        try:
-            wait_http(f"{base}/health", list(procs.values()), timeout=120)
-        except RuntimeError as exc:
-            raise SystemExit(str(exc)) from None
-        print(_demo_banner(base, gateway.models.split(",")[0]), flush=True)
-        while all(p.poll() is None for p in procs.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in procs.items() if p.poll() is not None]
-        print(f"{', '.join(dead)} exited; stopping the demo", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nstopping ...", flush=True)
-        return 0
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        infra_down(common)
-
-
-def _demo_banner(base: str, model: str) -> str:
-    return f"""
-The pipeline is up on {base}  (open: no API key on 127.0.0.1).
-The worker serves '{model}'; with the tiny random model its text is noise.
-The worker's engine may take ~30 s more to warm up; requests wait for it.
-
-  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\
-       -d '{{"model":"{model}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}'
-
-  # the reply's X-Session-Id header names the session; its stored history:
-  curl {base}/v1/sessions/SESSION_ID/messages
-
-Ctrl-C stops everything (data stays under .state/).
-"""
-
-
 # -- argument parsing -----------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__,
@@ -267,6 +146,21 @@ def _parser() -> argparse.ArgumentParser:
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
+    gw.add_argument("--require-auth", action="store_true", default=None,
+                    help="refuse requests without an API key even before any key exists")
+    gw.add_argument("--metrics-port", type=int,
+                    help="serve /metrics on this port (GATEWAY_METRICS_HOST) instead")
+    keys = sub.add_parser("keys", help="API keys: create, list, revoke")
+    keys_sub = keys.add_subparsers(dest="keys", required=True)
+    kc = keys_sub.add_parser("create", help="create a key and print it (once)")
+    kc.add_argument("--tenant", required=True, help="the tenant the key acts for")
+    kc.add_argument("--name", help="a label, e.g. who holds the key")
+    kc.add_argument("--rpm", type=_positive, help="requests per minute (default: unlimited)")
+    kc.add_argument("--tpm", type=_positive, help="tokens per minute (default: unlimited)")
+    kl = keys_sub.add_parser("list", help="list keys (never their secrets)")
+    kl.add_argument("--json", action="store_true", help="one JSON object per line")
+    kr = keys_sub.add_parser("revoke", help="revoke a key: refused from then on")
+    kr.add_argument("key_id", help="the id shown by create and list (sk-<id>.…)")
     wk = sub.add_parser("worker", help="run a generation worker")
     wk.add_argument("--engine", choices=["vllm", "sim"],
                     help="vllm (default), or sim: a SIMULATED engine for load/fault tests")
@@ -313,6 +207,44 @@ def _parser() -> argparse.ArgumentParser:
     bw.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def run_keys_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    import psycopg
+
+    from gateway import keys
+    from projections.migrate import migrate
+
+    migrate(common.database_url)
+    with psycopg.connect(common.database_url, autocommit=True) as conn:
+        if args.keys == "create":
+            secret, key = keys.create(conn, args.tenant, args.name, args.rpm, args.tpm)
+            print(secret)
+            print(f"key {key.id} for tenant '{key.tenant}' (rpm {key.rpm or 'unlimited'}, "
+                  f"tpm {key.tpm or 'unlimited'}). It is shown only now: store it safely.",
+                  file=sys.stderr)
+        elif args.keys == "list":
+            for key in keys.listed(conn):
+                if args.json:
+                    print(json.dumps(key.to_json()))
+                else:
+                    state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at \
+                        else "active"
+                    print(f"{key.id}  {key.tenant:<20} {key.name or '-':<20} "
+                          f"rpm {key.rpm or '-':<8} tpm {key.tpm or '-':<10} {state}")
+        elif not keys.revoke(conn, args.key_id):
+            print(f"no active key {args.key_id}", file=sys.stderr)
+            return 1
+        else:
+            print(f"revoked {args.key_id}")
+    return 0
 
 
 def _timestamp(text: str) -> datetime:
@@ -378,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     common = CommonSettings()
     external_db = "DATABASE_URL" in os.environ
     if args.command == "infra":
+        from pipeline.local import infra_down, infra_status, infra_up
+
         if args.action == "up":
             infra_up(common, external_db)
         elif args.action == "down":
@@ -390,8 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         applied = migrate(common.database_url)
         print("applied: " + (", ".join(applied) or "nothing (up to date)"))
     elif args.command == "gateway":
-        gateway = GatewaySettings(**_overrides(args, "host", "port"))
+        gateway = GatewaySettings(**_overrides(args, "host", "port", "require_auth",
+                                               "metrics_port"))
         run_gateway(common, gateway)
+    elif args.command == "keys":
+        return run_keys_command(common, args)
     elif args.command == "worker":
         worker = WorkerSettings(**_overrides(
             args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
@@ -413,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "worker":
         return run_worker_bench(common, args)
     elif args.command == "demo":
+        from pipeline.demo import run_demo
+
         return run_demo(common, GatewaySettings(), external_db)
     return 0
 

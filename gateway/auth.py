@@ -1,0 +1,176 @@
+"""Who is calling, for which tenant, and within which limits.
+
+* Auth is on when the gateway is told to require it, or as soon as any API key has
+  ever been created (a revoked key keeps it on: revoking every key must not open
+  the service). Off, every caller is tenant ``default``.
+* ``Authorization: Bearer sk-<id>.<secret>`` names a key; the secret is checked in
+  constant time against the salted hash. A valid key is remembered for
+  ``cache_s``, so a revocation takes effect within that time on every gateway.
+* Limits are per key, requests and tokens per minute, as token buckets kept in
+  Postgres (``take_from_buckets``, one atomic call per charge), so they hold across
+  any number of gateway processes. A turn is charged its prompt (characters / 4)
+  plus ``max_tokens`` (or ``DEFAULT_COMPLETION_TOKENS``) when it is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+
+from psycopg_pool import AsyncConnectionPool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import keys
+from gateway.errors import APIError
+
+DEFAULT_TENANT = "default"
+DEFAULT_COMPLETION_TOKENS = 512
+UNLIMITED = math.inf
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    key_id: str | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.key_id is not None and (self.rpm is not None or self.tpm is not None)
+
+
+OPEN = Caller(DEFAULT_TENANT)
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def _reset(limit: float, left: float) -> str:
+    return f"{max(limit - left, 0) * 60 / limit:.3f}s" if math.isfinite(limit) else "0s"
+
+
+class Guard:
+    def __init__(self, pool: AsyncConnectionPool, require: bool, cache_s: float = 2.0) -> None:
+        self.pool = pool
+        self.require = require
+        self.cache_s = cache_s
+        self._enabled: tuple[float, bool] = (0.0, require)
+        self._known: dict[bytes, tuple[float, Caller]] = {}
+
+    async def enabled(self) -> bool:
+        checked, on = self._enabled
+        if self.require or time.monotonic() - checked < self.cache_s:
+            return on
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute("SELECT EXISTS (SELECT 1 FROM api_keys)")).fetchone()
+        on = bool(row and row[0])
+        self._enabled = (time.monotonic(), on)
+        return on
+
+    async def identify(self, authorization: str | None) -> Caller:
+        """The caller a request's ``Authorization`` header names (401 if it must and
+        does not)."""
+        if not await self.enabled():
+            return OPEN
+        if not authorization:
+            raise _unauthorized("You didn't provide an API key: send it as "
+                                "'Authorization: Bearer <key>'.")
+        scheme, _, presented = authorization.partition(" ")
+        parts = keys.split(presented.strip()) if scheme.lower() == "bearer" else None
+        if parts is None:
+            raise _unauthorized("Incorrect API key provided.")
+        fingerprint = hashlib.sha256(presented.strip().encode()).digest()
+        cached = self._known.get(fingerprint)
+        if cached is not None and time.monotonic() - cached[0] < self.cache_s:
+            return cached[1]
+        caller = await self._lookup(*parts)
+        if caller is None:
+            raise _unauthorized("Incorrect API key provided.")
+        if len(self._known) > 10_000:
+            self._known.clear()
+        self._known[fingerprint] = (time.monotonic(), caller)
+        return caller
+
+    async def _lookup(self, key_id: str, secret: str) -> Caller | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT tenant, salt, hash, rpm, tpm, revoked_at FROM api_keys WHERE id = %s",
+                (key_id,))).fetchone()
+        salt, stored = (row[1], row[2]) if row is not None else keys.decoy()
+        valid = await asyncio.to_thread(keys.matches, bytes(salt), bytes(stored), secret)
+        if row is None or not valid or row[5] is not None:
+            return None
+        return Caller(row[0], key_id, row[3], row[4])
+
+    async def charge(self, caller: Caller, requests: int, tokens: int) -> dict[str, str]:
+        """Take from the caller's buckets; the ``x-ratelimit-*`` headers to answer with,
+        or a 429 with ``Retry-After`` when a bucket holds too little."""
+        if not caller.limited:
+            return {}
+        rpm = float(caller.rpm) if caller.rpm is not None else UNLIMITED
+        tpm = float(caller.tpm) if caller.tpm is not None else UNLIMITED
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT granted, requests_left, tokens_left, wait_s"
+                " FROM take_from_buckets(%s, %s, %s, %s, %s)",
+                (caller.key_id, rpm, tpm, float(requests), float(tokens)))).fetchone()
+        assert row is not None
+        granted, requests_left, tokens_left, wait_s = row
+        headers = {}
+        for kind, limit, left in (("requests", rpm, requests_left), ("tokens", tpm, tokens_left)):
+            if math.isfinite(limit):
+                headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
+                headers[f"x-ratelimit-remaining-{kind}"] = str(max(int(left), 0))
+                headers[f"x-ratelimit-reset-{kind}"] = _reset(limit, left)
+        if granted:
+            return headers
+        if tokens > tpm:
+            message = (f"This request needs about {tokens} tokens, more than this key's "
+                       f"limit of {int(tpm)} tokens per minute.")
+        else:
+            kind = "tokens" if tokens and tokens_left < tokens else "requests"
+            message = f"Rate limit reached for {kind} per minute on this API key."
+        retry = min(max(math.ceil(wait_s), 1), 60)
+        raise APIError(429, message, code="rate_limit_exceeded",
+                       headers={**headers, "Retry-After": str(retry)})
+
+
+def estimate_tokens(prompt_chars: int, max_tokens: int | None) -> int:
+    """What a turn is charged against tokens per minute when it is accepted."""
+    return prompt_chars // 4 + (max_tokens or DEFAULT_COMPLETION_TOKENS)
+
+
+class Authenticate:
+    """ASGI middleware: every ``/v1`` request names its caller (``request.state.caller``),
+    is charged one request, and carries its key's ``x-ratelimit-*`` headers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        guard: Guard = scope["app"].state.resources.guard
+        header = dict(scope["headers"]).get(b"authorization")
+        try:
+            caller = await guard.identify(header.decode("latin-1") if header else None)
+            limits = await guard.charge(caller, requests=1, tokens=0)
+        except APIError as exc:
+            await exc.response()(scope, receive, send)
+            return
+        scope.setdefault("state", {})["caller"] = caller
+        extra = [(k.encode(), v.encode()) for k, v in limits.items()]
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start" and extra:
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        await self.app(scope, receive, send_with_limits)

@@ -1,0 +1,86 @@
+"""``pipeline demo``: the local stack and every component as its own process, until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pipeline.local import infra_down, infra_up
+from pipeline.settings import CommonSettings, GatewaySettings
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool) -> int:
+    from infra.process import wait_http
+
+    # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited ignored.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    infra_up(common, external_db)
+    exe = [sys.executable, "-m", "pipeline"]
+    # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
+    # and one that will not stop is killed with every process it started (vLLM's engine).
+    procs = {name: subprocess.Popen([*exe, name], start_new_session=True)
+             for name in ("projector", "worker", "gateway")}
+    base = f"http://{gateway.host}:{gateway.port}"
+    try:
+        try:
+            wait_http(f"{base}/health", list(procs.values()), timeout=120)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
+        print(_demo_banner(base, gateway.models.split(",")[0],
+                           _keys_exist(common.database_url)), flush=True)
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        print(f"{', '.join(dead)} exited; stopping the demo", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        infra_down(common)
+
+
+def _keys_exist(database_url: str) -> bool:
+    import psycopg
+
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT EXISTS (SELECT 1 FROM api_keys)").fetchone()
+    return bool(row and row[0])
+
+
+def _demo_banner(base: str, model: str, auth: bool) -> str:
+    access = ("API keys are required: add -H 'Authorization: Bearer <key>' to the calls below "
+              "(pipeline keys create --tenant T)" if auth else
+              "OPEN: no API key exists, so anyone who reaches this address is tenant "
+              "'default'\n(it listens on 127.0.0.1 only; `pipeline keys create` turns keys on)")
+    return f"""
+The pipeline is up on {base}
+{access}.
+The worker serves '{model}'; with the tiny random model its text is noise.
+The worker's engine may take ~30 s more to warm up; requests wait for it.
+
+  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model":"{model}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}'
+
+  # the reply's X-Session-Id header names the session; its stored history:
+  curl {base}/v1/sessions/SESSION_ID/messages
+
+Ctrl-C stops everything (data stays under .state/).
+"""
