@@ -89,11 +89,12 @@ def stream_chat(url: str, body: dict[str, Any], *, stop_after: int | None = None
 
 
 def resume_chat(url: str, completion_id: str, last_event_id: str | None = None,
-                stop_after: int | None = None, timeout: float = 120) -> Streamed:
+                stop_after: int | None = None, timeout: float = 120,
+                headers: dict[str, str] | None = None) -> Streamed:
     """Re-attach to a turn's stream, as an EventSource reconnecting with Last-Event-ID."""
-    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    sent = {**(headers or {}), **({"Last-Event-ID": last_event_id} if last_event_id else {})}
     return sse_request("GET", f"{url}/v1/chat/completions/{completion_id}/stream",
-                       headers=headers, stop_after=stop_after, timeout=timeout)
+                       headers=sent, stop_after=stop_after, timeout=timeout)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -1,0 +1,274 @@
+"""API keys, tenant isolation and rate limits, on real Kafka and Postgres.
+
+This module's gateway and projector use a database of their own (keys turn auth on
+for every gateway of a store), fed from the simulated stack's log by a projector in
+a group of its own; the worker is the SIMULATED engine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.process import free_port
+from pipeline.topics import PROMPTS
+from projections.migrate import migrate
+from tests.conftest import Service, Stack, new_database, start_service, wait_healthy
+from tests.logread import end_offsets
+from tests.sse import resume_chat, stream_chat
+
+pytestmark = pytest.mark.integration
+
+# Prompts carry this, so the logs can be searched for prompt text afterwards.
+MARKER = "confidential-prompt-" + uuid.uuid4().hex[:8]
+
+
+@dataclass
+class Secured:
+    stack: Stack
+    url: str
+    services: dict[str, Service]
+    keys: list[str] = field(default_factory=list)  # every key made, to search logs for
+
+    def env(self) -> dict[str, str]:
+        return self.stack.env()
+
+    def key(self, tenant: str, *limits: str) -> str:
+        made = subprocess.run([sys.executable, "-m", "pipeline", "keys", "create",
+                               "--tenant", tenant, *limits], env=self.env(),
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        secret = made.stdout.strip()
+        assert secret.startswith("sk-") and "\n" not in secret
+        self.keys.append(secret)
+        return secret
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat(content: str, tokens: int, **extra: object) -> dict:
+    return {"model": "sim", "max_tokens": tokens,
+            "messages": [{"role": "user", "content": f"{MARKER} {content}"}], **extra}
+
+
+@pytest.fixture(scope="module")
+def secured(sim_stack: Stack) -> Iterator[Secured]:
+    database_url = new_database(sim_stack.database_url, "secure")
+    migrate(database_url)
+    stack = Stack(sim_stack.bootstrap, database_url, sim_stack.logs)
+    port = free_port()
+    services = {
+        "projector": start_service(stack, "secure-projector", "projector",
+                                   PROJECTOR_GROUP="projector-secure"),
+        "worker": start_service(stack, "secure-worker", "worker", "--engine", "sim",
+                                "--max-num-seqs", "16", WORKER_SIM_TOKENS_PER_S="20"),
+        "gateway": start_service(stack, "secure-gateway", "gateway", "--port", str(port),
+                                 GATEWAY_MODELS="sim", GATEWAY_CANCEL_GRACE_S="2"),
+    }
+    s = Secured(stack, f"http://127.0.0.1:{port}", services)
+    try:
+        wait_healthy(s.url, list(services.values()), timeout=60)
+        yield s
+    finally:
+        for service in services.values():
+            service.stop()
+
+
+def test_requests_without_a_valid_key_are_refused(secured: Secured) -> None:
+    alice = secured.key("alice", "--name", "alice's laptop")
+    key_id = alice[3:].split(".")[0]
+    time.sleep(2.5)  # the gateway notices within its cache period that a key exists
+    before = end_offsets(secured.stack.bootstrap, PROMPTS)
+    wrong_secret = alice[:-4] + ("AAAA" if not alice.endswith("AAAA") else "BBBB")
+    for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Basic YWxpY2U6eA=="},
+                    {"Authorization": "Bearer sk-nothing"}, bearer(wrong_secret),
+                    bearer(f"sk-{'0' * 12}.{alice.split('.')[1]}"), {"Authorization": alice}):
+        for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models")):
+            r = httpx.request(method, f"{secured.url}{path}", headers=headers, timeout=30,
+                              json=chat("x", 2) if method == "POST" else None)
+            assert r.status_code == 401, (headers, path, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+            assert r.headers["www-authenticate"] == "Bearer"
+    assert end_offsets(secured.stack.bootstrap, PROMPTS) == before  # nothing was written
+    assert httpx.get(f"{secured.url}/health").status_code == 200
+    ok = httpx.get(f"{secured.url}/v1/models", headers=bearer(alice), timeout=30)
+    assert ok.status_code == 200
+    listed = subprocess.run([sys.executable, "-m", "pipeline", "keys", "list"],
+                            env=secured.env(), capture_output=True, text=True, timeout=60)
+    assert key_id in listed.stdout and alice.split(".")[1] not in listed.stdout
+
+
+def test_a_tenant_cannot_touch_another_tenants_conversations(secured: Secured) -> None:
+    alice, bob = bearer(secured.key("alice")), bearer(secured.key("bob"))
+    url = secured.url
+    session = httpx.post(f"{url}/v1/sessions", json={"title": "alice's"}, headers=alice,
+                         timeout=30).json()["id"]
+    done = stream_chat(url, chat("hello", 3), headers={**alice, "X-Session-Id": session})
+    assert done.done, done.error
+    running = stream_chat(url, chat("long", 2000, background=True), headers=alice,
+                          stop_after=1)
+    key = {"Idempotency-Key": "same-key"}
+    alices_keyed = httpx.post(f"{url}/v1/chat/completions", json=chat("k", 2),
+                              headers={**alice, **key}, timeout=60).json()["id"]
+
+    def answer(method: str, path: str, headers: dict[str, str], **kw: object) -> httpx.Response:
+        return httpx.request(method, f"{url}{path}", headers={**bob, **headers}, timeout=30,
+                             **kw)  # type: ignore[arg-type]
+
+    def refused(method: str, template: str, real: str, headers: dict[str, str] | None = None,
+                **kw: object) -> None:
+        """Bob's answer for Alice's id is the answer for an id that does not exist."""
+        fake = (str(uuid.uuid4()) if "-" in real[:9] and not real.startswith("chatcmpl")
+                else f"chatcmpl-{uuid.uuid4().hex}{'0' * 16}")
+        got = answer(method, template.format(real), dict(headers or {}, **{
+            k: v.format(real) for k, v in (headers or {}).items()}), **kw)
+        none = answer(method, template.format(fake), dict(headers or {}, **{
+            k: v.format(fake) for k, v in (headers or {}).items()}), **kw)
+        assert got.status_code == 404, (method, template, got.status_code, got.text)
+        assert got.text.replace(real, "ID") == none.text.replace(fake, "ID")
+        assert MARKER not in got.text
+
+    refused("GET", "/v1/sessions/{}", session)
+    refused("GET", "/v1/sessions/{}/messages", session)
+    refused("POST", "/v1/sessions/{}/messages", session, json={"content": "mine now"})
+    refused("POST", "/v1/chat/completions", session, headers={"X-Session-Id": "{}"},
+            json=chat("x", 2))
+    refused("GET", "/v1/chat/completions/{}", done.request_id)
+    refused("GET", "/v1/chat/completions/{}/stream", done.request_id)
+    refused("GET", "/v1/chat/completions/{}/stream", done.request_id,
+            headers={"Last-Event-ID": done.ids[0]})
+    refused("POST", "/v1/chat/completions/{}/cancel", running.request_id)
+    refused("DELETE", "/v1/sessions/{}", session)
+    listed = httpx.get(f"{url}/v1/sessions", params={"limit": 100}, headers=bob, timeout=30)
+    assert listed.status_code == 200 and session not in listed.text
+    bobs_keyed = httpx.post(f"{url}/v1/chat/completions", json=chat("k", 2),
+                            headers={**bob, **key}, timeout=60).json()["id"]
+    assert bobs_keyed != alices_keyed  # the same key names a different turn per tenant
+
+    # Alice still has everything, and her turn was not cancelled by Bob.
+    history = httpx.get(f"{url}/v1/sessions/{session}/messages", headers=alice, timeout=30)
+    assert [m["role"] for m in history.json()["data"]] == ["user", "assistant"]
+    status = httpx.get(f"{url}/v1/chat/completions/{running.request_id}", headers=alice,
+                       timeout=30).json()["status"]
+    assert status == "running"
+    again = resume_chat(url, done.request_id, done.ids[0], headers=alice)
+    assert again.done and again.error is None
+    assert httpx.post(f"{url}/v1/chat/completions/{running.request_id}/cancel", headers=alice,
+                      timeout=30).json()["cancelling"] is True
+
+
+def test_a_revoked_key_is_refused(secured: Secured) -> None:
+    carol = secured.key("carol")
+    assert httpx.get(f"{secured.url}/v1/sessions", headers=bearer(carol),
+                     timeout=30).status_code == 200
+    key_id = carol[3:].split(".")[0]
+    revoked = subprocess.run([sys.executable, "-m", "pipeline", "keys", "revoke", key_id],
+                             env=secured.env(), capture_output=True, text=True, timeout=60)
+    assert revoked.returncode == 0, revoked.stderr
+    deadline = time.monotonic() + 10
+    while (r := httpx.get(f"{secured.url}/v1/sessions", headers=bearer(carol),
+                          timeout=30)).status_code != 401:
+        assert time.monotonic() < deadline, "the revoked key still works"
+        time.sleep(0.2)
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_rate_limits_answer_429_with_openai_headers(secured: Secured) -> None:
+    dave = bearer(secured.key("dave", "--rpm", "3"))
+    answers = [httpx.get(f"{secured.url}/v1/models", headers=dave, timeout=30)
+               for _ in range(4)]
+    assert [r.status_code for r in answers] == [200, 200, 200, 429]
+    assert [r.headers["x-ratelimit-limit-requests"] for r in answers] == ["3"] * 4
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["2", "1", "0", "0"]
+    limited = answers[-1]
+    assert 1 <= int(limited.headers["retry-after"]) <= 20  # a request back every 20 s
+    assert limited.headers["x-ratelimit-reset-requests"].endswith("s")
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+
+    erin = bearer(secured.key("erin", "--tpm", "700"))
+    first = httpx.post(f"{secured.url}/v1/chat/completions", json=chat("a", 500), headers=erin,
+                       timeout=60)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-ratelimit-limit-tokens"] == "700"
+    second = httpx.post(f"{secured.url}/v1/chat/completions", json=chat("b", 500),
+                        headers=erin, timeout=60)
+    assert second.status_code == 429 and "tokens per minute" in second.json()["error"]["message"]
+    assert int(second.headers["retry-after"]) >= 1
+    too_big = httpx.post(f"{secured.url}/v1/chat/completions", json=chat("c", 5000),
+                         headers=bearer(secured.key("frank", "--tpm", "700")), timeout=60)
+    assert too_big.status_code == 429 and "more than this key's limit" in too_big.text
+
+
+def test_fuzzed_headers_and_tokens_find_no_server_error(secured: Secured, tmp_path: Path) -> None:
+    rng = random.Random(7)
+    alice = secured.key("alice")
+    alphabet = [chr(c) for c in range(0x20, 0x7F)] + [chr(c) for c in range(0xA0, 0x100)]
+
+    def noise(n: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(n))
+
+    values = [lambda: noise(rng.randint(0, 300)), lambda: "Bearer " + noise(rng.randint(0, 80)),
+              lambda: f"Bearer sk-{noise(12)}.{noise(43)}",
+              lambda: f"Bearer sk-{rng.randbytes(6).hex()}.{noise(43)}",
+              lambda: "Bearer " + alice[: rng.randint(0, len(alice))],
+              lambda: "bEaReR " + alice + noise(rng.randint(0, 3))]
+    paths = [("GET", "/v1/sessions"), ("GET", f"/v1/sessions/{uuid.uuid4()}"),
+             ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+             ("GET", f"/v1/chat/completions/chatcmpl-{uuid.uuid4().hex}{'0' * 16}/stream")]
+    statuses = set()
+    with httpx.Client(timeout=30) as client:
+        for _ in range(300):
+            method, path = rng.choice(paths)
+            # (HTTP clients refuse header values with surrounding whitespace.)
+            headers = {"Authorization": rng.choice(values)().strip().encode("latin-1")}
+            if rng.random() < 0.3:
+                headers["Last-Event-ID"] = noise(rng.randint(0, 30)).strip().encode("latin-1")
+            r = client.request(method, f"{secured.url}{path}", headers=headers,
+                               json=chat("fuzz", 1) if method == "POST" else None)
+            statuses.add(r.status_code)
+            assert r.status_code < 500, (method, path, headers, r.text)
+    assert 401 in statuses
+    st = os.path.join(os.path.dirname(sys.executable), "st")
+    run = subprocess.run(  # the whole API, authenticated as a tenant
+        [st, "run", f"{secured.url}/openapi.json", "--checks", "not_a_server_error",
+         "--max-examples", "15", "--workers", "2", "--seed", "3",
+         "--header", f"Authorization: Bearer {alice}"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_metrics_can_live_on_an_address_of_their_own(secured: Secured) -> None:
+    port, metrics_port = free_port(), free_port()
+    gateway = start_service(secured.stack, "secure-gateway-metrics", "gateway", "--port",
+                            str(port), "--metrics-port", str(metrics_port), GATEWAY_MODELS="sim")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [gateway], timeout=60)
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 404
+        scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert scraped.status_code == 200 and "gateway_backlog" in scraped.text
+    finally:
+        gateway.stop()
+
+
+def test_logs_hold_no_key_and_no_prompt(secured: Secured) -> None:
+    """Runs last in this module: every log written so far, by every process of the run."""
+    assert secured.keys
+    for log in secured.stack.logs.iterdir():
+        text = log.read_text(errors="replace")
+        assert MARKER not in text, f"prompt text in {log.name}"
+        for key in secured.keys:
+            assert key.split(".")[1] not in text, f"a key in {log.name}"
