@@ -325,7 +325,7 @@ class Worker:
             """One TokenDelta for what was held: seq stays gap-free."""
             assert self._producer is not None
             text = "".join(held_text)
-            self._producer.send(GENERATIONS, TokenDelta(
+            self._producer.send_nowait(GENERATIONS, TokenDelta(
                 **ids, attempt=attempt, seq=len(progress.parts), text=text,
                 token_ids=tuple(held_ids)))
             progress.parts.append(text)
@@ -352,7 +352,7 @@ class Worker:
                     ttft = now - started
                     prompt_tokens = out.prompt_tokens
                     self.metrics.ttft.observe(ttft)
-                    self._producer.send(GENERATIONS, GenerationStarted(
+                    self._producer.send_nowait(GENERATIONS, GenerationStarted(
                         **ids, model=self.engine.model_name, worker=self.name, attempt=attempt,
                         reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens))
                 elif out.token_ids:
