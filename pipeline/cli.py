@@ -8,7 +8,7 @@
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
-    pipeline bench projection        projector and replay rates (needs `infra up`)
+    pipeline bench [--quick] [PART]  serving, capacity and projection figures
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
@@ -194,17 +194,12 @@ def _parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true", help="one JSON object per line")
     au.add_argument("--deltas", action="store_true", help="list every TokenDelta")
     bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    bp = bench_sub.add_parser("projection", help="projector and replay events/s")
-    bp.add_argument("--turns", type=int, default=10_000)
-    bp.add_argument("--deltas", type=int, default=16, help="TokenDeltas per synthetic turn")
-    bp.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    bw = bench_sub.add_parser("worker", help="vLLM worker tokens/s: pipeline vs AsyncLLM")
-    bw.add_argument("--concurrency", default="1,8,32",
-                    help="comma-separated closed-loop client counts")
-    bw.add_argument("--max-tokens", type=int, default=128)
-    bw.add_argument("--port", type=int, default=8011, help="the bench gateway's port")
-    bw.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    bench.add_argument("part", nargs="*", metavar="PART",
+                       help="serving (the engine, vllm serve, the pipeline), capacity "
+                            "(simulated engine), projection; default: all three")
+    bench.add_argument("--quick", action="store_true",
+                       help="small loads, a few minutes; figures under .state/bench")
+    bench.add_argument("--out", type=Path, help="where to write (default docs/benchmarks)")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
 
@@ -270,18 +265,17 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
     return 0
 
 
-def run_worker_bench(common: CommonSettings, args: argparse.Namespace) -> int:
-    from workers import bench
+def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from pipeline import bench
+    from pipeline.local import infra_up
 
-    levels = [int(c) for c in args.concurrency.split(",")]
-    settings = WorkerSettings()
-    settings = settings.model_copy(update={
-        "max_num_seqs": settings.max_num_seqs or max(32, *levels),
-        "max_model_len": settings.max_model_len or 512})
-    path, name = resolve_model(common, settings)
-    figures = bench.bench(settings, path, name, levels, args.max_tokens, args.port,
-                          common.state_dir / "bench-logs")
-    print(bench.report(figures, args.out))
+    unknown = set(args.part) - set(bench.PARTS)
+    if unknown:
+        raise SystemExit(f"unknown bench part(s): {', '.join(sorted(unknown))}; "
+                         f"choose from {', '.join(bench.PARTS)}")
+    infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
+    out = args.out or (common.state_dir / "bench" if args.quick else Path("docs/benchmarks"))
+    bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out, resolve_model)
     return 0
 
 
@@ -342,13 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_replay_command(common, args)
     elif args.command == "audit":
         return run_audit_command(common, args)
-    elif args.command == "bench" and args.bench == "projection":
-        from projections.bench import run
-
-        print(run(common.kafka_bootstrap, common.database_url, args.turns, args.deltas,
-                  common.partitions, args.out))
-    elif args.command == "bench" and args.bench == "worker":
-        return run_worker_bench(common, args)
+    elif args.command == "bench":
+        return run_bench_command(common, args)
     elif args.command == "demo":
         from pipeline.demo import run_demo
 

@@ -1,160 +1,177 @@
-"""``pipeline bench worker``: one vLLM worker's output tokens/s through the whole pipeline,
-next to the same load driven straight into AsyncLLM in one process.
+"""``pipeline bench serving``: one model and one load, three ways, in one run.
 
-Closed loop: at each concurrency level, that many clients each send requests one
-after another. Phase 1 runs the engine in this process (the worker's own
-``VllmEngine``: AsyncLLM plus the chat template, no Kafka). Phase 2 starts a worker,
-a gateway and a projector as processes on the local stack (``pipeline infra up``) and
-drives streaming HTTP requests through them. Both phases use the same engine
-arguments, prompts and sampling; the broker and PostgreSQL run throughout.
+1. **engine**: vLLM's ``AsyncLLM`` in this process (the worker's ``VllmEngine``: the
+   chat template and the engine, no HTTP, no Kafka): the ceiling.
+2. **vllm-serve**: vLLM's own OpenAI server from the same install, over HTTP/SSE.
+3. **pipeline**: gateway, Kafka, worker and projector as processes, over HTTP/SSE.
+
+Each is a closed loop at each concurrency level, with the same engine arguments, the
+same prompt and ``max_tokens`` generated in full (``ignore_eos``). They run one after
+another, so they never share the CPU; the broker and PostgreSQL run throughout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+import uuid
 from pathlib import Path
+from typing import Any
 
-import httpx
-
-from infra.process import wait_http
+from infra.process import free_port, wait_http
+from pipeline.loadgen import (
+    Request,
+    Summary,
+    chat_body,
+    closed_loop,
+    http_client,
+    stream_once,
+)
 from pipeline.settings import WorkerSettings
 from schemas import ChatMessage, SamplingParams
 from workers.engine import EngineRequest
 
 PROMPT = "Write a long story about a log that remembers everything."
+MODES = ("engine", "vllm-serve", "pipeline")
 
 
-@dataclass(frozen=True)
-class Level:
-    concurrency: int
-    requests: int
-    tokens: int
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+def rounds(concurrency: int, quick: bool) -> int:
+    """Requests per client: enough for steady figures, at least 16 requests a level."""
+    return max(2 if quick else 4, (16 if quick else 32) // concurrency)
 
 
-def _rounds(concurrency: int) -> int:
-    return max(2, 16 // concurrency)
-
-
-async def run_direct(settings: WorkerSettings, model: Path, name: str, levels: list[int],
-                     max_tokens: int) -> list[Level]:
+async def run_engine(settings: WorkerSettings, model: Path, name: str, levels: list[int],
+                     max_tokens: int, quick: bool) -> list[Summary]:
     from workers.vllm_engine import VllmEngine
 
     engine = VllmEngine(settings, model, name)
     messages = (ChatMessage(role="user", content=PROMPT),)
-    counter = 0
 
-    async def one(seed: int) -> int:
-        nonlocal counter
-        counter += 1
-        request = EngineRequest(f"direct-{counter}", messages,
-                                SamplingParams(max_tokens=max_tokens, seed=seed))
-        return sum([len(out.token_ids) async for out in engine.generate(request)])
+    async def one(seed: int) -> Request:
+        request = Request(time.perf_counter())
+        sampling = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True)
+        async for out in engine.generate(EngineRequest(uuid.uuid4().hex, messages, sampling)):
+            if out.token_ids and request.first is None:
+                request.first = time.perf_counter()
+            request.tokens += len(out.token_ids)
+        request.ended = time.perf_counter()
+        return request
 
     try:
-        await one(0)  # warm-up
-        results = []
-        for c in levels:
-            async def client(i: int, c: int = c) -> int:
-                return sum([await one(i * 100 + k) for k in range(_rounds(c))])
-            started = time.perf_counter()
-            tokens = sum(await asyncio.gather(*(client(i) for i in range(c))))
-            results.append(Level(c, c * _rounds(c), tokens, time.perf_counter() - started))
-        return results
+        await closed_loop(one, 2, 2)  # warm-up
+        return [await closed_loop(one, c, rounds(c, quick)) for c in levels]
     finally:
         engine.close()
 
 
-async def run_pipeline(url: str, model: str, levels: list[int],
-                       max_tokens: int) -> list[Level]:
-    async def one(client: httpx.AsyncClient, seed: int) -> int:
-        body = {"model": model, "stream": True, "max_tokens": max_tokens, "seed": seed,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": PROMPT}]}
-        tokens = 0
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {") and '"usage"' in line:
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-        return tokens
+async def run_http(url: str, name: str, levels: list[int], max_tokens: int,
+                   quick: bool) -> list[Summary]:
+    async with http_client(max(levels) + 8) as client:
+        async def one(seed: int) -> Request:
+            return await stream_once(client, url, chat_body(name, PROMPT, max_tokens, seed))
 
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one(client, 0)  # warm-up
-        results = []
-        for c in levels:
-            async def loop(i: int, c: int = c) -> int:
-                return sum([await one(client, i * 100 + k) for k in range(_rounds(c))])
-            started = time.perf_counter()
-            tokens = sum(await asyncio.gather(*(loop(i) for i in range(c))))
-            results.append(Level(c, c * _rounds(c), tokens, time.perf_counter() - started))
-        return results
+        await closed_loop(one, 2, 2)  # warm-up
+        return [await closed_loop(one, c, rounds(c, quick)) for c in levels]
 
 
-def bench(settings: WorkerSettings, model: Path, name: str, levels: list[int], max_tokens: int,
-          port: int, log_dir: Path) -> dict[str, object]:
-    direct = asyncio.run(run_direct(settings, model, name, levels, max_tokens))
+def _engine_flags(settings: WorkerSettings) -> list[str]:
+    flags = ["--max-num-seqs", str(settings.max_num_seqs), "--max-model-len",
+             str(settings.max_model_len), "--dtype", settings.dtype]
+    if settings.kv_cache_memory_bytes:
+        flags += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
+    return flags
+
+
+def _start(cmds: dict[str, list[str]], log_dir: Path,
+           env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    exe = [sys.executable, "-m", "pipeline"]
-    worker_args = ["--max-num-seqs", str(settings.max_num_seqs),
-                   "--max-model-len", str(settings.max_model_len)]
     procs = []
-    logs = [open(log_dir / f"bench-{name}.log", "wb") for name in ("projector", "worker",
-                                                                    "gateway")]
-    for cmd, log in zip((["projector"], ["worker", *worker_args],
-                         ["gateway", "--port", str(port)]), logs, strict=True):
-        procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT))
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/health", procs, timeout=120)
-        cpu = time.process_time()
-        through = asyncio.run(run_pipeline(url, name, levels, max_tokens))
-        client_cpu = time.process_time() - cpu
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
+    for label, cmd in cmds.items():
+        with open(log_dir / f"bench-{label}.log", "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
             p.wait(timeout=60)
-        for log in logs:
-            log.close()
-    wall = sum(level.seconds for level in through)
-    return {
-        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": name, "max_tokens": max_tokens,
-        "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len,
-        "direct": [asdict(x) | {"tokens_per_s": x.tokens_per_s} for x in direct],
-        "pipeline": [asdict(x) | {"tokens_per_s": x.tokens_per_s} for x in through],
-        "client_cpu_share": client_cpu / wall,
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_vllm_serve(settings: WorkerSettings, model: Path, name: str, levels: list[int],
+                   max_tokens: int, quick: bool, log_dir: Path) -> list[Summary]:
+    port = free_port()
+    procs = _start({"vllm-serve": [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+        *_engine_flags(settings)]}, log_dir)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=300)
+        return asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels, max_tokens,
+                                    quick))
+    finally:
+        _stop(procs)
+
+
+def run_pipeline(settings: WorkerSettings, name: str, levels: list[int], max_tokens: int,
+                 quick: bool, log_dir: Path) -> list[Summary]:
+    port = free_port()
+    exe = [sys.executable, "-m", "pipeline"]
+    procs = _start({"projector": [*exe, "projector"],
+                    "worker": [*exe, "worker", *_engine_flags(settings)],
+                    "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
+        return asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels, max_tokens,
+                                    quick))
+    finally:
+        _stop(procs)
+
+
+def bench(settings: WorkerSettings, model: Path, name: str, levels: list[int],
+          max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
+    results = {
+        "engine": asyncio.run(run_engine(settings, model, name, levels, max_tokens, quick)),
+        "vllm-serve": run_vllm_serve(settings, model, name, levels, max_tokens, quick, log_dir),
+        "pipeline": run_pipeline(settings, name, levels, max_tokens, quick, log_dir),
     }
+    return {"model": name, "max_tokens": max_tokens, "max_num_seqs": settings.max_num_seqs,
+            "max_model_len": settings.max_model_len,
+            "modes": {m: [s.to_json() for s in summaries] for m, summaries in results.items()}}
 
 
-def report(figures: dict[str, object], out_dir: Path) -> str:
-    direct = {d["concurrency"]: d for d in figures["direct"]}  # type: ignore[attr-defined]
-    rows = ["| concurrency | AsyncLLM in one process | through the pipeline | ratio |",
-            "|---|---|---|---|"]
-    for p in figures["pipeline"]:  # type: ignore[attr-defined]
-        d = direct[p["concurrency"]]
-        ratio = p["tokens_per_s"] / d["tokens_per_s"]
-        rows.append(f"| {p['concurrency']} | {d['tokens_per_s']:,.0f} tok/s | "
-                    f"{p['tokens_per_s']:,.0f} tok/s | {ratio:.0%} |")
-    table = "\n".join(rows)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "worker.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (out_dir / "worker.md").write_text(
-        f"# Worker throughput ({figures['measured_at']})\n\n{table}\n\n"
-        f"Model {figures['model']}, max_tokens {figures['max_tokens']}, max_num_seqs "
-        f"{figures['max_num_seqs']}, on 2 cores shared by the engine, the broker, PostgreSQL,\n"
-        "the gateway, the projector and the load generator (whose CPU share was "
-        f"{figures['client_cpu_share']:.0%} of one core). Measured with `pipeline bench worker`.\n")
-    return table
+def tables(figures: dict[str, Any]) -> str:
+    """The serving figures as markdown: one table per concurrency level, then ratios."""
+    modes = figures["modes"]
+    out = []
+    for i, level in enumerate(modes["engine"]):
+        c = level["concurrency"]
+        out += [f"**Concurrency {c}** ({level['requests']} requests of "
+                f"{figures['max_tokens']} tokens each)", "",
+                "| | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) | end-to-end p50 / p99 (ms)"
+                " | output tok/s | req/s | failures | client CPU |",
+                "|---|---|---|---|---|---|---|---|"]
+        for mode in MODES:
+            s = modes[mode][i]
+            t, itl, e2e = s["ttft_ms"], s["itl_ms"], s["latency_ms"]
+            out.append(f"| {mode} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | "
+                       f"{itl['p50']:.2f} / {itl['p99']:.2f} | {e2e['p50']:.0f} / "
+                       f"{e2e['p99']:.0f} | {s['tokens_per_s']:,.0f} | "
+                       f"{s['requests_per_s']:.1f} | {s['failures']} | "
+                       f"{s['client_cpu']:.0%} |")
+        out.append("")
+    out += ["| concurrency | pipeline / engine (tok/s) | pipeline / vllm-serve (tok/s) |"
+            " pipeline - vllm-serve TTFT p50 |", "|---|---|---|---|"]
+    for e, v, p in zip(modes["engine"], modes["vllm-serve"], modes["pipeline"], strict=True):
+        out.append(f"| {e['concurrency']} | {p['tokens_per_s'] / e['tokens_per_s']:.0%} | "
+                   f"{p['tokens_per_s'] / v['tokens_per_s']:.0%} | "
+                   f"{p['ttft_ms']['p50'] - v['ttft_ms']['p50']:+.1f} ms |")
+    return "\n".join(out)

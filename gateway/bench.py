@@ -1,0 +1,221 @@
+"""``pipeline bench capacity``: what the pipeline itself sustains, with the SIMULATED engine
+(no model), so that the engine is never the bottleneck. Each part starts a simulated
+worker, a projector and one gateway as processes on the local stack:
+
+* **delta latency**: 256 concurrent streams; for every token delta a client receives,
+  the time from the worker creating it (the event's ``occurred_at``, read back from
+  the log at the SSE id's position) to the client receiving it; same clock.
+* **gateway throughput**: streams fast enough to saturate the machine; the tokens/s
+  the one gateway process delivers to its clients, and its own CPU share.
+* **open streams**: many slow streams held open at once; the gateway's resident
+  memory per stream.
+
+Every figure comes with the load generator's and the gateway's CPU shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from infra.process import free_port, wait_http
+from pipeline.codec import decode
+from pipeline.kafka import AsyncConsumer
+from pipeline.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
+from pipeline.topics import GENERATIONS
+from schemas import TokenDelta
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextlib.contextmanager
+def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, int]]:
+    """A simulated worker, a projector and a gateway; yields the URL and the gateway pid."""
+    port = free_port()
+    exe = [sys.executable, "-m", "pipeline"]
+    env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
+           "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **worker_env}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for label, cmd in (("projector", ["projector"]),
+                       ("worker", ["worker", "--engine", "sim", "--max-num-seqs", "8192"]),
+                       ("gateway", ["gateway", "--port", str(port)])):
+        with open(log_dir / f"capacity-{label}.log", "wb") as log:
+            procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, start_new_session=True))
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
+        yield f"http://127.0.0.1:{port}", procs[2].pid
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+
+
+def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
+    """SSE id -> the wall time its TokenDelta was created, read back from the log."""
+    wanted: dict[int, set[int]] = {}
+    for event_id in ids:
+        partition, offset = event_id.split("-")
+        wanted.setdefault(int(partition), set()).add(int(offset))
+    reader = AsyncConsumer(bootstrap, "bench-capacity-reader")
+    times = {}
+    try:
+        for p, offsets in wanted.items():
+            for record in reader.read_range_sync(GENERATIONS, p, min(offsets), max(offsets) + 1,
+                                                 timeout=120):
+                if record.position.offset in offsets:
+                    event = decode(record.value)
+                    if isinstance(event, TokenDelta):
+                        times[f"{p}-{record.position.offset}"] = event.occurred_at.timestamp()
+    finally:
+        asyncio.run(reader.close())
+    return times
+
+
+async def _load(url: str, streams: int, rounds: int, max_tokens: int,
+                keep_ids: bool) -> tuple[list[Request], float, float]:
+    """Closed-loop streams; the requests, the wall seconds and the client's CPU share."""
+    done: list[Request] = []
+    async with http_client(streams + 8) as client:
+        async def one(seed: int) -> Request:
+            request = await stream_once(client, url, chat_body("sim", "go", max_tokens, seed),
+                                        keep_ids)
+            done.append(request)
+            return request
+
+        await closed_loop(one, 4, 1)  # warm-up
+        done.clear()
+        summary = await closed_loop(one, streams, rounds)
+    return done, summary.seconds, summary.client_cpu
+
+
+def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int) -> dict[str, Any]:
+    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="50") as (url, gateway):
+        cpu = _cpu_s(gateway)
+        requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 50, True))
+        gateway_cpu = (_cpu_s(gateway) - cpu) / seconds
+    offset = time.time() - time.perf_counter()
+    arrivals = [(i, t + offset) for r in requests for i, t in r.arrivals]
+    created = _event_times(bootstrap, [i for i, _ in arrivals])
+    latencies = [(t - created[i]) * 1000 for i, t in arrivals if i in created]
+    return {"streams": streams, "deltas": len(latencies), "seconds": seconds,
+            "failures": sum(r.error is not None for r in requests),
+            "deltas_per_s": len(latencies) / seconds,
+            "ms": {f"p{q}": percentile(latencies, q) for q in (50, 90, 99)} | {
+                "max": max(latencies, default=float("nan"))},
+            "client_cpu": client_cpu, "gateway_cpu": gateway_cpu}
+
+
+def throughput(log_dir: Path, streams: int, rounds: int) -> dict[str, Any]:
+    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="1000", WORKER_SIM_TTFT_MS="0") as (
+            url, gateway):
+        cpu = _cpu_s(gateway)
+        requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 1000, False))
+        gateway_cpu = (_cpu_s(gateway) - cpu) / seconds
+    tokens = sum(r.tokens for r in requests if r.error is None)
+    return {"streams": streams, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "failures": sum(r.error is not None for r in requests),
+            "client_cpu": client_cpu, "gateway_cpu": gateway_cpu}
+
+
+async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
+    opened = 0
+    all_open = asyncio.Event()
+    async with http_client(streams + 8) as client:
+        await stream_once(client, url, chat_body("sim", "warm", 2, 0))
+        baseline = _rss_mb(gateway)
+
+        async def hold(seed: int) -> None:
+            nonlocal opened
+            body = chat_body("sim", "hold", 8_000, seed)  # at 0.2 tokens/s: hours
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and '"error":{' in line:
+                        raise RuntimeError(f"a held stream failed: {line[:200]}")
+                    if line.startswith("data: ") and '"content":"' in line:
+                        opened += 1
+                        if opened == streams:
+                            all_open.set()
+                        await asyncio.Event().wait()  # hold it open until cancelled
+            raise RuntimeError("a held stream ended")
+
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(hold(i)) for i in range(streams)]
+        opening = asyncio.create_task(all_open.wait())
+        try:
+            await asyncio.wait([opening, *tasks], timeout=300,
+                               return_when=asyncio.FIRST_COMPLETED)
+            failed = next((t for t in tasks if t.done()), None)
+            if failed is not None:
+                failed.result()  # raises what went wrong
+            if not all_open.is_set():
+                raise TimeoutError(f"only {opened} of {streams} streams opened in 300 s")
+            seconds = time.perf_counter() - started
+            await asyncio.sleep(2)  # let allocations settle
+            held = _rss_mb(gateway)
+            metrics = (await client.get(f"{url}/metrics")).text
+        finally:
+            for task in (*tasks, opening):
+                task.cancel()
+            await asyncio.gather(*tasks, opening, return_exceptions=True)
+    active = next(float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("gateway_active_streams "))
+    return {"streams": streams, "gateway_active_streams": active, "open_seconds": seconds,
+            "rss_mb_before": baseline, "rss_mb_held": held,
+            "kb_per_stream": (held - baseline) * 1024 / streams}
+
+
+def open_streams(log_dir: Path, streams: int) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per stream, twice
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * streams + 1024)), hard))
+    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="0.2", WORKER_SIM_TTFT_MS="0") as (
+            url, gateway):
+        return asyncio.run(_hold(url, streams, gateway))
+
+
+def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
+    return {
+        "delta_latency": delta_latency(bootstrap, log_dir, 256, 2 if quick else 6),
+        "throughput": throughput(log_dir, 64 if quick else 128, 1 if quick else 3),
+        "open_streams": open_streams(log_dir, 500 if quick else 2000),
+    }
+
+
+def tables(figures: dict[str, Any]) -> str:
+    lat, thr, held = figures["delta_latency"], figures["throughput"], figures["open_streams"]
+    ms = lat["ms"]
+    return "\n".join([
+        "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|",
+        f"| delta -> client latency, {lat['streams']} streams ({lat['deltas']:,} deltas, "
+        f"{lat['deltas_per_s']:,.0f}/s) | p50 {ms['p50']:.1f} ms, p90 {ms['p90']:.1f} ms, "
+        f"p99 {ms['p99']:.1f} ms, max {ms['max']:.0f} ms | {lat['client_cpu']:.0%} | "
+        f"{lat['gateway_cpu']:.0%} |",
+        f"| tokens/s one gateway streams to SSE clients ({thr['streams']} streams) | "
+        f"{thr['tokens_per_s']:,.0f} | {thr['client_cpu']:.0%} | {thr['gateway_cpu']:.0%} |",
+        f"| streams held open in one gateway | {held['streams']:,} (memory "
+        f"{held['rss_mb_before']:.0f} -> {held['rss_mb_held']:.0f} MB, "
+        f"{held['kb_per_stream']:.0f} KB per stream) | | |",
+    ])

@@ -1,0 +1,98 @@
+"""``pipeline bench``: the benchmark programs, run in sequence on the local stack. Each
+part prints its table and writes ``<part>.json`` and ``<part>.md`` under the output
+folder (``docs/benchmarks`` for a full run, ``.state/bench`` for ``--quick``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.settings import CommonSettings, WorkerSettings
+
+PARTS = ("serving", "capacity", "projection")
+
+
+def _machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}"
+
+
+def _save(out: Path, part: str, title: str, figures: dict[str, Any], table: str,
+          notes: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    (out / f"{part}.md").write_text(
+        f"# {title} ({figures['measured_at']})\n\n{table}\n\n{notes}\n")
+
+
+def serving(common: CommonSettings, quick: bool, out: Path,
+            resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]]
+            ) -> str:
+    from workers import bench
+
+    levels = [8] if quick else [1, 8, 32]
+    max_tokens = 64 if quick else 128
+    settings = WorkerSettings()
+    settings = settings.model_copy(update={
+        "max_num_seqs": settings.max_num_seqs or max(32, *levels),
+        "max_model_len": settings.max_model_len or 512})
+    model, name = resolve_model(common, settings)
+    figures = bench.bench(settings, model, name, levels, max_tokens, quick,
+                          common.state_dir / "bench-logs")
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.tables(figures)
+    _save(out, "serving", "Serving: the engine, vllm serve and the pipeline", figures, table,
+          f"Model {name} (random weights, CPU), max_num_seqs {figures['max_num_seqs']}, "
+          f"max_model_len {figures['max_model_len']}, on {figures['machine']}. Closed loop, "
+          "each mode alone on the machine in turn (the broker and PostgreSQL idle "
+          "meanwhile). Measured with `pipeline bench serving"
+          f"{' --quick' if quick else ''}`.")
+    return table
+
+
+def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
+    from gateway import bench
+
+    figures = bench.run(common.kafka_bootstrap, quick, common.state_dir / "bench-logs")
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.tables(figures)
+    _save(out, "capacity", "Pipeline capacity with the SIMULATED engine", figures, table,
+          "The worker is the SIMULATED engine, so the pipeline (gateway, Kafka, worker "
+          f"loop, projector) is what is measured, on {figures['machine']}: the load "
+          "generator, the broker, PostgreSQL and every process share these cores. "
+          f"Measured with `pipeline bench capacity{' --quick' if quick else ''}`.")
+    return table
+
+
+def projection(common: CommonSettings, quick: bool, out: Path) -> str:
+    from projections.bench import run
+
+    return run(common.kafka_bootstrap, common.database_url, 2_000 if quick else 10_000, 16,
+               common.partitions, out)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
+        resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]]) -> None:
+    started = time.monotonic()
+    for part in parts:
+        print(f"\n== {part} ==", flush=True)
+        if part == "serving":
+            table = serving(common, quick, out, resolve_model)
+        elif part == "capacity":
+            table = capacity(common, quick, out)
+        else:
+            table = projection(common, quick, out)
+        print(table, flush=True)
+    print(f"\nbench finished in {time.monotonic() - started:.0f} s; figures in {out}/")

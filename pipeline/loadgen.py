@@ -1,0 +1,157 @@
+"""A closed-loop load generator for OpenAI-compatible streaming chat, and the statistics
+the benchmarks report. Used against this pipeline and against ``vllm serve`` alike.
+
+Each of ``concurrency`` clients sends streaming requests one after another. A request
+records when it was sent, when its first content arrived (TTFT), when it ended, its
+output tokens (from the usage chunk) and, if asked, each SSE event id with its arrival
+time. Parsing is kept to what is needed, so the generator is not the bottleneck; its
+own CPU use is reported with the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Request:
+    sent: float
+    first: float | None = None
+    ended: float | None = None
+    tokens: int = 0
+    error: str | None = None
+    arrivals: list[tuple[str, float]] = field(default_factory=list)  # (SSE id, time)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def itl(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if self.first is None or self.ended is None or self.tokens < 2:
+            return None
+        return (self.ended - self.first) / (self.tokens - 1)
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.ended is None else self.ended - self.sent
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), nearest-rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+@dataclass
+class Summary:
+    concurrency: int
+    requests: int
+    failures: int
+    seconds: float
+    output_tokens: int
+    ttft_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    latency_ms: dict[str, float]
+    client_cpu: float  # the generator's CPU time / wall time (1.0 = one core)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return (self.requests - self.failures) / self.seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "tokens_per_s": self.tokens_per_s,
+                "requests_per_s": self.requests_per_s}
+
+
+def summarise(concurrency: int, requests: list[Request], seconds: float,
+              cpu: float) -> Summary:
+    ok = [r for r in requests if r.error is None and r.ended is not None]
+
+    def ms(values: list[float | None], *qs: int) -> dict[str, float]:
+        kept = [v * 1000 for v in values if v is not None]
+        return {f"p{q}": percentile(kept, q) for q in qs} | {
+            "mean": statistics.fmean(kept) if kept else float("nan")}
+
+    return Summary(concurrency, len(requests), len(requests) - len(ok), seconds,
+                   sum(r.tokens for r in ok), ms([r.ttft for r in ok], 50, 90, 99),
+                   ms([r.itl for r in ok], 50, 99), ms([r.latency for r in ok], 50, 99),
+                   cpu / seconds)
+
+
+def chat_body(model: str, prompt: str, max_tokens: int, seed: int) -> dict[str, Any]:
+    return {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "seed": seed, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": prompt}]}
+
+
+async def stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      keep_ids: bool = False) -> Request:
+    """One streaming chat request, timed."""
+    request = Request(time.perf_counter())
+    event_id = ""
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                request.error = f"HTTP {resp.status_code}"
+                return request
+            async for line in resp.aiter_lines():
+                if line.startswith("id: "):
+                    event_id = line[4:]
+                elif line.startswith("data: "):
+                    now = time.perf_counter()
+                    if keep_ids and event_id:
+                        request.arrivals.append((event_id, now))
+                    if request.first is None and '"content":"' in line and \
+                            '"content":""' not in line:
+                        request.first = now
+                    elif '"usage":{' in line and '"choices":[]' in line:
+                        request.tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                    elif line == "data: [DONE]":
+                        request.ended = now
+                    elif '"error":' in line and '"error":null' not in line:
+                        request.error = json.loads(line[6:])["error"].get("code", "error")
+                    event_id = ""
+    except httpx.HTTPError as exc:
+        request.error = type(exc).__name__
+    if request.ended is None and request.error is None:
+        request.error = "no [DONE]"
+    return request
+
+
+MakeRequest = Callable[[int], Awaitable[Request]]
+
+
+async def closed_loop(make: MakeRequest, concurrency: int, rounds: int) -> Summary:
+    """``concurrency`` clients, each making ``rounds`` requests one after another."""
+    results: list[Request] = []
+
+    async def client(i: int) -> None:
+        for k in range(rounds):
+            results.append(await make(i * rounds + k))
+
+    cpu, started = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    seconds = time.perf_counter() - started
+    return summarise(concurrency, results, seconds, time.process_time() - cpu)
+
+
+def http_client(connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits)
