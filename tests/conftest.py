@@ -180,8 +180,10 @@ def pipeline(stack: Stack) -> Iterator[Pipeline]:
         "projector": start_service(stack, "projector", "projector"),
         "worker": start_service(stack, "worker", "worker", "--max-num-seqs", "16",
                                 "--metrics-port", str(worker_metrics)),
+        # Re-attaching tests must beat the grace period; cancellation on disconnect is
+        # tested on gateways of its own.
         "gateway": start_service(stack, "gateway", "gateway", "--port", str(port),
-                                 GATEWAY_CANCEL_GRACE_S="1"),
+                                 GATEWAY_CANCEL_GRACE_S="5"),
     }
     p = Pipeline(stack, f"http://127.0.0.1:{port}", services,
                  worker_metrics=f"http://127.0.0.1:{worker_metrics}/metrics")

@@ -101,7 +101,8 @@ def positions(ids: list[str]) -> list[tuple[int, int]]:
 # -- resumable streams ------------------------------------------------------------
 def test_stream_resumes_on_another_gateway_exactly(gw: Gateways) -> None:
     first = stream_chat(gw.url, chat("resume me", 60), stop_after=10)
-    assert not first.done and first.text == expected(10)
+    # (a chunk may hold several tokens: the gateway merges deltas while a reader lags)
+    assert not first.done and first.text and expected(60).startswith(first.text)
     time.sleep(0.5)  # the turn goes on meanwhile; the client comes back within the grace
     rest = resume_chat(gw.second, first.request_id, first.last_id)
     assert rest.done and rest.finish_reason == "length", rest.error
