@@ -29,14 +29,13 @@ from gateway.openai_api import ChatRequest
 from gateway.store import ConversationStore
 from gateway.tail import Delivered, GenerationTail, Overflow, Subscription
 from gateway.view import ConversationView, TurnState
-from pipeline.codec import DecodeError, Position, decode
+from pipeline.codec import Position
 from pipeline.kafka import EventProducer
 from pipeline.settings import GatewaySettings
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
     ClientAttached,
     ClientDetached,
-    Event,
     GenerationCancelled,
     GenerationEvent,
     GenerationFailed,
@@ -190,13 +189,12 @@ class ChatService:
                 start = last_event_id[1]
             else:
                 since = int(turn.submitted_at.timestamp() * 1000) if turn.submitted_at else 0
-                start = await self.store.reader.call(
-                    self.store.reader.offset_for_time_sync, GENERATIONS, partition,
-                    since - CLOCK_SKEW_MS)
-            records = await self.store.reader.call(
-                self.store.reader.read_range_sync, GENERATIONS, partition, start, sub.start)
-            history = [Delivered(r.position, event) for r, event in _decoded(records, conversation)
-                       if event.request_id == turn.request_id]
+                start = await self.store.offset_at(GENERATIONS, partition,
+                                                   since - CLOCK_SKEW_MS)
+            history = [Delivered(r.position, event) for r, event
+                       in await self.store.events(GENERATIONS, conversation, start, sub.start)
+                       if isinstance(event, GenerationEvent)
+                       and event.request_id == turn.request_id]
             if last_event_id is not None and start < sub.start and (
                     not history or history[0].position.offset != start):
                 raise APIError(400, "Last-Event-ID does not name an event of this stream.",
@@ -310,21 +308,6 @@ class ChatService:
 
 def _key(conversation_id: uuid.UUID) -> bytes:
     return str(conversation_id).encode()
-
-
-def _decoded(records: list[Any], conversation: uuid.UUID) -> list[tuple[Any, GenerationEvent]]:
-    key = _key(conversation)
-    out = []
-    for record in records:
-        if record.key != key:
-            continue
-        try:
-            event: Event = decode(record.value)
-        except DecodeError:
-            continue
-        if isinstance(event, GenerationEvent):
-            out.append((record, event))
-    return out
 
 
 def _log_failure(future: asyncio.Future[Position]) -> None:

@@ -11,6 +11,7 @@ it waits for the projector instead (``catch_up``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -20,9 +21,10 @@ from psycopg_pool import AsyncConnectionPool
 from gateway.errors import APIError
 from gateway.view import ConversationView, Message, TurnState
 from pipeline.codec import DecodeError, decode
-from pipeline.kafka import AsyncConsumer
+from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
 from pipeline.topics import GENERATIONS, PROMPTS
+from schemas import Event
 
 TOPICS = (PROMPTS, GENERATIONS)
 
@@ -50,24 +52,33 @@ class ConversationStore:
     async def end_of(self, topic: str, partition: int) -> int:
         return (await self.meta.call(self.meta.watermarks_sync, topic, partition))[1]
 
+    async def offset_at(self, topic: str, partition: int, ms: int) -> int:
+        return await self.reader.call(self.reader.offset_for_time_sync, topic, partition, ms)
+
+    async def events(self, topic: str, conversation_id: uuid.UUID, start: int,
+                     end: int) -> list[tuple[Record, Event]]:
+        """The conversation's events in ``[start, end)`` of its partition of ``topic``
+        (records that do not decode are the projector's to dead-letter)."""
+        key = str(conversation_id).encode()
+        records = await self.reader.call(self.reader.read_range_sync, topic,
+                                         self.partition_of(conversation_id), start, end)
+        out = []
+        for record in records:
+            if record.key == key:
+                with contextlib.suppress(DecodeError):
+                    out.append((record, decode(record.value)))
+        return out
+
     async def view(self, conversation_id: uuid.UUID) -> ConversationView:
         p = self.partition_of(conversation_id)
         ends = {t: await self.end_of(t, p) for t in TOPICS}
         view, positions = await self._stored(conversation_id, p)
-        key = str(conversation_id).encode()
         for topic in TOPICS:
             start = positions.get(topic, 0)
             if ends[topic] - start > self.max_unprojected:
                 raise _lagging()
-            records = await self.reader.call(self.reader.read_range_sync, topic, p, start,
-                                             ends[topic])
-            for record in records:
-                if record.key != key:
-                    continue
-                try:
-                    view.apply(decode(record.value))
-                except DecodeError:
-                    continue  # dead-lettered by the projector
+            for _, event in await self.events(topic, conversation_id, start, ends[topic]):
+                view.apply(event)
         return view
 
     async def _stored(self, conversation_id: uuid.UUID,

@@ -97,11 +97,15 @@ class EventProducer:
 
     def send_nowait(self, topic: str, event: Event) -> None:
         """Produce ``event``; a failure is logged and counted in ``failures``."""
+        self._produce(topic, value=encode(event), key=key_of(event))
+
+    def _produce(self, topic: str, **record: Any) -> None:
         while True:
             try:
-                self._producer.produce(topic, value=encode(event), key=key_of(event))
+                self._producer.produce(topic, **record)
                 return
             except BufferError:
+                # The local queue is full: wait for deliveries rather than drop the record.
                 self._producer.poll(0.01)
 
     def _unawaited_delivery(self, err: KafkaError | None, msg: Message) -> None:
@@ -126,15 +130,8 @@ class EventProducer:
                 result = Position(msg.topic() or topic, msg.partition() or 0, msg.offset() or 0)
             loop.call_soon_threadsafe(_resolve, future, result)
 
-        while True:
-            try:
-                self._producer.produce(
-                    topic, value=value, key=key, headers=list(headers), on_delivery=settle
-                )
-                return future
-            except BufferError:
-                # The local queue is full: wait for deliveries rather than drop the record.
-                self._producer.poll(0.01)
+        self._produce(topic, value=value, key=key, headers=list(headers), on_delivery=settle)
+        return future
 
     def flush(self, timeout: float = 30.0) -> int:
         return int(self._producer.flush(timeout))
