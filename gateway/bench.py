@@ -2,9 +2,11 @@
 (no model), so that the engine is never the bottleneck. Each part starts a simulated
 worker, a projector and one gateway as processes on the local stack:
 
-* **delta latency**: 256 concurrent streams; for every token delta a client receives,
-  the time from the worker creating it (the event's ``occurred_at``, read back from
-  the log at the SSE id's position) to the client receiving it; same clock.
+* **delta latency**: 256 concurrent streams, at several token rates per stream; for
+  every token delta a client receives, the time from the worker creating it (the
+  event's ``occurred_at``, read back from the log at the SSE id's position) to the
+  client receiving it; same clock. With the machine's CPU use, to show where it
+  saturates.
 * **gateway throughput**: streams fast enough to saturate the machine; the tokens/s
   the one gateway process delivers to its clients, and its own CPU share.
 * **open streams**: many slow streams held open at once; the gateway's resident
@@ -16,19 +18,23 @@ Every figure comes with the load generator's and the gateway's CPU shares.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import json
+import multiprocessing
 import os
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from infra.process import free_port, wait_http
 from pipeline.codec import decode
-from pipeline.kafka import AsyncConsumer
+from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
 from pipeline.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from pipeline.topics import GENERATIONS
 from schemas import TokenDelta
@@ -39,6 +45,13 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def _rss_mb(pid: int) -> float:
@@ -94,8 +107,30 @@ def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
     return times
 
 
-async def _load(url: str, streams: int, rounds: int, max_tokens: int,
-                keep_ids: bool) -> tuple[list[Request], float, float]:
+def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
+    """For ``seconds``: each new TokenDelta's delay from its creation in the worker to a
+    plain consumer in a process of its own (the Kafka hop alone, no gateway), in ms."""
+    consumer = AsyncConsumer(bootstrap, "bench-kafka-hop", **QUICK_ASSIGN)
+    try:
+        consumer.add_partitions_sync({
+            (GENERATIONS, p): consumer.watermarks_sync(GENERATIONS, p)[1]
+            for p in consumer.partitions_sync(GENERATIONS)})
+        delays = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for record in consumer.poll_batch_sync(1000, 0.05):
+                now = time.time()
+                event = json.loads(record.value or b"{}")
+                if event.get("type") == "TokenDelta":
+                    created = datetime.fromisoformat(event["occurred_at"]).timestamp()
+                    delays.append((now - created) * 1000)
+        return delays
+    finally:
+        asyncio.run(consumer.close())
+
+
+async def _load(url: str, streams: int, rounds: int, max_tokens: int, keep_ids: bool,
+                stagger_s: float = 0.0) -> tuple[list[Request], float, float]:
     """Closed-loop streams; the requests, the wall seconds and the client's CPU share."""
     done: list[Request] = []
     async with http_client(streams + 8) as client:
@@ -107,25 +142,39 @@ async def _load(url: str, streams: int, rounds: int, max_tokens: int,
 
         await closed_loop(one, 4, 1)  # warm-up
         done.clear()
-        summary = await closed_loop(one, streams, rounds)
+        summary = await closed_loop(one, streams, rounds, stagger_s)
     return done, summary.seconds, summary.client_cpu
 
 
-def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int) -> dict[str, Any]:
-    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="50") as (url, gateway):
-        cpu = _cpu_s(gateway)
-        requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 50, True))
+def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
+                  tokens_per_s: float) -> dict[str, Any]:
+    """``streams`` streams of about 4 s each, staggered over one stream's length."""
+    max_tokens = max(20, round(tokens_per_s * 4))
+    stream_s = max_tokens / tokens_per_s
+    spawn = multiprocessing.get_context("spawn")
+    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S=str(tokens_per_s)) as (url, gateway), \
+            concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as side:
+        side.submit(time.sleep, 0).result()  # started before the load
+        cpu, busy = _cpu_s(gateway), _machine_busy()
+        hop = side.submit(_kafka_hop, bootstrap, stream_s * (rounds + 1))
+        requests, seconds, client_cpu = asyncio.run(
+            _load(url, streams, rounds, max_tokens, True, stagger_s=stream_s))
         gateway_cpu = (_cpu_s(gateway) - cpu) / seconds
+        busy_after = _machine_busy()
+        hop_ms = hop.result()
+    machine = (busy_after[0] - busy[0]) / max(busy_after[1] - busy[1], 1)
     offset = time.time() - time.perf_counter()
     arrivals = [(i, t + offset) for r in requests for i, t in r.arrivals]
     created = _event_times(bootstrap, [i for i, _ in arrivals])
     latencies = [(t - created[i]) * 1000 for i, t in arrivals if i in created]
-    return {"streams": streams, "deltas": len(latencies), "seconds": seconds,
-            "failures": sum(r.error is not None for r in requests),
+    return {"streams": streams, "tokens_per_s_per_stream": tokens_per_s,
+            "offered_tokens_per_s": streams * tokens_per_s, "deltas": len(latencies),
+            "seconds": seconds, "failures": sum(r.error is not None for r in requests),
             "deltas_per_s": len(latencies) / seconds,
             "ms": {f"p{q}": percentile(latencies, q) for q in (50, 90, 99)} | {
                 "max": max(latencies, default=float("nan"))},
-            "client_cpu": client_cpu, "gateway_cpu": gateway_cpu}
+            "kafka_hop_ms": {f"p{q}": percentile(hop_ms, q) for q in (50, 90, 99)},
+            "client_cpu": client_cpu, "gateway_cpu": gateway_cpu, "machine_cpu": machine}
 
 
 def throughput(log_dir: Path, streams: int, rounds: int) -> dict[str, Any]:
@@ -151,11 +200,11 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
         async def hold(seed: int) -> None:
             nonlocal opened
             body = chat_body("sim", "hold", 8_000, seed)  # at 0.2 tokens/s: hours
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: ") and '"error":{' in line:
-                        raise RuntimeError(f"a held stream failed: {line[:200]}")
-                    if line.startswith("data: ") and '"content":"' in line:
+            async with client.post(f"{url}/v1/chat/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: ") and b'"error":{' in line:
+                        raise RuntimeError(f"a held stream failed: {line[:200]!r}")
+                    if line.startswith(b"data: ") and b'"content":"' in line:
                         opened += 1
                         if opened == streams:
                             all_open.set()
@@ -176,7 +225,8 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
             seconds = time.perf_counter() - started
             await asyncio.sleep(2)  # let allocations settle
             held = _rss_mb(gateway)
-            metrics = (await client.get(f"{url}/metrics")).text
+            async with client.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
         finally:
             for task in (*tasks, opening):
                 task.cancel()
@@ -197,25 +247,34 @@ def open_streams(log_dir: Path, streams: int) -> dict[str, Any]:
 
 
 def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
+    rates = (5, 50) if quick else (5, 10, 20, 50)
     return {
-        "delta_latency": delta_latency(bootstrap, log_dir, 256, 2 if quick else 6),
+        "delta_latency": [delta_latency(bootstrap, log_dir, 256, 2 if quick else 4, rate)
+                          for rate in rates],
         "throughput": throughput(log_dir, 64 if quick else 128, 1 if quick else 3),
         "open_streams": open_streams(log_dir, 500 if quick else 2000),
     }
 
 
 def tables(figures: dict[str, Any]) -> str:
-    lat, thr, held = figures["delta_latency"], figures["throughput"], figures["open_streams"]
-    ms = lat["ms"]
-    return "\n".join([
-        "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|",
-        f"| delta -> client latency, {lat['streams']} streams ({lat['deltas']:,} deltas, "
-        f"{lat['deltas_per_s']:,.0f}/s) | p50 {ms['p50']:.1f} ms, p90 {ms['p90']:.1f} ms, "
-        f"p99 {ms['p99']:.1f} ms, max {ms['max']:.0f} ms | {lat['client_cpu']:.0%} | "
-        f"{lat['gateway_cpu']:.0%} |",
-        f"| tokens/s one gateway streams to SSE clients ({thr['streams']} streams) | "
-        f"{thr['tokens_per_s']:,.0f} | {thr['client_cpu']:.0%} | {thr['gateway_cpu']:.0%} |",
-        f"| streams held open in one gateway | {held['streams']:,} (memory "
-        f"{held['rss_mb_before']:.0f} -> {held['rss_mb_held']:.0f} MB, "
-        f"{held['kb_per_stream']:.0f} KB per stream) | | |",
-    ])
+    thr, held = figures["throughput"], figures["open_streams"]
+    out = ["| streams x tokens/s each | deltas/s delivered | worker -> SSE client p50 / p90 "
+           "/ p99 / max (ms) | of which worker -> Kafka consumer p50 / p90 / p99 (ms) | "
+           "machine CPU (2 = all cores) | gateway CPU | load generator CPU |",
+           "|---|---|---|---|---|---|---|"]
+    for lat in figures["delta_latency"]:
+        ms, hop = lat["ms"], lat["kafka_hop_ms"]
+        out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
+                   f"{lat['deltas_per_s']:,.0f} | {ms['p50']:.1f} / {ms['p90']:.1f} / "
+                   f"{ms['p99']:.1f} / {ms['max']:.0f} | {hop['p50']:.1f} / "
+                   f"{hop['p90']:.1f} / {hop['p99']:.1f} | "
+                   f"{lat['machine_cpu'] * (os.cpu_count() or 1):.2f} | "
+                   f"{lat['gateway_cpu']:.0%} | {lat['client_cpu']:.0%} |")
+    out += ["", "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|",
+            f"| tokens/s one gateway streams to SSE clients ({thr['streams']} streams) | "
+            f"{thr['tokens_per_s']:,.0f} | {thr['client_cpu']:.0%} | "
+            f"{thr['gateway_cpu']:.0%} |",
+            f"| streams held open in one gateway | {held['streams']:,} (memory "
+            f"{held['rss_mb_before']:.0f} -> {held['rss_mb_held']:.0f} MB, "
+            f"{held['kb_per_stream']:.0f} KB per stream) | | |"]
+    return "\n".join(out)
