@@ -45,7 +45,7 @@ def serving(common: CommonSettings, quick: bool, out: Path,
         "max_num_seqs": settings.max_num_seqs or max(32, *levels),
         "max_model_len": settings.max_model_len or 512})
     model, name = resolve_model(common, settings)
-    figures = bench.bench(settings, model, name, levels, max_tokens, quick,
+    figures = bench.bench(settings, common.kafka_bootstrap, model, name, levels, max_tokens, quick,
                           common.state_dir / "bench-logs")
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
     table = bench.tables(figures)

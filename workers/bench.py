@@ -2,12 +2,17 @@
 
 1. **engine**: vLLM's ``AsyncLLM`` in this process (the worker's ``VllmEngine``: the
    chat template and the engine, no HTTP, no Kafka): the ceiling.
-2. **vllm-serve**: vLLM's own OpenAI server from the same install, over HTTP/SSE.
-3. **pipeline**: gateway, Kafka, worker and projector as processes, over HTTP/SSE.
+2. **worker**: one worker process alone, driven through Kafka: the load generator writes
+   ``PromptSubmitted`` to ``chat.prompts`` and reads the turns' events back from
+   ``chat.generations`` (no gateway, no projector): what the worker costs next to (1).
+3. **vllm-serve**: vLLM's own OpenAI server from the same install, over HTTP/SSE.
+4. **pipeline**: gateway, Kafka, worker and projector as processes, over HTTP/SSE:
+   what the whole pipeline costs next to (3).
 
 Each is a closed loop at each concurrency level, with the same engine arguments, the
 same prompt and ``max_tokens`` generated in full (``ignore_eos``). They run one after
-another, so they never share the CPU; the broker and PostgreSQL run throughout.
+another, so they never share the CPU; the broker and PostgreSQL run throughout. Each
+level starts with one unmeasured round at its concurrency.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gateway.ids import completion_id
 from infra.process import free_port, wait_http
+from pipeline.codec import decode
+from pipeline.kafka import AsyncConsumer, EventProducer
 from pipeline.loadgen import (
+    MakeRequest,
     Request,
     Summary,
     chat_body,
@@ -30,16 +39,34 @@ from pipeline.loadgen import (
     stream_once,
 )
 from pipeline.settings import WorkerSettings
-from schemas import ChatMessage, SamplingParams
+from pipeline.topics import GENERATIONS, PROMPTS
+from schemas import (
+    ChatMessage,
+    GenerationFailed,
+    GenerationFinished,
+    PromptSubmitted,
+    SamplingParams,
+    TokenDelta,
+)
 from workers.engine import EngineRequest
 
 PROMPT = "Write a long story about a log that remembers everything."
-MODES = ("engine", "vllm-serve", "pipeline")
+MODES = ("engine", "worker", "vllm-serve", "pipeline")
 
 
 def rounds(concurrency: int, quick: bool) -> int:
     """Requests per client: enough for steady figures, at least 16 requests a level."""
     return max(2 if quick else 4, (16 if quick else 32) // concurrency)
+
+
+async def measure(one: MakeRequest, levels: list[int], quick: bool) -> list[Summary]:
+    """Each level: one round unmeasured at its concurrency, then the measured rounds. (The
+    first rounds after start-up had TTFT p90s of 200-800 ms here, later ones 40-65 ms.)"""
+    out = []
+    for c in levels:
+        await closed_loop(one, c, 1)
+        out.append(await closed_loop(one, c, rounds(c, quick)))
+    return out
 
 
 async def run_engine(settings: WorkerSettings, model: Path, name: str, levels: list[int],
@@ -60,8 +87,7 @@ async def run_engine(settings: WorkerSettings, model: Path, name: str, levels: l
         return request
 
     try:
-        await closed_loop(one, 2, 2)  # warm-up
-        return [await closed_loop(one, c, rounds(c, quick)) for c in levels]
+        return await measure(one, levels, quick)
     finally:
         engine.close()
 
@@ -72,8 +98,62 @@ async def run_http(url: str, name: str, levels: list[int], max_tokens: int,
         async def one(seed: int) -> Request:
             return await stream_once(client, url, chat_body(name, PROMPT, max_tokens, seed))
 
-        await closed_loop(one, 2, 2)  # warm-up
-        return [await closed_loop(one, c, rounds(c, quick)) for c in levels]
+        return await measure(one, levels, quick)
+
+
+async def run_kafka(bootstrap: str, name: str, levels: list[int], max_tokens: int,
+                    quick: bool) -> list[Summary]:
+    """Closed loop straight through Kafka: prompts in, the worker's events out."""
+    producer = EventProducer(bootstrap, linger_ms=0)
+    reader = AsyncConsumer(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}",
+                           **{"fetch.wait.max.ms": 10})
+    waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
+
+    async def read() -> None:
+        while True:
+            for record in await reader.poll_batch(1000, 0.05):
+                now = time.perf_counter()
+                event = decode(record.value)
+                entry = waiting.get(getattr(event, "request_id", ""))
+                if entry is None:
+                    continue
+                request, done = entry
+                if isinstance(event, TokenDelta) and request.first is None:
+                    request.first = now
+                elif isinstance(event, GenerationFinished):
+                    request.tokens, request.ended = event.usage.completion_tokens, now
+                    done.set_result(None)
+                elif isinstance(event, GenerationFailed):
+                    request.error = event.code
+                    done.set_result(None)
+
+    async def one(seed: int) -> Request:
+        conversation = uuid.uuid4()
+        prompt = PromptSubmitted(
+            conversation_id=conversation, request_id=completion_id(conversation),
+            tenant="bench", model=name, messages=(ChatMessage(role="user", content=PROMPT),),
+            sampling=SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True))
+        request = Request(time.perf_counter())
+        done = asyncio.get_running_loop().create_future()
+        waiting[prompt.request_id] = (request, done)
+        try:
+            await producer.send(PROMPTS, prompt)
+            await asyncio.wait_for(done, timeout=600)
+        finally:
+            del waiting[prompt.request_id]
+        return request
+
+    ends = {(GENERATIONS, p): (await reader.call(reader.watermarks_sync, GENERATIONS, p))[1]
+            for p in await reader.call(reader.partitions_sync, GENERATIONS)}
+    await reader.call(reader.add_partitions_sync, ends)  # from the current ends on
+    reading = asyncio.create_task(read())
+    try:
+        return await measure(one, levels, quick)
+    finally:
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        await reader.close()
+        producer.close()
 
 
 def _engine_flags(settings: WorkerSettings) -> list[str]:
@@ -121,28 +201,33 @@ def run_vllm_serve(settings: WorkerSettings, model: Path, name: str, levels: lis
         _stop(procs)
 
 
-def run_pipeline(settings: WorkerSettings, name: str, levels: list[int], max_tokens: int,
-                 quick: bool, log_dir: Path) -> list[Summary]:
+def run_pipeline(settings: WorkerSettings, bootstrap: str, name: str, levels: list[int],
+                 max_tokens: int, quick: bool, log_dir: Path
+                 ) -> tuple[list[Summary], list[Summary]]:
+    """One worker process: first alone, driven through Kafka; then with a projector and a
+    gateway started beside it, over HTTP/SSE."""
     port = free_port()
     exe = [sys.executable, "-m", "pipeline"]
-    procs = _start({"projector": [*exe, "projector"],
-                    "worker": [*exe, "worker", *_engine_flags(settings)],
-                    "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)
+    procs = _start({"worker": [*exe, "worker", *_engine_flags(settings)]}, log_dir)
     try:
+        alone = asyncio.run(run_kafka(bootstrap, name, levels, max_tokens, quick))
+        procs += _start({"projector": [*exe, "projector"],
+                         "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
-        return asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels, max_tokens,
-                                    quick))
+        return alone, asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels,
+                                           max_tokens, quick))
     finally:
         _stop(procs)
 
 
-def bench(settings: WorkerSettings, model: Path, name: str, levels: list[int],
-          max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
+def bench(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
+          levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
     results = {
         "engine": asyncio.run(run_engine(settings, model, name, levels, max_tokens, quick)),
         "vllm-serve": run_vllm_serve(settings, model, name, levels, max_tokens, quick, log_dir),
-        "pipeline": run_pipeline(settings, name, levels, max_tokens, quick, log_dir),
     }
+    results["worker"], results["pipeline"] = run_pipeline(
+        settings, bootstrap, name, levels, max_tokens, quick, log_dir)
     return {"model": name, "max_tokens": max_tokens, "max_num_seqs": settings.max_num_seqs,
             "max_model_len": settings.max_model_len,
             "modes": {m: [s.to_json() for s in summaries] for m, summaries in results.items()}}
@@ -168,10 +253,12 @@ def tables(figures: dict[str, Any]) -> str:
                        f"{s['requests_per_s']:.1f} | {s['failures']} | "
                        f"{s['client_cpu']:.0%} |")
         out.append("")
-    out += ["| concurrency | pipeline / engine (tok/s) | pipeline / vllm-serve (tok/s) |"
-            " pipeline - vllm-serve TTFT p50 |", "|---|---|---|---|"]
-    for e, v, p in zip(modes["engine"], modes["vllm-serve"], modes["pipeline"], strict=True):
-        out.append(f"| {e['concurrency']} | {p['tokens_per_s'] / e['tokens_per_s']:.0%} | "
+    out += ["| concurrency | worker / engine (tok/s) | pipeline / engine (tok/s) |"
+            " pipeline / vllm-serve (tok/s) | pipeline - vllm-serve TTFT p50 |",
+            "|---|---|---|---|---|"]
+    for e, w, v, p in zip(*(modes[m] for m in MODES), strict=True):
+        out.append(f"| {e['concurrency']} | {w['tokens_per_s'] / e['tokens_per_s']:.0%} | "
+                   f"{p['tokens_per_s'] / e['tokens_per_s']:.0%} | "
                    f"{p['tokens_per_s'] / v['tokens_per_s']:.0%} | "
                    f"{p['ttft_ms']['p50'] - v['ttft_ms']['p50']:+.1f} ms |")
     return "\n".join(out)
