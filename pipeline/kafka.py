@@ -185,7 +185,7 @@ def _resolve(future: asyncio.Future[Position], result: Position | BaseException)
 TP = tuple[str, int]
 # librdkafka adds a newly assigned partition to its fetches only once the long poll in
 # flight returns (``fetch.wait.max.ms``, 500 ms by default). Consumers whose assignment
-# changes while a client waits keep that poll short.
+# changes, or whose paused partitions resume, while a client waits keep that poll short.
 QUICK_ASSIGN = {"fetch.wait.max.ms": 10}
 # Given the partitions just assigned, the offsets to start them at (None: the committed ones).
 OnAssign = Callable[[list[TP]], dict[TP, int] | None]

@@ -31,7 +31,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.deadletter import dead_letter
-from pipeline.kafka import AsyncConsumer, EventProducer, KafkaException, Record, scan_partitions
+from pipeline.kafka import (
+    QUICK_ASSIGN,
+    AsyncConsumer,
+    EventProducer,
+    KafkaException,
+    Record,
+    scan_partitions,
+)
 from pipeline.topics import GENERATIONS, PROMPTS, WORKERS_GROUP, worker_client_id
 from schemas import (
     ClientAttached,
@@ -193,7 +200,9 @@ class Worker:
         self._producer = EventProducer(self.bootstrap)
         consumer = AsyncConsumer(self.bootstrap, GROUP,
                                  **{"session.timeout.ms": self.session_timeout_ms,
-                                    "client.id": worker_client_id(self.engine.model_name)})
+                                    "client.id": worker_client_id(self.engine.model_name),
+                                    # Resumed partitions join the fetches at once.
+                                    **QUICK_ASSIGN})
         consumer.subscribe([PROMPTS], on_assign=self._on_assign,
                            on_revoke=lambda tps: self._on_revoke(consumer, tps))
         paused: bool | None = None  # as applied to the assignment of version `applied`
