@@ -220,6 +220,8 @@ class Worker:
                                         else consumer.resume_all_sync)
                 if paused:
                     self._slot_freed.clear()
+                    if len(self.in_flight) < self.engine.max_num_seqs:
+                        continue  # a turn ended while pausing (its signal just cleared)
                     try:
                         await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
                     except TimeoutError:
