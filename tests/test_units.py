@@ -12,12 +12,15 @@ from pipeline.codec import DecodeError, decode, encode
 from projections.projection import project
 from schemas import (
     ChatMessage,
+    GenerationFailed,
     GenerationFinished,
+    GenerationStarted,
     PromptSubmitted,
     TokenDelta,
     Usage,
 )
 from workers.offsets import OffsetTracker
+from workers.recovery import Recovered, fold, from_log
 
 CONV = uuid.uuid4()
 
@@ -119,3 +122,37 @@ def test_projection_stores_nul_as_a_replacement_character() -> None:
         duration_ms=1)
     message = next(w.params for w in project(finished) if "INTO messages" in w.sql)
     assert message["content"] == "a\ufffdb"
+
+
+def test_recovery_from_raw_records_equals_the_fold_of_every_decoded_event() -> None:
+    """The takeover scan decodes only terminal events and unfinished turns' records; it
+    must find what decoding everything finds, whatever text the deltas carry."""
+    tricky = 'x", "request_id":"done", "type":"GenerationFinished" \\" '
+
+    def turn(rid: str, deltas: int, end: str | None, attempt: int = 0) -> list[object]:
+        ids = {"conversation_id": CONV, "request_id": rid}
+        events: list[object] = [GenerationStarted(**ids, model="m", worker="w",
+                                                  attempt=attempt, reply_seq=1,
+                                                  prompt_tokens=3)]
+        events += [TokenDelta(**ids, attempt=attempt, seq=i, text=f"{tricky}{i}")
+                   for i in range(deltas)]
+        if end == "finished":
+            events.append(GenerationFinished(
+                **ids, model="m", reply_seq=1, finish_reason="stop", text="", deltas=deltas,
+                usage=Usage(prompt_tokens=3, completion_tokens=deltas), duration_ms=1))
+        elif end == "failed":
+            events.append(GenerationFailed(**ids, code="engine_dead", message="x"))
+        return events
+
+    events = [*turn("done", 5, "finished"), *turn("open", 3, None),
+              *turn("failed", 2, "failed"), *turn("open", 2, None, attempt=1),
+              *turn("chatcmpl-\\\"odd", 2, None)]
+    values: list[bytes | None] = [encode(e) for e in events]  # type: ignore[arg-type]
+    values += [None, b"not json", b'{"request_id":"open","type":"GenerationFinished"}']
+
+    expected = {rid: Recovered(ended=True) if rec.ended else rec
+                for rid, rec in fold(events).items()}  # type: ignore[arg-type]
+    found = from_log(values)
+    assert found == expected
+    assert found["open"].attempt == 1 and [d.seq for d in found["open"].emitted()] == [0, 1, 2]
+    assert found["done"].ended and found["failed"].ended and not found["open"].ended

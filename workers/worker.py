@@ -56,7 +56,7 @@ from schemas import (
 )
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.offsets import OffsetTracker
-from workers.recovery import Recovered, fold
+from workers.recovery import Recovered, from_log
 
 log = logging.getLogger(__name__)
 GROUP = WORKERS_GROUP
@@ -155,15 +155,9 @@ class Worker:
         partitions = [p for t, p in assigned if t == PROMPTS]
         since_ms = int((time.time() - self.recovery_window_s) * 1000)
         records = scan_partitions(self.bootstrap, GENERATIONS, partitions, since_ms)
-        events = []
-        for record in records:
-            try:
-                events.append(decode(record.value))
-            except DecodeError:
-                continue
-        # Ended turns need only their mark; unfinished ones keep their deltas.
-        found = {rid: rec if not rec.ended else Recovered(rec.attempt, True)
-                 for rid, rec in fold(events).items() if rid not in self.in_flight}
+        # Ended turns come back with their mark only; unfinished ones with their deltas.
+        found = {rid: rec for rid, rec in from_log([r.value for r in records]).items()
+                 if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
         self._assignments += 1
         self.metrics.assigned.set(len(partitions))
