@@ -81,6 +81,11 @@ class WorkerSettings(BaseSettings):
     # Token coalescing: at most one TokenDelta per N ms per request (the first token
     # always goes at once); 0 emits one per engine step per request.
     coalesce_ms: float = Field(default=10.0, ge=0)
+    # How much to lower the CPU priority (nice) of vLLM's engine processes. They poll
+    # without pause; on a host whose CPU also runs the model, they otherwise starve the
+    # broker and this worker's own Kafka threads. Default: 10 when vLLM runs on the
+    # CPU, 0 (left alone) on accelerators.
+    engine_nice: int | None = Field(default=None, ge=0, le=19)
     metrics_port: int = 0
     # How soon the group notices a dead worker and hands its prompts on.
     session_timeout_ms: int = Field(default=10_000, ge=6_000)

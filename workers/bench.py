@@ -49,6 +49,7 @@ from schemas import (
     TokenDelta,
 )
 from workers.engine import EngineRequest
+from workers.vllm_engine import default_engine_nice, lower_engine_priority
 
 PROMPT = "Write a long story about a log that remembers everything."
 MODES = ("engine", "worker", "vllm-serve", "pipeline")
@@ -195,6 +196,9 @@ def run_vllm_serve(settings: WorkerSettings, model: Path, name: str, levels: lis
         *_engine_flags(settings)]}, log_dir)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=300)
+        # The same as the worker and the engine mode give their engine processes.
+        nice = default_engine_nice() if settings.engine_nice is None else settings.engine_nice
+        lower_engine_priority(procs[0].pid, nice)
         return asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels, max_tokens,
                                     quick))
     finally:

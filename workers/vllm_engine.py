@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +67,38 @@ def _stats_tap(view: SchedulerView) -> Any:
     return _StatsTap
 
 
+def lower_engine_priority(root: int, nice: int) -> int:
+    """Raise the nice value by ``nice`` of every thread of each vLLM engine process
+    (named ``VLLM::...``, API servers aside) under process ``root``; return how many
+    threads changed. Threads they start later inherit it."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:]
+            children.setdefault(int(rest.split()[1]), []).append((int(stat.parent.name), name))
+    changed = 0
+    todo = [root]
+    while todo:
+        for pid, name in children.get(todo.pop(), []):
+            todo.append(pid)
+            if not name.startswith("VLLM::") or name.startswith("VLLM::APIServer"):
+                continue
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                with contextlib.suppress(OSError, ValueError):
+                    tid = int(task.name)
+                    now = os.getpriority(os.PRIO_PROCESS, tid)
+                    os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+                    changed += 1
+    return changed
+
+
+def default_engine_nice() -> int:
+    from vllm.platforms import current_platform
+
+    return 10 if current_platform.is_cpu() else 0
+
+
 class VllmEngine:
     """Adapts vLLM's ``AsyncLLM`` to the worker's ``Engine`` protocol."""
 
@@ -79,6 +113,11 @@ class VllmEngine:
         self.scheduler = SchedulerView()
         self._llm: Any = AsyncLLM.from_engine_args(
             args, stat_loggers=[_stats_tap(self.scheduler)])
+        nice = default_engine_nice() if settings.engine_nice is None else settings.engine_nice
+        if nice:
+            threads = lower_engine_priority(os.getpid(), nice)
+            log.info("engine processes lowered in CPU priority by %d (%d threads)", nice,
+                     threads)
         config = self._llm.vllm_config
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
         self.max_model_len = int(config.model_config.max_model_len)
