@@ -249,7 +249,7 @@ def open_streams(log_dir: Path, streams: int) -> dict[str, Any]:
 def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
     rates = (5, 50) if quick else (5, 10, 20, 50)
     return {
-        "delta_latency": [delta_latency(bootstrap, log_dir, 256, 2 if quick else 4, rate)
+        "delta_latency": [delta_latency(bootstrap, log_dir, 256, 1 if quick else 4, rate)
                           for rate in rates],
         "throughput": throughput(log_dir, 64 if quick else 128, 1 if quick else 3),
         "open_streams": open_streams(log_dir, 500 if quick else 2000),

@@ -88,11 +88,12 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
     started = time.monotonic()
     for part in parts:
         print(f"\n== {part} ==", flush=True)
+        part_started = time.monotonic()
         if part == "serving":
             table = serving(common, quick, out, resolve_model)
         elif part == "capacity":
             table = capacity(common, quick, out)
         else:
             table = projection(common, quick, out)
-        print(table, flush=True)
+        print(f"{table}\n\n({part}: {time.monotonic() - part_started:.0f} s)", flush=True)
     print(f"\nbench finished in {time.monotonic() - started:.0f} s; figures in {out}/")

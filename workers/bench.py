@@ -28,7 +28,7 @@ from typing import Any
 from gateway.ids import completion_id
 from infra.process import free_port, wait_http
 from pipeline.codec import decode
-from pipeline.kafka import AsyncConsumer, EventProducer
+from pipeline.kafka import AsyncConsumer, EventProducer, GroupStatus
 from pipeline.loadgen import (
     MakeRequest,
     Request,
@@ -38,7 +38,7 @@ from pipeline.loadgen import (
     http_client,
     stream_once,
 )
-from pipeline.settings import WorkerSettings
+from pipeline.settings import ProjectorSettings, WorkerSettings
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
     ChatMessage,
@@ -205,6 +205,26 @@ def run_vllm_serve(settings: WorkerSettings, model: Path, name: str, levels: lis
         _stop(procs)
 
 
+def _wait_projected(bootstrap: str, timeout: float = 600.0) -> None:
+    """Until the projector has caught up with the log (the turns just run through the
+    worker alone, and whatever came before), so its catching up is not measured."""
+    status = GroupStatus(bootstrap, ProjectorSettings().group)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            behind = sum(max(end - at, 0) for topic in (PROMPTS, GENERATIONS)
+                         for at, end in status.per_partition(topic).values())
+            if behind < 100:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the projector is still {behind} records behind")
+            print(f"waiting for the projector to catch up: {behind:,} records behind",
+                  flush=True)
+            time.sleep(2)
+    finally:
+        status.close()
+
+
 def run_pipeline(settings: WorkerSettings, bootstrap: str, name: str, levels: list[int],
                  max_tokens: int, quick: bool, log_dir: Path
                  ) -> tuple[list[Summary], list[Summary]]:
@@ -218,6 +238,7 @@ def run_pipeline(settings: WorkerSettings, bootstrap: str, name: str, levels: li
         procs += _start({"projector": [*exe, "projector"],
                          "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
+        _wait_projected(bootstrap)
         return alone, asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels,
                                            max_tokens, quick))
     finally:
