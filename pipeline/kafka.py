@@ -274,6 +274,9 @@ class AsyncConsumer:
         each partition wakes the thread that serves it."""
         partitions = self._consumer.assignment()
         self._consumer.resume(partitions)
+        self._wake_fetcher(partitions)
+
+    def _wake_fetcher(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             with contextlib.suppress(KafkaException):  # only a wake-up: best effort
                 self._consumer.get_watermark_offsets(tp, timeout=5, cached=False)
@@ -319,9 +322,11 @@ class AsyncConsumer:
         return sorted(info.partitions)
 
     def add_partitions_sync(self, starts: dict[TP, int]) -> None:
-        """Also read these partitions, each from the given offset (the rest keep their place)."""
-        self._consumer.incremental_assign(
-            [TopicPartition(t, p, o) for (t, p), o in starts.items()])
+        """Also read these partitions, each from the given offset (the rest keep their
+        place), fetching them at once (see ``resume_all_sync``)."""
+        partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
+        self._consumer.incremental_assign(partitions)
+        self._wake_fetcher(partitions)
 
     def drop_partitions_sync(self, partitions: list[TP]) -> None:
         self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
