@@ -112,9 +112,7 @@ def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
     plain consumer in a process of its own (the Kafka hop alone, no gateway), in ms."""
     consumer = AsyncConsumer(bootstrap, "bench-kafka-hop", **QUICK_ASSIGN)
     try:
-        consumer.add_partitions_sync({
-            (GENERATIONS, p): consumer.watermarks_sync(GENERATIONS, p)[1]
-            for p in consumer.partitions_sync(GENERATIONS)})
+        consumer.follow_from_end_sync(GENERATIONS)
         delays = []
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:

@@ -328,6 +328,11 @@ class AsyncConsumer:
         self._consumer.incremental_assign(partitions)
         self._wake_fetcher(partitions)
 
+    def follow_from_end_sync(self, topic: str) -> None:
+        """Read every partition of ``topic`` from the end it has now on."""
+        self.add_partitions_sync({(topic, p): self.watermarks_sync(topic, p)[1]
+                                  for p in self.partitions_sync(topic)})
+
     def drop_partitions_sync(self, partitions: list[TP]) -> None:
         self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
 

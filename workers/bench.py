@@ -28,7 +28,7 @@ from typing import Any
 from gateway.ids import completion_id
 from infra.process import free_port, wait_http
 from pipeline.codec import decode
-from pipeline.kafka import AsyncConsumer, EventProducer, GroupStatus
+from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer, GroupStatus
 from pipeline.loadgen import (
     MakeRequest,
     Request,
@@ -49,7 +49,7 @@ from schemas import (
     TokenDelta,
 )
 from workers.engine import EngineRequest
-from workers.vllm_engine import default_engine_nice, lower_engine_priority
+from workers.vllm_engine import engine_nice, lower_engine_priority
 
 PROMPT = "Write a long story about a log that remembers everything."
 MODES = ("engine", "worker", "vllm-serve", "pipeline")
@@ -106,8 +106,7 @@ async def run_kafka(bootstrap: str, name: str, levels: list[int], max_tokens: in
                     quick: bool) -> list[Summary]:
     """Closed loop straight through Kafka: prompts in, the worker's events out."""
     producer = EventProducer(bootstrap, linger_ms=0)
-    reader = AsyncConsumer(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}",
-                           **{"fetch.wait.max.ms": 10})
+    reader = AsyncConsumer(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", **QUICK_ASSIGN)
     waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
 
     async def read() -> None:
@@ -144,9 +143,7 @@ async def run_kafka(bootstrap: str, name: str, levels: list[int], max_tokens: in
             del waiting[prompt.request_id]
         return request
 
-    ends = {(GENERATIONS, p): (await reader.call(reader.watermarks_sync, GENERATIONS, p))[1]
-            for p in await reader.call(reader.partitions_sync, GENERATIONS)}
-    await reader.call(reader.add_partitions_sync, ends)  # from the current ends on
+    await reader.call(reader.follow_from_end_sync, GENERATIONS)
     reading = asyncio.create_task(read())
     try:
         return await measure(one, levels, quick)
@@ -197,8 +194,7 @@ def run_vllm_serve(settings: WorkerSettings, model: Path, name: str, levels: lis
     try:
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=300)
         # The same as the worker and the engine mode give their engine processes.
-        nice = default_engine_nice() if settings.engine_nice is None else settings.engine_nice
-        lower_engine_priority(procs[0].pid, nice)
+        lower_engine_priority(procs[0].pid, engine_nice(settings))
         return asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels, max_tokens,
                                     quick))
     finally:

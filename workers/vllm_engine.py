@@ -93,7 +93,10 @@ def lower_engine_priority(root: int, nice: int) -> int:
     return changed
 
 
-def default_engine_nice() -> int:
+def engine_nice(settings: WorkerSettings) -> int:
+    """``WORKER_ENGINE_NICE``, or by default 10 when vLLM runs on the CPU, 0 otherwise."""
+    if settings.engine_nice is not None:
+        return settings.engine_nice
     from vllm.platforms import current_platform
 
     return 10 if current_platform.is_cpu() else 0
@@ -113,7 +116,7 @@ class VllmEngine:
         self.scheduler = SchedulerView()
         self._llm: Any = AsyncLLM.from_engine_args(
             args, stat_loggers=[_stats_tap(self.scheduler)])
-        nice = default_engine_nice() if settings.engine_nice is None else settings.engine_nice
+        nice = engine_nice(settings)
         if nice:
             threads = lower_engine_priority(os.getpid(), nice)
             log.info("engine processes lowered in CPU priority by %d (%d threads)", nice,
