@@ -177,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
                     default=None)
     wk.add_argument("--kv-cache-memory-bytes", type=int)
     wk.add_argument("--coalesce-ms", type=float,
-                    help="emit at most one TokenDelta per N ms per request (0: per step)")
+                    help="one TokenDelta per request per N ms window (0: per step)")
     wk.add_argument("--metrics-port", type=int)
     pj = sub.add_parser("projector", help="run the Postgres projection")
     pj.add_argument("--metrics-port", type=int)

@@ -68,6 +68,10 @@ def sim(sim_stack: Stack) -> Iterator[SimPipeline]:
         p = SimPipeline(sim_stack, f"http://127.0.0.1:{port}", services)
         p.workers = workers
         wait_healthy(p.url, list(services.values()), timeout=60)
+        # Both own prompt partitions before any test runs, so both serve turns (the
+        # coalescing check needs worker b's deltas).
+        wait_for(lambda: all(metric(url, "worker_assigned_partitions") > 0
+                             for _, url in workers.values()), 60, "both workers assigned")
         first = stream_chat(p.url, {"model": "sim", "max_tokens": 2,
                                     "messages": [{"role": "user", "content": "warm"}]})
         assert first.done and first.text == expected_sim_text(2), p.logs()

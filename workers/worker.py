@@ -321,7 +321,8 @@ class Worker:
         ids = EventIds(conversation_id=prompt.conversation_id, request_id=prompt.request_id,
                        tenant=prompt.tenant)
         attempt = progress.attempt
-        started = last_token = last_emit = time.monotonic()
+        started = last_token = time.monotonic()
+        last_window: int | None = None
         ttft: float | None = None
         held_text: list[str] = []
         held_ids: list[int] = []
@@ -368,10 +369,11 @@ class Worker:
                     held_ids.extend(out.token_ids)
                     self.metrics.tokens.inc(len(out.token_ids))
                     # The first tokens go at once (time to first token); later ones are
-                    # coalesced per engine step, or per ``coalesce_ms`` when set.
-                    if not progress.parts or now - last_emit >= self.coalesce_s:
+                    # coalesced per engine step, or per ``coalesce_ms`` window when set.
+                    window = self._window(now)
+                    if not progress.parts or window is None or window != last_window:
                         emit()
-                        last_emit = now
+                        last_window = window
                 if out.finish_reason in ("stop", "length"):
                     finish_reason = "stop" if out.finish_reason == "stop" else "length"
             if held_text or held_ids:
@@ -410,6 +412,14 @@ class Worker:
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
         self._forget(prompt.request_id, ended=True)
+
+    def _window(self, now: float) -> int | None:
+        """The coalescing window ``now`` falls in. Windows are the same for every turn
+        of this worker, so the turns of one engine step emit their deltas together and
+        the producer packs them into one request: Kafka requests per second stay near
+        1000 / ``coalesce_ms`` whatever the concurrency. (Per-turn timers spread them
+        out instead: one request per delta.) None: no coalescing, a delta per step."""
+        return int(now / self.coalesce_s) if self.coalesce_s else None
 
     def _forget(self, request_id: str, ended: bool = False) -> None:
         flight = self.in_flight.pop(request_id, None)
