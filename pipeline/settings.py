@@ -87,6 +87,10 @@ class WorkerSettings(BaseSettings):
     # broker and this worker's own Kafka threads. Default: 10 when vLLM runs on the
     # CPU, 0 (left alone) on accelerators.
     engine_nice: int | None = Field(default=None, ge=0, le=19)
+    # Keep this process's own threads (the event loop, vLLM's output processing, the
+    # Kafka clients) off the cores vLLM binds its CPU compute threads to, so they do
+    # not preempt the model. Default: on when vLLM runs on the CPU.
+    isolate_engine_cores: bool | None = None
     metrics_port: int = 0
     # How soon the group notices a dead worker and hands its prompts on.
     session_timeout_ms: int = Field(default=10_000, ge=6_000)

@@ -67,39 +67,87 @@ def _stats_tap(view: SchedulerView) -> Any:
     return _StatsTap
 
 
-def lower_engine_priority(root: int, nice: int) -> int:
-    """Raise the nice value by ``nice`` of every thread of each vLLM engine process
-    (named ``VLLM::...``, API servers aside) under process ``root``; return how many
-    threads changed. Threads they start later inherit it."""
+def _engine_processes(root: int) -> list[tuple[int, str]]:
+    """(pid, name) of each vLLM engine process (named ``VLLM::...``, API servers
+    aside) under process ``root``."""
     children: dict[int, list[tuple[int, str]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat.read_text()
             name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:]
             children.setdefault(int(rest.split()[1]), []).append((int(stat.parent.name), name))
-    changed = 0
+    found = []
     todo = [root]
     while todo:
         for pid, name in children.get(todo.pop(), []):
             todo.append(pid)
-            if not name.startswith("VLLM::") or name.startswith("VLLM::APIServer"):
-                continue
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                with contextlib.suppress(OSError, ValueError):
-                    tid = int(task.name)
-                    now = os.getpriority(os.PRIO_PROCESS, tid)
-                    os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+            if name.startswith("VLLM::") and not name.startswith("VLLM::APIServer"):
+                found.append((pid, name))
+    return found
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(task.name) for task in Path(f"/proc/{pid}/task").glob("*")]
+
+
+def lower_engine_priority(root: int, nice: int) -> int:
+    """Give every thread of each vLLM engine process under process ``root`` a nice
+    value of at least ``nice``; return how many threads changed. Threads they start
+    later inherit it. Calling it again changes nothing."""
+    changed = 0
+    for pid, _ in _engine_processes(root):
+        for tid in _threads(pid):
+            with contextlib.suppress(OSError):
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
                     changed += 1
     return changed
+
+
+def move_off_engine_cores(root: int, pid: int) -> set[int]:
+    """Move every thread of process ``pid`` off the cores that the vLLM model
+    processes under ``root`` are bound to (vLLM's CPU backend binds its OpenMP
+    compute threads to cores of their own and leaves the rest for the serving
+    process). Returns the cores ``pid`` keeps, or an empty set when nothing was moved
+    (no binding, or no core would be left). Threads started later inherit it."""
+    engine: set[int] = set()
+    for child, name in _engine_processes(root):
+        if name.startswith("VLLM::Worker"):
+            with contextlib.suppress(OSError):
+                engine |= os.sched_getaffinity(child)
+    ours = os.sched_getaffinity(pid)
+    rest = ours - engine
+    if not engine or not rest or rest == ours:
+        return set()
+    set_affinity(pid, rest)
+    return rest
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def engine_nice(settings: WorkerSettings) -> int:
     """``WORKER_ENGINE_NICE``, or by default 10 when vLLM runs on the CPU, 0 otherwise."""
     if settings.engine_nice is not None:
         return settings.engine_nice
-    from vllm.platforms import current_platform
+    return 10 if _on_cpu() else 0
 
-    return 10 if current_platform.is_cpu() else 0
+
+def isolate_engine_cores(settings: WorkerSettings) -> bool:
+    """``WORKER_ISOLATE_ENGINE_CORES``, or by default whether vLLM runs on the CPU."""
+    if settings.isolate_engine_cores is not None:
+        return settings.isolate_engine_cores
+    return _on_cpu()
+
+
+def set_affinity(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` on ``cores``."""
+    for tid in _threads(pid):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cores)
 
 
 class VllmEngine:
@@ -121,6 +169,12 @@ class VllmEngine:
             threads = lower_engine_priority(os.getpid(), nice)
             log.info("engine processes lowered in CPU priority by %d (%d threads)", nice,
                      threads)
+        self._cores = os.sched_getaffinity(0)
+        if isolate_engine_cores(settings):
+            kept = move_off_engine_cores(os.getpid(), os.getpid())
+            if kept:
+                log.info("this process keeps off the engine's compute cores: runs on %s",
+                         sorted(kept))
         config = self._llm.vllm_config
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
         self.max_model_len = int(config.model_config.max_model_len)
@@ -212,3 +266,4 @@ class VllmEngine:
         if llm is not None:
             llm.shutdown()
             del llm  # collected now, while the interpreter is whole
+            set_affinity(os.getpid(), self._cores)  # all cores again for what follows
