@@ -51,9 +51,10 @@ def serving(common: CommonSettings, quick: bool, out: Path,
     table = bench.tables(figures)
     _save(out, "serving", "Serving: the engine, vllm serve and the pipeline", figures, table,
           f"Model {name} (random weights, CPU), max_num_seqs {figures['max_num_seqs']}, "
-          f"max_model_len {figures['max_model_len']}, on {figures['machine']}. Closed loop, "
-          "each mode alone on the machine in turn (the broker and PostgreSQL idle "
-          "meanwhile). Measured with `pipeline bench serving"
+          f"max_model_len {figures['max_model_len']}, on {figures['machine']}. Closed loop. "
+          "Modes in pairs (engine with worker, vllm-serve with pipeline), both up, their "
+          "measured rounds alternating: one runs while the other idles. The ratios are "
+          "the medians of adjacent rounds' ratios. Measured with `pipeline bench serving"
           f"{' --quick' if quick else ''}`.")
     return table
 

@@ -138,8 +138,32 @@ async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, A
 MakeRequest = Callable[[int], Awaitable[Request]]
 
 
-async def closed_loop(make: MakeRequest, concurrency: int, rounds: int,
-                      stagger_s: float = 0.0) -> Summary:
+@dataclass
+class Load:
+    """The requests of one or more closed-loop runs at one concurrency, with the wall
+    time and the generator's CPU time they took."""
+
+    concurrency: int
+    requests: list[Request] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        ok = (r.tokens for r in self.requests if r.error is None and r.ended is not None)
+        return sum(ok) / self.seconds
+
+    def add(self, other: Load) -> None:
+        self.requests += other.requests
+        self.seconds += other.seconds
+        self.cpu += other.cpu
+
+    def summary(self) -> Summary:
+        return summarise(self.concurrency, self.requests, self.seconds, self.cpu)
+
+
+async def run_load(make: MakeRequest, concurrency: int, rounds: int,
+                   stagger_s: float = 0.0) -> Load:
     """``concurrency`` clients, each making ``rounds`` requests one after another. With
     ``stagger_s``, client ``i`` starts ``i / concurrency * stagger_s`` late, so that
     long streams do not all begin (and end) in the same instant."""
@@ -152,8 +176,14 @@ async def closed_loop(make: MakeRequest, concurrency: int, rounds: int,
 
     cpu, started = time.process_time(), time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(concurrency)))
-    seconds = time.perf_counter() - started
-    return summarise(concurrency, results, seconds, time.process_time() - cpu)
+    return Load(concurrency, results, time.perf_counter() - started,
+                time.process_time() - cpu)
+
+
+async def closed_loop(make: MakeRequest, concurrency: int, rounds: int,
+                      stagger_s: float = 0.0) -> Summary:
+    """``run_load``, summarised."""
+    return (await run_load(make, concurrency, rounds, stagger_s)).summary()
 
 
 def http_client(connections: int) -> aiohttp.ClientSession:

@@ -1,4 +1,4 @@
-"""``pipeline bench serving``: one model and one load, three ways, in one run.
+"""``pipeline bench serving``: one model and one load, four ways, in one run.
 
 1. **engine**: vLLM's ``AsyncLLM`` in this process (the worker's ``VllmEngine``: the
    chat template and the engine, no HTTP, no Kafka): the ceiling.
@@ -10,18 +10,27 @@
    what the whole pipeline costs next to (3).
 
 Each is a closed loop at each concurrency level, with the same engine arguments, the
-same prompt and ``max_tokens`` generated in full (``ignore_eos``). They run one after
-another, so they never share the CPU; the broker and PostgreSQL run throughout. Each
-level starts with one unmeasured round at its concurrency.
+same prompt and ``max_tokens`` generated in full (``ignore_eos``). The modes are
+compared in pairs, (1) with (2), then (3) with (4): both sides of a pair are up at
+once, and their measured rounds alternate (which goes first alternates too), so each
+pair of adjacent rounds sees the same machine. On a shared host whose speed drifts by
+tens of percent from minute to minute, the ratio of each pair is far steadier than
+either figure alone; the report gives their median. Only one side runs at a time: the
+other's engine idles (vLLM's model process polls for 1 s after its last step, so the
+rounds are ``SETTLE_S`` apart). Each level starts with one unmeasured round per side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import statistics
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +39,13 @@ from infra.process import free_port, wait_http
 from pipeline.codec import decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer, GroupStatus
 from pipeline.loadgen import (
+    Load,
     MakeRequest,
     Request,
     Summary,
     chat_body,
-    closed_loop,
     http_client,
+    run_load,
     stream_once,
 )
 from pipeline.settings import ProjectorSettings, WorkerSettings
@@ -49,29 +59,65 @@ from schemas import (
     TokenDelta,
 )
 from workers.engine import EngineRequest
-from workers.vllm_engine import engine_nice, lower_engine_priority
+from workers.vllm_engine import (
+    engine_nice,
+    isolate_engine_cores,
+    lower_engine_priority,
+    move_off_engine_cores,
+)
 
 PROMPT = "Write a long story about a log that remembers everything."
 MODES = ("engine", "worker", "vllm-serve", "pipeline")
 
 
+SETTLE_S = 1.5
+
+
 def rounds(concurrency: int, quick: bool) -> int:
-    """Requests per client: enough for steady figures, at least 16 requests a level."""
-    return max(2 if quick else 4, (16 if quick else 32) // concurrency)
+    """Requests per client in one measured round: a few seconds of work at any level."""
+    return max(2 if quick else 4, (32 if quick else 64) // concurrency)
 
 
-async def measure(one: MakeRequest, levels: list[int], quick: bool) -> list[Summary]:
-    """Each level: one round unmeasured at its concurrency, then the measured rounds. (The
-    first rounds after start-up had TTFT p90s of 200-800 ms here, later ones 40-65 ms.)"""
-    out = []
+def pairs(quick: bool) -> int:
+    return 3 if quick else 5
+
+
+@dataclass
+class Paired:
+    """Two modes measured in alternating rounds: each one's summary per level, and per
+    level the ratio (b's tokens/s / a's) of each pair of adjacent rounds."""
+
+    a: list[Summary]
+    b: list[Summary]
+    ratios: list[list[float]]
+
+
+async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool) -> Paired:
+    out = Paired([], [], [])
     for c in levels:
-        await closed_loop(one, c, 1)
-        out.append(await closed_loop(one, c, rounds(c, quick)))
+        n = rounds(c, quick)
+        for make in (a, b):  # unmeasured
+            await run_load(make, c, 1)
+            await asyncio.sleep(SETTLE_S)
+        loads, level = (Load(c), Load(c)), []
+        for i in range(pairs(quick)):
+            rates = [0.0, 0.0]
+            for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                load = await run_load((a, b)[side], c, n)
+                rates[side] = load.tokens_per_s
+                loads[side].add(load)
+                await asyncio.sleep(SETTLE_S)
+            level.append(rates[1] / rates[0])
+        out.a.append(loads[0].summary())
+        out.b.append(loads[1].summary())
+        out.ratios.append(level)
     return out
 
 
-async def run_engine(settings: WorkerSettings, model: Path, name: str, levels: list[int],
-                     max_tokens: int, quick: bool) -> list[Summary]:
+@contextlib.asynccontextmanager
+async def engine_client(settings: WorkerSettings, model: Path, name: str,
+                        max_tokens: int) -> AsyncIterator[MakeRequest]:
+    """Requests straight into an in-process ``VllmEngine``."""
     from workers.vllm_engine import VllmEngine
 
     engine = VllmEngine(settings, model, name)
@@ -88,23 +134,27 @@ async def run_engine(settings: WorkerSettings, model: Path, name: str, levels: l
         return request
 
     try:
-        return await measure(one, levels, quick)
+        yield one
     finally:
         engine.close()
 
 
-async def run_http(url: str, name: str, levels: list[int], max_tokens: int,
-                   quick: bool) -> list[Summary]:
-    async with http_client(max(levels) + 8) as client:
+@contextlib.asynccontextmanager
+async def http_client_for(url: str, name: str, max_tokens: int,
+                          connections: int) -> AsyncIterator[MakeRequest]:
+    """Streaming chat requests to an OpenAI-compatible server."""
+    async with http_client(connections) as client:
         async def one(seed: int) -> Request:
             return await stream_once(client, url, chat_body(name, PROMPT, max_tokens, seed))
 
-        return await measure(one, levels, quick)
+        yield one
 
 
-async def run_kafka(bootstrap: str, name: str, levels: list[int], max_tokens: int,
-                    quick: bool) -> list[Summary]:
-    """Closed loop straight through Kafka: prompts in, the worker's events out."""
+@contextlib.asynccontextmanager
+async def kafka_client(bootstrap: str, name: str, max_tokens: int
+                       ) -> AsyncIterator[MakeRequest]:
+    """Prompts into ``chat.prompts``, each turn's events read back from
+    ``chat.generations``."""
     producer = EventProducer(bootstrap, linger_ms=0)
     reader = AsyncConsumer(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", **QUICK_ASSIGN)
     waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
@@ -146,7 +196,7 @@ async def run_kafka(bootstrap: str, name: str, levels: list[int], max_tokens: in
     await reader.call(reader.follow_from_end_sync, GENERATIONS)
     reading = asyncio.create_task(read())
     try:
-        return await measure(one, levels, quick)
+        yield one
     finally:
         reading.cancel()
         await asyncio.gather(reading, return_exceptions=True)
@@ -184,23 +234,6 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def run_vllm_serve(settings: WorkerSettings, model: Path, name: str, levels: list[int],
-                   max_tokens: int, quick: bool, log_dir: Path) -> list[Summary]:
-    port = free_port()
-    procs = _start({"vllm-serve": [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-        *_engine_flags(settings)]}, log_dir)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=300)
-        # The same as the worker and the engine mode give their engine processes.
-        lower_engine_priority(procs[0].pid, engine_nice(settings))
-        return asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels, max_tokens,
-                                    quick))
-    finally:
-        _stop(procs)
-
-
 def _wait_projected(bootstrap: str, timeout: float = 600.0) -> None:
     """Until the projector has caught up with the log (the turns just run through the
     worker alone, and whatever came before), so its catching up is not measured."""
@@ -221,41 +254,60 @@ def _wait_projected(bootstrap: str, timeout: float = 600.0) -> None:
         status.close()
 
 
-def run_pipeline(settings: WorkerSettings, bootstrap: str, name: str, levels: list[int],
-                 max_tokens: int, quick: bool, log_dir: Path
-                 ) -> tuple[list[Summary], list[Summary]]:
-    """One worker process: first alone, driven through Kafka; then with a projector and a
-    gateway started beside it, over HTTP/SSE."""
-    port = free_port()
+async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
+              levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
+    """The engine paired with one worker process alone; then vllm serve paired with the
+    pipeline (that worker, with a projector and a gateway started beside it)."""
     exe = [sys.executable, "-m", "pipeline"]
-    procs = _start({"worker": [*exe, "worker", *_engine_flags(settings)]}, log_dir)
+    flags = _engine_flags(settings)
+    # The worker starts first: the in-process engine then moves this process off the
+    # engine's cores, which a child started later would inherit.
+    procs = _start({"worker": [*exe, "worker", *flags]}, log_dir)
     try:
-        alone = asyncio.run(run_kafka(bootstrap, name, levels, max_tokens, quick))
-        procs += _start({"projector": [*exe, "projector"],
-                         "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)
-        wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
-        _wait_projected(bootstrap)
-        return alone, asyncio.run(run_http(f"http://127.0.0.1:{port}", name, levels,
-                                           max_tokens, quick))
+        async with kafka_client(bootstrap, name, max_tokens) as worker, \
+                engine_client(settings, model, name, max_tokens) as engine:
+            first = await paired(engine, worker, levels, quick)
+        port, serve_port = free_port(), free_port()
+        serve = _start({"vllm-serve": [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(serve_port),
+            *flags]}, log_dir)[0]
+        procs += [serve, *_start({"projector": [*exe, "projector"],
+                                  "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)]
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{serve_port}/health", procs, 300)
+        # vllm serve's engine gets what the worker gives its own: a lower priority, and
+        # its API server keeps off the engine's compute cores.
+        lower_engine_priority(serve.pid, engine_nice(settings))
+        if isolate_engine_cores(settings):
+            move_off_engine_cores(serve.pid, serve.pid)
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", procs, 120)
+        await asyncio.to_thread(_wait_projected, bootstrap)
+        connections = max(levels) + 8
+        async with http_client_for(f"http://127.0.0.1:{serve_port}", name, max_tokens,
+                                   connections) as vllm_serve, \
+                http_client_for(f"http://127.0.0.1:{port}", name, max_tokens,
+                                connections) as pipeline:
+            second = await paired(vllm_serve, pipeline, levels, quick)
     finally:
         _stop(procs)
+    return {"model": name, "max_tokens": max_tokens, "max_num_seqs": settings.max_num_seqs,
+            "max_model_len": settings.max_model_len, "pairs": pairs(quick),
+            "modes": {mode: [s.to_json() for s in summaries] for mode, summaries in (
+                ("engine", first.a), ("worker", first.b),
+                ("vllm-serve", second.a), ("pipeline", second.b))},
+            "ratios": {"worker / engine": first.ratios,
+                       "pipeline / vllm-serve": second.ratios}}
 
 
 def bench(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
           levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
-    results = {
-        "engine": asyncio.run(run_engine(settings, model, name, levels, max_tokens, quick)),
-        "vllm-serve": run_vllm_serve(settings, model, name, levels, max_tokens, quick, log_dir),
-    }
-    results["worker"], results["pipeline"] = run_pipeline(
-        settings, bootstrap, name, levels, max_tokens, quick, log_dir)
-    return {"model": name, "max_tokens": max_tokens, "max_num_seqs": settings.max_num_seqs,
-            "max_model_len": settings.max_model_len,
-            "modes": {m: [s.to_json() for s in summaries] for m, summaries in results.items()}}
+    return asyncio.run(run(settings, bootstrap, model, name, levels, max_tokens, quick,
+                           log_dir))
 
 
 def tables(figures: dict[str, Any]) -> str:
-    """The serving figures as markdown: one table per concurrency level, then ratios."""
+    """The serving figures as markdown: one table per concurrency level (each mode over
+    all its measured rounds), then the paired ratios."""
     modes = figures["modes"]
     out = []
     for i, level in enumerate(modes["engine"]):
@@ -274,12 +326,18 @@ def tables(figures: dict[str, Any]) -> str:
                        f"{s['requests_per_s']:.1f} | {s['failures']} | "
                        f"{s['client_cpu']:.0%} |")
         out.append("")
-    out += ["| concurrency | worker / engine (tok/s) | pipeline / engine (tok/s) |"
-            " pipeline / vllm-serve (tok/s) | pipeline - vllm-serve TTFT p50 |",
-            "|---|---|---|---|---|"]
-    for e, w, v, p in zip(*(modes[m] for m in MODES), strict=True):
-        out.append(f"| {e['concurrency']} | {w['tokens_per_s'] / e['tokens_per_s']:.0%} | "
-                   f"{p['tokens_per_s'] / e['tokens_per_s']:.0%} | "
-                   f"{p['tokens_per_s'] / v['tokens_per_s']:.0%} | "
+    n = figures["pairs"]
+    out += [f"| concurrency | worker / engine tok/s, median of {n} paired rounds (range) |"
+            f" pipeline / vllm-serve tok/s, median of {n} paired rounds (range) |"
+            " pipeline - vllm-serve TTFT p50 |",
+            "|---|---|---|---|"]
+    ratios = figures["ratios"]
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.0%} ({min(values):.0%}-{max(values):.0%})"
+
+    for i, (v, p) in enumerate(zip(modes["vllm-serve"], modes["pipeline"], strict=True)):
+        out.append(f"| {v['concurrency']} | {spread(ratios['worker / engine'][i])} | "
+                   f"{spread(ratios['pipeline / vllm-serve'][i])} | "
                    f"{p['ttft_ms']['p50'] - v['ttft_ms']['p50']:+.1f} ms |")
     return "\n".join(out)
