@@ -150,8 +150,7 @@ class Load:
 
     @property
     def tokens_per_s(self) -> float:
-        ok = (r.tokens for r in self.requests if r.error is None and r.ended is not None)
-        return sum(ok) / self.seconds
+        return self.summary().tokens_per_s
 
     def add(self, other: Load) -> None:
         self.requests += other.requests

@@ -69,7 +69,7 @@ from workers.vllm_engine import (
 PROMPT = "Write a long story about a log that remembers everything."
 MODES = ("engine", "worker", "vllm-serve", "pipeline")
 
-
+# Between rounds: vLLM's model process polls for 1 s after its last step.
 SETTLE_S = 1.5
 
 
@@ -279,7 +279,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         # its API server keeps off the engine's compute cores.
         lower_engine_priority(serve.pid, engine_nice(settings))
         if isolate_engine_cores(settings):
-            move_off_engine_cores(serve.pid, serve.pid)
+            move_off_engine_cores(serve.pid)
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", procs, 120)
         await asyncio.to_thread(_wait_projected, bootstrap)
         connections = max(levels) + 8

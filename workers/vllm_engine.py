@@ -104,14 +104,14 @@ def lower_engine_priority(root: int, nice: int) -> int:
     return changed
 
 
-def move_off_engine_cores(root: int, pid: int) -> set[int]:
-    """Move every thread of process ``pid`` off the cores that the vLLM model
-    processes under ``root`` are bound to (vLLM's CPU backend binds its OpenMP
-    compute threads to cores of their own and leaves the rest for the serving
-    process). Returns the cores ``pid`` keeps, or an empty set when nothing was moved
-    (no binding, or no core would be left). Threads started later inherit it."""
+def move_off_engine_cores(pid: int) -> set[int]:
+    """Move every thread of process ``pid`` off the cores that its vLLM model
+    processes are bound to (vLLM's CPU backend binds its OpenMP compute threads to
+    cores of their own and leaves the rest for the serving process). Returns the
+    cores ``pid`` keeps, or an empty set when nothing was moved (no binding, or no
+    core would be left). Threads started later inherit it."""
     engine: set[int] = set()
-    for child, name in _engine_processes(root):
+    for child, name in _engine_processes(pid):
         if name.startswith("VLLM::Worker"):
             with contextlib.suppress(OSError):
                 engine |= os.sched_getaffinity(child)
@@ -171,7 +171,7 @@ class VllmEngine:
                      threads)
         self._cores = os.sched_getaffinity(0)
         if isolate_engine_cores(settings):
-            kept = move_off_engine_cores(os.getpid(), os.getpid())
+            kept = move_off_engine_cores(os.getpid())
             if kept:
                 log.info("this process keeps off the engine's compute cores: runs on %s",
                          sorted(kept))
