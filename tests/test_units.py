@@ -1,7 +1,10 @@
-"""Pure parts, no broker: codec, offset watermarks, projection, request parsing."""
+"""Pure parts, no broker: codec, offset watermarks, projection, request parsing, the
+simulated engine."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import pytest
@@ -16,11 +19,14 @@ from schemas import (
     GenerationFinished,
     GenerationStarted,
     PromptSubmitted,
+    SamplingParams,
     TokenDelta,
     Usage,
 )
+from workers.engine import EngineRequest
 from workers.offsets import OffsetTracker
 from workers.recovery import Recovered, fold, from_log
+from workers.sim_engine import SimEngine, sim_token_text
 
 CONV = uuid.uuid4()
 
@@ -156,3 +162,27 @@ def test_recovery_from_raw_records_equals_the_fold_of_every_decoded_event() -> N
     assert found == expected
     assert found["open"].attempt == 1 and [d.seq for d in found["open"].emitted()] == [0, 1, 2]
     assert found["done"].ended and found["failed"].ended and not found["open"].ended
+
+
+def test_simulated_engine_keeps_its_pace_when_the_reader_runs_late() -> None:
+    """A GPU's steps do not wait for the reader: tokens due while the reader's event
+    loop was blocked arrive at once, and the sequence ends on time."""
+    engine = SimEngine(ttft_ms=0, tokens_per_s=50)  # a token every 20 ms
+    request = EngineRequest("r1", (ChatMessage(role="user", content="hi"),),
+                            SamplingParams(max_tokens=10))
+
+    async def read() -> tuple[list[str], float]:
+        texts, start = [], time.monotonic()
+        async for out in engine.generate(request):
+            if not texts:  # the reader's loop is busy for 150 ms: 7 tokens fall due
+                busy_until = time.monotonic() + 0.15
+                while time.monotonic() < busy_until:
+                    pass
+            texts.append(out.text)
+        return texts, time.monotonic() - start
+
+    texts, elapsed = asyncio.run(read())
+    assert texts == [sim_token_text(i) for i in range(10)]
+    # Due at 9 x 20 ms = 180 ms; a simulator that slept a step after each token
+    # would take the block on top (330 ms).
+    assert elapsed < 0.26

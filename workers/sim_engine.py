@@ -8,6 +8,12 @@ for gaps and duplicates by its text alone. ``crash()`` (SIGUSR1 to a simulated
 worker) makes the engine die, as a GPU fault would, for fault tests. Its defaults
 resemble a GPU serving a small model: 50 ms to first token, 50 tokens/s per
 sequence, 256 sequences.
+
+Token times are fixed when a sequence starts running (its first token ``ttft_ms``
+later, then one per step), as a GPU's steps do not wait for the process reading
+their outputs: a worker whose event loop runs late receives the tokens due
+meanwhile at once, and the sequence still ends on time. (Sleeping a step after
+each token instead would charge every delay in the reader's loop to the engine.)
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class SimEngine:
         try:
             async with self._slots:
                 self._running.add(request.request_id)
+                loop = asyncio.get_running_loop()
+                due = loop.time() + self._ttft
                 await asyncio.sleep(self._ttft)
                 for index in range(start, wanted):
                     if self._dead:
@@ -79,7 +87,8 @@ class SimEngine:
                     yield EngineOutput(sim_token_text(index), (SIM_VOCAB_BASE + index,),
                                        prompt_tokens, finish_reason="length" if last else None)
                     if not last:
-                        await asyncio.sleep(self._step)
+                        due += self._step
+                        await asyncio.sleep(max(due - loop.time(), 0.0))
                 if start >= wanted:
                     yield EngineOutput("", (), prompt_tokens, finish_reason="length")
         finally:
