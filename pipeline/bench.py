@@ -52,9 +52,12 @@ def serving(common: CommonSettings, quick: bool, out: Path,
     _save(out, "serving", "Serving: the engine, vllm serve and the pipeline", figures, table,
           f"Model {name} (random weights, CPU), max_num_seqs {figures['max_num_seqs']}, "
           f"max_model_len {figures['max_model_len']}, on {figures['machine']}. Closed loop. "
-          "Modes in pairs (engine with worker, vllm-serve with pipeline), both up, their "
-          "measured rounds alternating: one runs while the other idles. The ratios are "
-          "the medians of adjacent rounds' ratios. Measured with `pipeline bench serving"
+          "Modes in pairs (engine with worker, vllm-serve with pipeline, then the SIMULATED "
+          f"engine at {figures['sim_tokens_per_s']:.0f} tokens/s per sequence with a worker "
+          "running it), both up, their measured rounds alternating: one runs while the "
+          "other idles. The ratios are the medians of adjacent rounds' ratios. The "
+          "simulated engine uses no CPU, as a GPU's compute does not: its pair is the "
+          "worker's own cost. Measured with `pipeline bench serving"
           f"{' --quick' if quick else ''}`.")
     return table
 

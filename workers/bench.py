@@ -8,6 +8,10 @@
 3. **vllm-serve**: vLLM's own OpenAI server from the same install, over HTTP/SSE.
 4. **pipeline**: gateway, Kafka, worker and projector as processes, over HTTP/SSE:
    what the whole pipeline costs next to (3).
+5. **sim-engine** and **sim-worker**: (1) and (2) again with the SIMULATED engine
+   (``workers.sim_engine``, ``SIM_TOKENS_PER_S`` per sequence), which uses no CPU:
+   the worker's own cost when the model does not compete with the broker and the
+   worker for this machine's cores, as on a GPU host.
 
 Each is a closed loop at each concurrency level, with the same engine arguments, the
 same prompt and ``max_tokens`` generated in full (``ignore_eos``). The modes are
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -58,8 +63,10 @@ from schemas import (
     SamplingParams,
     TokenDelta,
 )
-from workers.engine import EngineRequest
+from workers.engine import Engine, EngineRequest
+from workers.sim_engine import SimEngine
 from workers.vllm_engine import (
+    VllmEngine,
     engine_nice,
     isolate_engine_cores,
     lower_engine_priority,
@@ -67,7 +74,12 @@ from workers.vllm_engine import (
 )
 
 PROMPT = "Write a long story about a log that remembers everything."
-MODES = ("engine", "worker", "vllm-serve", "pipeline")
+MODES = ("engine", "worker", "vllm-serve", "pipeline", "sim-engine", "sim-worker")
+LABELS = {"sim-engine": "engine (SIMULATED)", "sim-worker": "worker (SIMULATED engine)"}
+# The simulated engine's rate per sequence: four times its default (a GPU serving a
+# small model), which keeps rounds short and asks more of the worker.
+SIM_TOKENS_PER_S = 200.0
+SIM_NAME = "sim"
 
 # Between rounds: vLLM's model process polls for 1 s after its last step.
 SETTLE_S = 1.5
@@ -92,10 +104,12 @@ class Paired:
     ratios: list[list[float]]
 
 
-async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool) -> Paired:
+async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
+                 per_client: int | None = None) -> Paired:
+    """``per_client``: requests per client in a round (default ``rounds``)."""
     out = Paired([], [], [])
     for c in levels:
-        n = rounds(c, quick)
+        n = per_client or rounds(c, quick)
         for make in (a, b):  # unmeasured
             await run_load(make, c, 1)
             await asyncio.sleep(SETTLE_S)
@@ -115,12 +129,8 @@ async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool)
 
 
 @contextlib.asynccontextmanager
-async def engine_client(settings: WorkerSettings, model: Path, name: str,
-                        max_tokens: int) -> AsyncIterator[MakeRequest]:
-    """Requests straight into an in-process ``VllmEngine``."""
-    from workers.vllm_engine import VllmEngine
-
-    engine = VllmEngine(settings, model, name)
+async def engine_client(engine: Engine, max_tokens: int) -> AsyncIterator[MakeRequest]:
+    """Requests straight into an engine in this process; closes it after."""
     messages = (ChatMessage(role="user", content=PROMPT),)
 
     async def one(seed: int) -> Request:
@@ -265,7 +275,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
     procs = _start({"worker": [*exe, "worker", *flags]}, log_dir)
     try:
         async with kafka_client(bootstrap, name, max_tokens) as worker, \
-                engine_client(settings, model, name, max_tokens) as engine:
+                engine_client(VllmEngine(settings, model, name), max_tokens) as engine:
             first = await paired(engine, worker, levels, quick)
         port, serve_port = free_port(), free_port()
         serve = _start({"vllm-serve": [
@@ -290,13 +300,34 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
             second = await paired(vllm_serve, pipeline, levels, quick)
     finally:
         _stop(procs)
+    third = await _paired_simulated(bootstrap, levels, max_tokens, quick, log_dir)
     return {"model": name, "max_tokens": max_tokens, "max_num_seqs": settings.max_num_seqs,
             "max_model_len": settings.max_model_len, "pairs": pairs(quick),
             "modes": {mode: [s.to_json() for s in summaries] for mode, summaries in (
                 ("engine", first.a), ("worker", first.b),
-                ("vllm-serve", second.a), ("pipeline", second.b))},
+                ("vllm-serve", second.a), ("pipeline", second.b),
+                ("sim-engine", third.a), ("sim-worker", third.b))},
+            "sim_tokens_per_s": SIM_TOKENS_PER_S,
             "ratios": {"worker / engine": first.ratios,
-                       "pipeline / vllm-serve": second.ratios}}
+                       "pipeline / vllm-serve": second.ratios,
+                       "sim-worker / sim-engine": third.ratios}}
+
+
+async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, quick: bool,
+                            log_dir: Path) -> Paired:
+    """The SIMULATED engine in this process paired with a worker process running it
+    (the vLLM worker has left the group by now, so this one takes every prompt)."""
+    env = {**os.environ, "WORKER_SIM_TOKENS_PER_S": str(SIM_TOKENS_PER_S),
+           "WORKER_SERVED_MODEL_NAME": SIM_NAME}
+    procs = _start({"sim-worker": [sys.executable, "-m", "pipeline", "worker",
+                                   "--engine", "sim"]}, log_dir, env)
+    try:
+        async with kafka_client(bootstrap, SIM_NAME, max_tokens) as worker, \
+                engine_client(SimEngine(SIM_NAME, tokens_per_s=SIM_TOKENS_PER_S),
+                              max_tokens) as engine:
+            return await paired(engine, worker, levels, quick, per_client=2 if quick else 4)
+    finally:
+        _stop(procs)
 
 
 def bench(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
@@ -312,15 +343,15 @@ def tables(figures: dict[str, Any]) -> str:
     out = []
     for i, level in enumerate(modes["engine"]):
         c = level["concurrency"]
-        out += [f"**Concurrency {c}** ({level['requests']} requests of "
-                f"{figures['max_tokens']} tokens each)", "",
+        out += [f"**Concurrency {c}** ({figures['max_tokens']} tokens per request)", "",
                 "| | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) | end-to-end p50 / p99 (ms)"
                 " | output tok/s | req/s | failures | client CPU |",
                 "|---|---|---|---|---|---|---|---|"]
         for mode in MODES:
             s = modes[mode][i]
+            label = LABELS.get(mode, mode)
             t, itl, e2e = s["ttft_ms"], s["itl_ms"], s["latency_ms"]
-            out.append(f"| {mode} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | "
+            out.append(f"| {label} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | "
                        f"{itl['p50']:.2f} / {itl['p99']:.2f} | {e2e['p50']:.0f} / "
                        f"{e2e['p99']:.0f} | {s['tokens_per_s']:,.0f} | "
                        f"{s['requests_per_s']:.1f} | {s['failures']} | "
@@ -329,15 +360,25 @@ def tables(figures: dict[str, Any]) -> str:
     n = figures["pairs"]
     out += [f"| concurrency | worker / engine tok/s, median of {n} paired rounds (range) |"
             f" pipeline / vllm-serve tok/s, median of {n} paired rounds (range) |"
-            " pipeline - vllm-serve TTFT p50 |",
-            "|---|---|---|---|"]
+            " pipeline - vllm-serve TTFT p50 |"
+            " worker / engine tok/s, SIMULATED engine (range) |"
+            " worker - engine TTFT p50, SIMULATED engine |",
+            "|---|---|---|---|---|---|"]
     ratios = figures["ratios"]
 
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.0%} ({min(values):.0%}-{max(values):.0%})"
+    def spread(values: list[float], digits: int = 0) -> str:
+        def pc(x: float) -> str:
+            return f"{x:.{digits}%}"
 
-    for i, (v, p) in enumerate(zip(modes["vllm-serve"], modes["pipeline"], strict=True)):
+        return f"{pc(statistics.median(values))} ({pc(min(values))}-{pc(max(values))})"
+
+    def ttft_gap(a: dict[str, Any], b: dict[str, Any]) -> str:
+        return f"{b['ttft_ms']['p50'] - a['ttft_ms']['p50']:+.1f} ms"
+
+    for i, v in enumerate(modes["vllm-serve"]):
         out.append(f"| {v['concurrency']} | {spread(ratios['worker / engine'][i])} | "
                    f"{spread(ratios['pipeline / vllm-serve'][i])} | "
-                   f"{p['ttft_ms']['p50'] - v['ttft_ms']['p50']:+.1f} ms |")
+                   f"{ttft_gap(v, modes['pipeline'][i])} | "
+                   f"{spread(ratios['sim-worker / sim-engine'][i], 1)} | "
+                   f"{ttft_gap(modes['sim-engine'][i], modes['sim-worker'][i])} |")
     return "\n".join(out)
