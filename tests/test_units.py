@@ -1,11 +1,13 @@
 """Pure parts, no broker: codec, offset watermarks, projection, request parsing, the
-simulated engine."""
+simulated engine, the engine's scheduling priority."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +29,7 @@ from workers.engine import EngineRequest
 from workers.offsets import OffsetTracker
 from workers.recovery import Recovered, fold, from_log
 from workers.sim_engine import SimEngine, sim_token_text
+from workers.vllm_engine import AUTOGROUP_SWITCH, lower_session_priority
 
 CONV = uuid.uuid4()
 
@@ -186,3 +189,21 @@ def test_simulated_engine_keeps_its_pace_when_the_reader_runs_late() -> None:
     # Due at 9 x 20 ms = 180 ms; a simulator that slept a step after each token
     # would take the block on top (330 ms).
     assert elapsed < 0.26
+
+
+def test_session_priority_changes_only_a_session_of_its_own() -> None:
+    own = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    shared = subprocess.Popen(["sleep", "30"])  # in this session: left alone
+    try:
+        autogroup = AUTOGROUP_SWITCH.exists() and AUTOGROUP_SWITCH.read_text().strip() == "1"
+        before = Path(f"/proc/{shared.pid}/autogroup").read_text() if autogroup else ""
+        assert lower_session_priority(own.pid, 7) is autogroup
+        assert lower_session_priority(shared.pid, 7) is False
+        if autogroup:
+            assert Path(f"/proc/{own.pid}/autogroup").read_text().split()[-1] == "7"
+            assert Path(f"/proc/{shared.pid}/autogroup").read_text() == before
+    finally:
+        own.kill()
+        shared.kill()
+        own.wait()
+        shared.wait()

@@ -70,6 +70,7 @@ from workers.vllm_engine import (
     engine_nice,
     isolate_engine_cores,
     lower_engine_priority,
+    lower_session_priority,
     move_off_engine_cores,
 )
 
@@ -288,6 +289,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         # vllm serve's engine gets what the worker gives its own: a lower priority, and
         # its API server keeps off the engine's compute cores.
         lower_engine_priority(serve.pid, engine_nice(settings))
+        lower_session_priority(serve.pid, engine_nice(settings))
         if isolate_engine_cores(settings):
             move_off_engine_cores(serve.pid)
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", procs, 120)
