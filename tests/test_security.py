@@ -245,7 +245,7 @@ def test_fuzzed_headers_and_tokens_find_no_server_error(secured: Secured, tmp_pa
     st = os.path.join(os.path.dirname(sys.executable), "st")
     run = subprocess.run(  # the whole API, authenticated as a tenant
         [st, "run", f"{secured.url}/openapi.json", "--checks", "not_a_server_error",
-         "--max-examples", "15", "--workers", "2", "--seed", "3",
+         "--max-examples", "15", "--workers", "1", "--seed", "3",  # see test_gateway
          "--header", f"Authorization: Bearer {alice}"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
