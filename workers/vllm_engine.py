@@ -115,9 +115,9 @@ def lower_session_priority(pid: int, nice: int) -> bool:
     first shared equally between sessions, and a thread's nice ranks it only within
     its own: engine threads at nice 10 then still take half of a contended core from
     the broker, the gateway or PostgreSQL in other sessions. (Measured here, a worker
-    serving vLLM at 8 clients: a plain Kafka round trip from another process had a
-    p99 of 71-90 ms, at most 122 ms; with the worker's session at nice 10, 1.3-2.7 ms
-    and at most 7 ms, and the worker made 19-46% more tokens/s.) Only a process that
+    serving vLLM at 8 clients, four runs each: a plain Kafka round trip from another
+    process had a p99 of 71-132 ms, at most 208 ms; with the worker's session at nice
+    10, 1.3-4.6 ms and at most 13 ms.) Only a process that
     leads a session of its own (as a supervisor, ``pipeline demo``, the bench and the
     tests start it) is changed: a worker run from a terminal shares that terminal's
     session, which is left alone."""
