@@ -117,10 +117,9 @@ def lower_session_priority(pid: int, nice: int) -> bool:
     the broker, the gateway or PostgreSQL in other sessions. (Measured here, a worker
     serving vLLM at 8 clients, four runs each: a plain Kafka round trip from another
     process had a p99 of 71-132 ms, at most 208 ms; with the worker's session at nice
-    10, 1.3-4.6 ms and at most 13 ms.) Only a process that
-    leads a session of its own (as a supervisor, ``pipeline demo``, the bench and the
-    tests start it) is changed: a worker run from a terminal shares that terminal's
-    session, which is left alone."""
+    10, 1.3-4.6 ms and at most 13 ms.) Only a process that leads a session of its own
+    (as a supervisor, ``pipeline demo``, the bench and the tests start it) is changed:
+    a worker run from a terminal shares that terminal's session, which is left alone."""
     try:
         if AUTOGROUP_SWITCH.read_text().strip() != "1" or os.getsid(pid) != pid:
             return False
