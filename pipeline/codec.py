@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from schemas import EVENT_ADAPTER, Event
+from schemas.versions import is_current, upcast
 
 
 @dataclass(frozen=True, order=True)
@@ -28,12 +30,25 @@ def encode(event: Event) -> bytes:
 
 
 def decode(data: bytes | None) -> Event:
+    """The event in a record's value. Fields this code does not know are kept; an event
+    older than its type's current version is upcast (``schemas.versions``)."""
     if data is None:
         raise DecodeError("empty record value")
     try:
-        return EVENT_ADAPTER.validate_json(data)
+        event: Event = EVENT_ADAPTER.validate_json(data)
     except ValidationError as exc:
-        raise DecodeError(_summarise(exc)) from exc
+        first_error: ValidationError | None = exc
+    else:
+        if is_current(event.type, event.v):
+            return event
+        first_error = None
+    try:  # an older version: bring its JSON up to date, then validate that
+        raw = json.loads(data)
+        return EVENT_ADAPTER.validate_python(upcast(raw) if isinstance(raw, dict) else raw)
+    except ValidationError as exc:
+        raise DecodeError(_summarise(first_error or exc)) from exc
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(f"not an event: {exc}") from None
 
 
 def _summarise(exc: ValidationError) -> str:

@@ -3,6 +3,13 @@
 Every event carries ``type`` (its discriminator), ``v`` (its schema version),
 ``event_id``, ``conversation_id``, ``request_id``, ``occurred_at`` and ``tenant``.
 The envelope (topic, key, position) and the codec live in ``pipeline``.
+
+Events are tolerant readers: a field this code does not know (written by a newer
+producer during a rolling deploy) is accepted and kept, so re-encoding an event and
+auditing it show it. A version only ever adds optional fields; an event older than
+its type's current version is brought up to it by the upcasters in
+``schemas.versions`` before it is validated. A change that old readers could not
+ignore needs a new event type.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ def _now() -> datetime:
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="allow")
 
 
 class ChatMessage(Frozen):
@@ -69,9 +76,18 @@ class EventBase(Frozen):
 
 
 class PromptSubmitted(EventBase):
-    """A turn the gateway accepted: the messages the model sees, and how to sample."""
+    """A turn the gateway accepted: the messages the model sees, and how to sample.
 
+    v2 adds ``history_end``: the turn's history was read from the log up to (not
+    including) this offset of the conversation's ``chat.prompts`` partition. If another
+    turn of the conversation was accepted at or after that offset, and before this
+    prompt, this prompt is void: built on a stale history, it is never run or stored
+    (``schemas.conversation.TurnLedger``). None: a new conversation, no history read.
+    """
+
+    v: int = 2
     type: Literal["PromptSubmitted"] = "PromptSubmitted"
+    history_end: int | None = Field(default=None, ge=0)
     model: str
     messages: tuple[ChatMessage, ...] = Field(min_length=1)
     # The first ``history_len`` messages came from the stored session; the rest are
