@@ -112,7 +112,9 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
             worker = Worker(engine, common.kafka_bootstrap, registry,
                             session_timeout_ms=settings.session_timeout_ms,
                             recovery_window_s=settings.recovery_window_s,
-                            coalesce_ms=settings.coalesce_ms)
+                            coalesce_ms=settings.coalesce_ms,
+                            transaction_timeout_ms=settings.transaction_timeout_ms,
+                            transactional_id=settings.transactional_id)
             serve_metrics(registry, settings.metrics_port)
             await worker.run(stop)
         finally:

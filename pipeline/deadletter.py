@@ -12,16 +12,21 @@ from pipeline.topics import DEADLETTER
 log = logging.getLogger(__name__)
 
 
+def dead_letter_headers(record: Record, reason: str, consumer: str) -> list[tuple[str, bytes]]:
+    """Where a dead letter came from and why."""
+    return [
+        ("source.topic", record.position.topic.encode()),
+        ("source.partition", str(record.position.partition).encode()),
+        ("source.offset", str(record.position.offset).encode()),
+        ("reason", reason.encode(errors="replace")),
+        ("consumer", consumer.encode()),
+    ]
+
+
 def dead_letter(
     producer: EventProducer, record: Record, reason: str, consumer: str
 ) -> asyncio.Future[Position]:
     """Send the original bytes to the dead-letter topic, with where they came from and why."""
     log.warning("dead-lettering %s: %s", record.position, reason)
-    headers = [
-        ("source.topic", record.position.topic.encode()),
-        ("source.partition", str(record.position.partition).encode()),
-        ("source.offset", str(record.position.offset).encode()),
-        ("reason", reason.encode()),
-        ("consumer", consumer.encode()),
-    ]
-    return producer.send_raw(DEADLETTER, record.key, record.value, headers)
+    return producer.send_raw(DEADLETTER, record.key, record.value,
+                             dead_letter_headers(record, reason, consumer))

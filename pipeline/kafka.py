@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
+    OFFSET_STORED,
     Consumer,
     KafkaError,
     KafkaException,
@@ -37,8 +38,8 @@ from schemas import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-__all__ = ["AsyncConsumer", "EventProducer", "GroupStatus", "KafkaException", "ProduceError",
-           "Record"]
+__all__ = ["AsyncConsumer", "EventProducer", "Fenced", "GroupStatus", "KafkaException",
+           "ProduceError", "Record", "TransactionalProducer"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Record:
 
 class ProduceError(RuntimeError):
     """Kafka did not acknowledge a record."""
+
+
+class Fenced(ProduceError):
+    """The broker refused a transaction: this process no longer owns what it wrote for."""
 
 
 # librdkafka leaves Nagle's algorithm on. A turn's first events then waited for the
@@ -189,6 +194,288 @@ def _resolve(future: asyncio.Future[Position], result: Position | BaseException)
 
 
 TP = tuple[str, int]
+
+# Errors with which the group coordinator refuses a transaction's offsets (KIP-447):
+# this member's generation is over, its partitions are (or are about to be) elsewhere.
+_GROUP_FENCING = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID,
+                  KafkaError.FENCED_INSTANCE_ID, KafkaError.REBALANCE_IN_PROGRESS,
+                  KafkaError.STALE_MEMBER_EPOCH}
+# The transaction coordinator refusing this producer's epoch: another producer took the
+# transactional id, or the coordinator aborted a transaction that outlived its timeout
+# (Kafka 4's transactions bump the epoch then). Fatal for this producer instance.
+_PRODUCER_FENCING = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                     KafkaError.INVALID_PRODUCER_EPOCH}
+
+
+@dataclass
+class _Queued:
+    epoch: int
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, str | bytes | None]]
+    future: asyncio.Future[None] | None
+
+
+class TransactionalProducer:
+    """Produces in transactions that commit a consumer group's offsets too, so the broker
+    refuses the writes of a member that has left the group (KIP-447): a worker that was
+    paused or cut off while its partitions moved on writes nothing a read_committed
+    reader ever sees.
+
+    One thread commits transactions back to back. Each takes everything queued, produces
+    it, waits until the broker holds all of it, then sends ``offsets()`` with the
+    consumer's group metadata (the generation check), then commits. Records reach the
+    log before the check, so a transaction that passes it and commits later (its
+    process paused in between) holds nothing a new owner's scan up to the high
+    watermark misses. ``send`` resolves when its transaction commits; deltas are
+    ``send_nowait``. A transaction that fails for a passing reason is aborted and its
+    records sent again; one refused for ownership (``Fenced``) is dropped and
+    ``on_fenced`` is called.
+
+    Records carry the ``epoch`` they were queued in: ``new_epoch`` (on revocation or
+    fencing) makes every record of older epochs be dropped, so nothing written for turns
+    this process gave up can reach the log after it gave them up.
+    """
+
+    def __init__(
+        self, bootstrap: str, transactional_id: str, consumer: AsyncConsumer,
+        offsets: Callable[[], dict[TP, int]], *, on_committed: Callable[[dict[TP, int]], None],
+        on_fenced: Callable[[], None], timeout_ms: int = 10_000, own_id: bool = True,
+    ) -> None:
+        self._config = {
+            "bootstrap.servers": bootstrap,
+            "transactional.id": transactional_id,
+            "transaction.timeout.ms": timeout_ms,
+            "linger.ms": 1,
+            "partitioner": "murmur2_random",
+            # A transaction begun right after the previous one's commit is refused with
+            # CONCURRENT_TRANSACTIONS until the broker has written that one's markers; the
+            # client retries after retry.backoff.ms (100 ms by default: measured, every
+            # transaction took 104 ms; 2 ms: 8 ms).
+            "retry.backoff.ms": 2,
+            "retry.backoff.max.ms": 500,
+            "error_cb": _log_client_error,
+            **NO_NAGLE,
+        }
+        self._producer = Producer(self._config)
+        # A transactional id this process made for itself: if its producer is fenced, no
+        # one else holds the id, so a new producer may take it up again.
+        self._own_id = own_id
+        self._consumer = consumer
+        self._offsets = offsets
+        self._on_committed = on_committed
+        self._on_fenced = on_fenced
+        self._timeout_s = timeout_ms / 1000
+        # Each blocking step of a transaction waits at most this long, so that a
+        # transaction is aborted here, not timed out (and fenced) by the coordinator.
+        self._step_s = self._timeout_s / 4
+        self._cond = threading.Condition()
+        self._queue: list[_Queued] = []
+        self._busy = False
+        self._commit_wanted = False
+        self._epoch = 0
+        self._stop = False
+        self.failed: BaseException | None = None
+        self.transactions = 0
+        self._thread = threading.Thread(target=self._run, name="kafka-transactions", daemon=True)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def start(self) -> None:
+        """Register the transactional id (fencing an earlier process that used it)."""
+        self._producer.init_transactions(self._timeout_s * 3)
+        self._thread.start()
+
+    def send(self, topic: str, event: Event, epoch: int) -> asyncio.Future[None]:
+        """Queue ``event``; the future resolves once its transaction committed."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._enqueue(_Queued(epoch, topic, key_of(event), encode(event), [], future))
+        return future
+
+    def send_nowait(self, topic: str, event: Event, epoch: int) -> None:
+        self._enqueue(_Queued(epoch, topic, key_of(event), encode(event), [], None))
+
+    def send_raw(self, topic: str, key: bytes | None, value: bytes | None,
+                 headers: Sequence[tuple[str, bytes]], epoch: int) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._enqueue(_Queued(epoch, topic, key, value, list(headers), future))
+        return future
+
+    def _enqueue(self, item: _Queued) -> None:
+        with self._cond:
+            if self.failed is not None:
+                _settle(item.future, ProduceError(f"the producer failed: {self.failed}"))
+                return
+            if item.epoch < self._epoch:
+                _settle(item.future, Fenced("written for turns this worker gave up"))
+                return
+            self._queue.append(item)
+            self._cond.notify_all()
+
+    def commit_offsets(self) -> None:
+        """Commit the offsets now even if nothing is queued (turns that ended since the
+        last transaction, prompts that were skipped)."""
+        with self._cond:
+            self._commit_wanted = True
+            self._cond.notify_all()
+
+    def new_epoch(self) -> int:
+        """Drop every record not yet in a transaction; later ones need the new epoch."""
+        with self._cond:
+            self._epoch += 1
+            dropped, self._queue = self._queue, []
+        for item in dropped:
+            _settle(item.future, Fenced("written for turns this worker gave up"))
+        return self._epoch
+
+    def flush_sync(self, timeout: float) -> bool:
+        """Block until everything queued so far has been committed or dropped."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                if self.failed is not None or not self._cond.wait(deadline - time.monotonic()):
+                    return False
+        return True
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not self._queue and not self._commit_wanted and not self._stop:
+                    self._cond.wait()
+                if not self._queue and not self._commit_wanted:
+                    return
+                batch = [q for q in self._queue if q.epoch == self._epoch]
+                stale = [q for q in self._queue if q.epoch != self._epoch]
+                self._queue, self._busy, self._commit_wanted = [], True, False
+            for item in stale:
+                _settle(item.future, Fenced("written for turns this worker gave up"))
+            retry = self._transact(batch)
+            with self._cond:
+                if retry:  # before anything queued since, in the order it was sent
+                    self._queue[:0] = [q for q in batch if q.epoch == self._epoch]
+                self._busy = False
+                self._cond.notify_all()
+            if retry:
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                time.sleep(backoff)
+            else:
+                backoff = 0.0
+
+    def _transact(self, batch: list[_Queued]) -> bool:
+        """One transaction; True if its records must be sent again."""
+        p = self._producer
+        offsets = self._offsets()
+        if not batch and not offsets:
+            return False
+        try:
+            p.begin_transaction()
+            for item in batch:
+                self._produce(item)
+            if p.flush(self._step_s):
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "records not delivered"))
+            offsets = self._offsets()
+            if not offsets:
+                raise KafkaException(KafkaError(KafkaError._STATE, "no partition to fence with"))
+            p.send_offsets_to_transaction(
+                [TopicPartition(t, part, o) for (t, part), o in offsets.items()],
+                self._consumer.group_metadata(), self._step_s)
+            p.commit_transaction(self._step_s)
+        except KafkaException as exc:
+            return self._failed(exc.args[0], batch)
+        self.transactions += 1
+        for item in batch:
+            _settle(item.future, None)
+        self._on_committed(offsets)
+        return False
+
+    def _produce(self, item: _Queued) -> None:
+        while True:
+            try:
+                self._producer.produce(item.topic, value=item.value, key=item.key,
+                                       headers=item.headers)
+                return
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self._producer.poll(0.01)
+
+    def _failed(self, err: KafkaError, batch: list[_Queued]) -> bool:
+        """Handle a failed transaction; True if its records must be sent again. Its records
+        are never visible (aborted), so sending them again writes each exactly once."""
+        code = err.code()
+        if code in _PRODUCER_FENCING and not self._own_id:
+            # A shared, stable transactional id: a newer process took it over.
+            return self._give_up(err, batch)
+        if err.fatal() or code in _PRODUCER_FENCING:
+            log.warning("transactional producer fenced (%s); starting a new one", err)
+            if not self._renew():
+                return self._give_up(err, batch)
+            return True  # whether this worker still owns its partitions, the group decides
+        try:
+            self._producer.abort_transaction(self._step_s)
+        except KafkaException as exc:
+            log.warning("could not abort a transaction (%s); starting a new producer", exc)
+            if not self._renew():
+                return self._give_up(err, batch)
+        if code in _GROUP_FENCING or (code == KafkaError._STATE and "no partition" in err.str()):
+            log.warning("transaction refused, this worker no longer owns its partitions: %s",
+                        err)
+            self.new_epoch()
+            for item in batch:
+                _settle(item.future, Fenced(str(err)))
+            self._on_fenced()
+            return False
+        log.warning("transaction aborted, sending its %d records again: %s", len(batch), err)
+        return True
+
+    def _renew(self) -> bool:
+        """Replace a producer that failed for good with a new one under the same id."""
+        for attempt in range(5):
+            try:
+                self._producer = Producer(self._config)
+                self._producer.init_transactions(self._timeout_s * 3)
+                return True
+            except KafkaException as exc:
+                log.warning("could not start a new transactional producer: %s", exc)
+                time.sleep(min(0.5 * 2**attempt, 5))
+        return False
+
+    def _give_up(self, err: KafkaError, batch: list[_Queued]) -> bool:
+        log.error("the transactional producer failed for good: %s", err)
+        self.failed = KafkaException(err)
+        for item in batch:
+            _settle(item.future, ProduceError(str(err)))
+        return False
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush_sync(timeout)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
+def _settle(future: asyncio.Future[None] | None, error: BaseException | None) -> None:
+    if future is None:
+        return
+    loop = future.get_loop()
+    if loop.is_closed():
+        return
+    loop.call_soon_threadsafe(_resolve_none, future, error)
+
+
+def _resolve_none(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 # librdkafka adds a newly assigned partition to its fetches only once the long poll in
 # flight returns (``fetch.wait.max.ms``, 500 ms by default). Consumers whose assignment
 # changes, or whose paused partitions resume, while a client waits keep that poll short.
@@ -197,6 +484,7 @@ QUICK_ASSIGN = {"fetch.wait.max.ms": 10}
 OnAssign = Callable[[list[TP]], dict[TP, int] | None]
 OnRevoke = Callable[[list[TP]], None]
 BEGINNING = OFFSET_BEGINNING
+STORED = OFFSET_STORED  # start at the group's committed offset
 
 
 class AsyncConsumer:
@@ -221,6 +509,10 @@ class AsyncConsumer:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"kafka-consumer-{group_id}"
         )
+
+    def group_metadata(self) -> Any:
+        """The group's generation and this member's id, for transactions (thread-safe)."""
+        return self._consumer.consumer_group_metadata()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -263,23 +555,47 @@ class AsyncConsumer:
         if offsets:
             await self.call(self.commit_sync, offsets)
 
-    def pause_all_sync(self) -> None:
-        self._consumer.pause(self._consumer.assignment())
+    def _assigned(self, topic: str | None) -> list[TopicPartition]:
+        return [tp for tp in self._consumer.assignment() if topic is None or tp.topic == topic]
 
-    def resume_all_sync(self) -> None:
-        """Resume every assigned partition, and have its fetches start now. librdkafka's
-        fetcher notices a resumed partition when the broker thread serving it next wakes:
-        up to a second later when it fetches nothing else (measured: a full worker's next
-        prompts waited 600 ms at every turn from full to free). A ListOffsets request for
-        each partition wakes the thread that serves it."""
-        partitions = self._consumer.assignment()
+    def pause_sync(self, topic: str | None = None) -> None:
+        """Stop fetching the assigned partitions (of ``topic`` only, if given)."""
+        self._consumer.pause(self._assigned(topic))
+
+    def resume_sync(self, topic: str | None = None) -> None:
+        """Resume the assigned partitions (of ``topic`` only, if given), and have their
+        fetches start now. librdkafka's fetcher notices a resumed partition when the
+        broker thread serving it next wakes: up to a second later when it fetches nothing
+        else (measured: a full worker's next prompts waited 600 ms at every turn from
+        full to free). A ListOffsets request for each partition wakes the thread that
+        serves it."""
+        partitions = self._assigned(topic)
         self._consumer.resume(partitions)
         self._wake_fetcher(partitions)
+
+    def committed_sync(self, partitions: list[TP], timeout: float = 30.0) -> dict[TP, int]:
+        """The group's committed offset of each partition (its start if none)."""
+        out = {}
+        for tp in self._consumer.committed([TopicPartition(t, p) for t, p in partitions],
+                                           timeout=timeout):
+            offset = int(tp.offset)
+            if offset < 0:
+                offset = self.watermarks_sync(tp.topic, tp.partition)[0]
+            out[(tp.topic, tp.partition)] = offset
+        return out
 
     def _wake_fetcher(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             with contextlib.suppress(KafkaException):  # only a wake-up: best effort
                 self._consumer.get_watermark_offsets(tp, timeout=5, cached=False)
+
+    def positions_sync(self, partitions: list[TP] | None = None) -> dict[TP, int]:
+        """The next offset to read of each partition (of the assignment if not given):
+        past transaction markers and aborted records too, which are never delivered."""
+        tps = ([TopicPartition(t, p) for t, p in partitions] if partitions is not None
+               else self._consumer.assignment())
+        return {(tp.topic, tp.partition): int(tp.offset)
+                for tp in self._consumer.position(tps) if tp.offset >= 0}
 
     def lag_sync(self) -> dict[TP, int]:
         """Records behind the end of each assigned partition (from cached watermarks)."""
@@ -323,7 +639,7 @@ class AsyncConsumer:
 
     def add_partitions_sync(self, starts: dict[TP, int]) -> None:
         """Also read these partitions, each from the given offset (the rest keep their
-        place), fetching them at once (see ``resume_all_sync``)."""
+        place), fetching them at once (see ``resume_sync``)."""
         partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
         self._consumer.incremental_assign(partitions)
         self._wake_fetcher(partitions)
@@ -405,35 +721,71 @@ class GroupStatus:
         self._consumer.close()
 
 
-def scan_partitions(
-    bootstrap: str, topic: str, partitions: list[int], since_ms: int, timeout: float = 60.0
-) -> list[Record]:
-    """Every record of ``topic``'s ``partitions`` from time ``since_ms`` to their current end."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
-                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+def high_watermarks(bootstrap: str, topic: str, partitions: list[int],
+                    timeout: float = 10.0) -> dict[int, int]:
+    """The true end of each partition, open transactions' records included (a
+    read_committed client's watermark is the last stable offset instead)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks",
+                         "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
     try:
-        starts = consumer.offsets_for_times(
-            [TopicPartition(topic, p, since_ms) for p in partitions], timeout=timeout)
-        ends: dict[int, int] = {}
-        assignment = []
-        for tp in starts:
-            _, high = consumer.get_watermark_offsets(tp, timeout=timeout)
-            if tp.offset >= 0 and tp.offset < high:  # -1: nothing that recent
-                ends[tp.partition] = high
-                assignment.append(tp)
-        consumer.assign(assignment)
+        return {p: int(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
+                                                      cached=False)[1])
+                for p in partitions}
+    finally:
+        consumer.close()
+
+
+def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
+               timeout: float = 60.0) -> list[Record]:
+    """The committed records of ``topic`` in ``[start, end)`` of each partition, in log
+    order per partition. Records of transactions still open below ``end`` are waited
+    for until their transaction commits (they are included) or aborts (they are not)."""
+    todo = {p: span for p, span in spans.items() if span[0] < span[1]}
+    if not todo:
+        return []
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         **NO_NAGLE})
+    try:
+        consumer.assign([TopicPartition(topic, p, start) for p, (start, _) in todo.items()])
         records: list[Record] = []
         deadline = time.monotonic() + timeout
-        while ends:
+        while todo:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"scan of {topic} {partitions} did not finish")
-            for record in _poll(consumer, 5000, 0.5):
-                records.append(record)
-                if record.position.offset + 1 >= ends.get(record.position.partition, 0):
-                    ends.pop(record.position.partition, None)
+                raise TimeoutError(f"reading {topic} {sorted(todo)} did not finish")
+            for record in _poll(consumer, 5000, 0.2):
+                span = todo.get(record.position.partition)
+                if span is not None and record.position.offset < span[1]:
+                    records.append(record)
+            # Aborted records and transaction markers are never delivered: the position
+            # tells when a partition's span has been read.
+            for tp in consumer.position([TopicPartition(topic, p) for p in list(todo)]):
+                if tp.offset >= todo[tp.partition][1]:
+                    del todo[tp.partition]
         return records
     finally:
         consumer.close()
+
+
+def scan_partitions(
+    bootstrap: str, topic: str, partitions: list[int], since_ms: int, timeout: float = 60.0,
+    ends: dict[int, int] | None = None,
+) -> list[Record]:
+    """Every committed record of ``topic``'s ``partitions`` from time ``since_ms`` to their
+    true end now (or to ``ends``): a record written before the call is in the answer
+    unless its transaction aborts (``read_spans``)."""
+    if ends is None:
+        ends = high_watermarks(bootstrap, topic, partitions)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+                         "enable.auto.commit": False})
+    try:
+        starts = consumer.offsets_for_times(
+            [TopicPartition(topic, p, since_ms) for p in partitions], timeout=timeout)
+    finally:
+        consumer.close()
+    spans = {tp.partition: (int(tp.offset), ends[tp.partition]) for tp in starts
+             if tp.offset >= 0}  # -1: nothing that recent
+    return read_spans(bootstrap, topic, spans, timeout)
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +58,15 @@ class GatewaySettings(BaseSettings):
     # Serve /metrics on this address instead of the API's (port 0: on the API's).
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+    # Host names (the Host header) answered besides the loopback names and ``host``:
+    # comma-separated; "*.example.com" matches its subdomains, "*" any name.
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        return [h.strip() for h in value.split(",") if h.strip()] if isinstance(value, str) \
+            else value
 
 
 class WorkerSettings(BaseSettings):
@@ -97,6 +106,13 @@ class WorkerSettings(BaseSettings):
     # How far back a worker looks for unfinished turns when handed a partition:
     # at least the longest a generation may take.
     recovery_window_s: float = Field(default=300.0, gt=0)
+    # The longest a transaction may stay open. A worker that dies mid-transaction holds
+    # back readers of its partitions' generations this long at most.
+    transaction_timeout_ms: int = Field(default=10_000, ge=1_000)
+    # The producer's transactional id. Empty: one of its own per process. A stable one
+    # per worker slot (a StatefulSet ordinal, say) lets a restarted worker fence its
+    # predecessor's open transaction at once.
+    transactional_id: str = ""
     # The simulated engine: time to first token and per-sequence decode rate.
     sim_ttft_ms: float = Field(default=50.0, ge=0)
     sim_tokens_per_s: float = Field(default=50.0, gt=0)
