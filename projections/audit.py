@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.codec import DecodeError, Position, decode
 from pipeline.kafka import AsyncConsumer
 from pipeline.partitioning import partition_for
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import CONVERSATION_TOPICS, PROMPTS
 from schemas import Event, TokenDelta
 
 
@@ -32,21 +32,22 @@ class Entry:
 
 
 def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID) -> list[Entry]:
-    """Every record keyed by the conversation, from both topics (runs on the consumer thread).
-
-    A conversation lives in one partition of each topic, so only those two are read.
-    """
+    """Every record keyed by the conversation, from every topic it lives in (runs on the
+    consumer thread). A conversation lives in one partition of each topic, so only those
+    are read."""
     key = str(conversation_id).encode()
     partitions = len(consumer.partitions_sync(PROMPTS))
     p = partition_for(key, partitions)
-    ends = consumer.assign_partitions_sync([(PROMPTS, p), (GENERATIONS, p)])
+    ends = consumer.assign_partitions_sync([(t, p) for t in CONVERSATION_TOPICS])
     entries: list[Entry] = []
     remaining = dict(ends)
     while remaining:
-        for record in consumer.poll_batch_sync(5000, 1.0):
-            tp = (record.position.topic, record.position.partition)
-            if record.position.offset + 1 >= remaining.get(tp, 0):
-                remaining.pop(tp, None)
+        batch = consumer.poll_batch_sync(5000, 0.2)
+        # Transaction markers are never delivered: the position says when a topic is done.
+        for tp, position in consumer.positions_sync(list(remaining)).items():
+            if position >= remaining[tp]:
+                del remaining[tp]
+        for record in batch:
             if record.key != key:
                 continue
             try:

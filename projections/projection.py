@@ -24,6 +24,7 @@ from schemas import (
     SessionDeleted,
     TokenDelta,
 )
+from schemas.conversation import Verdict, ended_status, storable, title
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,25 @@ class Write:
     params: tuple[Any, ...] | dict[str, Any]
 
 
-TITLE_CHARS = 80
+def _storable_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, Jsonb):
+        return Jsonb(_storable_value(value.obj))
+    if isinstance(value, dict):
+        return {storable(k): _storable_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_storable_value(v) for v in value)
+    return value
 
 
-def storable(text: str) -> str:
-    """Postgres text cannot hold NUL; the store shows it as U+FFFD (the log keeps it)."""
-    return text.replace("\x00", "\ufffd")
+def write(sql: str, params: tuple[Any, ...] | dict[str, Any]) -> Write:
+    """A write whose every text, in JSON too, is stored by the one rule (``storable``),
+    whichever producer wrote the event."""
+    return Write(sql, _storable_value(params))
 
+# An event of another tenant than its conversation's changes nothing of it (one that
+# would add a turn is refused outright, by the turn's foreign key).
 _UPSERT_CONVERSATION = """
 INSERT INTO conversations (id, tenant, title, created_at, updated_at)
 VALUES (%s, %s, %s, %s, %s)
@@ -47,13 +60,15 @@ ON CONFLICT (id) DO UPDATE SET
                  ELSE COALESCE(conversations.title, EXCLUDED.title) END,
     created_at = LEAST(conversations.created_at, EXCLUDED.created_at),
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
+WHERE conversations.tenant = EXCLUDED.tenant
 """
 
 # A deleted session takes no more messages, whichever topic is read first.
 _INSERT_MESSAGE = """
 INSERT INTO messages (conversation_id, seq, role, content, request_id, created_at)
 SELECT %(conv)s, %(seq)s, %(role)s, %(content)s, %(request_id)s, %(at)s
-WHERE NOT EXISTS (SELECT 1 FROM conversations WHERE id = %(conv)s AND deleted)
+WHERE NOT EXISTS (SELECT 1 FROM conversations
+                  WHERE id = %(conv)s AND (deleted OR tenant <> %(tenant)s))
 ON CONFLICT (conversation_id, seq) DO NOTHING
 """
 
@@ -64,20 +79,26 @@ ON CONFLICT (id) DO UPDATE SET
     deleted = true,
     title = NULL,
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
+WHERE conversations.tenant = EXCLUDED.tenant
 """
 
-_DELETE_MESSAGES = "DELETE FROM messages WHERE conversation_id = %s"
+_DELETE_MESSAGES = """
+DELETE FROM messages WHERE conversation_id = %s
+    AND EXISTS (SELECT 1 FROM conversations WHERE id = %s AND deleted)
+"""
 
+# A duplicate prompt (an idempotent retry) keeps the first one's position.
 _PROMPT_GENERATION = """
 INSERT INTO generations (request_id, conversation_id, tenant, model, sampling, status,
-    submitted_at, idempotency_key, background)
-VALUES (%s, %s, %s, %s, %s, 'pending', %s, %s, %s)
+    submitted_at, idempotency_key, background, prompt_offset)
+VALUES (%s, %s, %s, %s, %s, 'pending', %s, %s, %s, %s)
 ON CONFLICT (request_id) DO UPDATE SET
     model = EXCLUDED.model,
     sampling = EXCLUDED.sampling,
     submitted_at = EXCLUDED.submitted_at,
     idempotency_key = EXCLUDED.idempotency_key,
-    background = EXCLUDED.background
+    background = EXCLUDED.background,
+    prompt_offset = COALESCE(generations.prompt_offset, EXCLUDED.prompt_offset)
 """
 
 _STARTED_GENERATION = """
@@ -122,57 +143,57 @@ ON CONFLICT (request_id) DO UPDATE SET
 
 def _title(event: Event) -> str | None:
     if isinstance(event, SessionCreated):
-        text = event.title or ""
-    elif isinstance(event, PromptSubmitted) and not event.history_len:
-        text = next((m.content for m in event.messages if m.role == "user"), "")
-    else:
-        return None
-    return " ".join(storable(text).split())[:TITLE_CHARS] or None
+        return title(event.title)
+    if isinstance(event, PromptSubmitted) and not event.history_len:
+        return title(next((m.content for m in event.messages if m.role == "user"), ""))
+    return None
 
 
-def _message(conv: object, seq: int, role: str, content: str, request_id: str,
-             at: object) -> Write:
-    return Write(_INSERT_MESSAGE, {"conv": conv, "seq": seq, "role": role,
-                                   "content": storable(content), "request_id": request_id,
-                                   "at": at})
+def _message(event: Event, seq: int, role: str, content: str) -> Write:
+    return write(_INSERT_MESSAGE, {"conv": event.conversation_id, "seq": seq, "role": role,
+                                   "content": content, "request_id": event.request_id,
+                                   "at": event.occurred_at, "tenant": event.tenant})
 
 
-def project(event: Event) -> list[Write]:
-    """The writes that make the store reflect ``event``."""
+def project(event: Event, offset: int | None = None,
+            verdict: Verdict = Verdict.ACCEPTED) -> list[Write]:
+    """The writes that make the store reflect ``event``, found at ``offset`` of its topic.
+    A prompt's ``verdict`` comes from ``schemas.conversation.TurnLedger``."""
     if isinstance(event, (TokenDelta, ClientAttached, ClientDetached)):
         return []  # deltas live in the log (the store keeps whole messages); so do attachments
+    if isinstance(event, PromptSubmitted) and verdict is Verdict.VOID:
+        return []  # a void prompt is never run and never stored
     at = event.occurred_at
     conv = event.conversation_id
     if isinstance(event, SessionDeleted):
-        return [Write(_DELETE_CONVERSATION, (conv, event.tenant, at, at)),
-                Write(_DELETE_MESSAGES, (conv,))]
-    writes = [Write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at))]
+        return [write(_DELETE_CONVERSATION, (conv, event.tenant, at, at)),
+                write(_DELETE_MESSAGES, (conv, conv))]
+    writes = [write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at))]
     if isinstance(event, PromptSubmitted):
         for seq in range(event.history_len, len(event.messages)):
             msg = event.messages[seq]
-            writes.append(_message(conv, seq, msg.role, msg.content, event.request_id, at))
+            writes.append(_message(event, seq, msg.role, msg.content))
         writes.append(
-            Write(
+            write(
                 _PROMPT_GENERATION,
                 (event.request_id, conv, event.tenant, event.model,
                  Jsonb(event.sampling.model_dump(mode="json")), at, event.idempotency_key,
-                 event.background),
+                 event.background, offset),
             )
         )
     elif isinstance(event, GenerationStarted):
         writes.append(
-            Write(
+            write(
                 _STARTED_GENERATION,
                 (event.request_id, conv, event.tenant, event.attempt, event.worker,
                  event.prompt_tokens),
             )
         )
     elif isinstance(event, GenerationFinished):
-        status = "cancelled" if event.finish_reason == "abort" else "finished"
-        writes.append(_message(conv, event.reply_seq, "assistant", event.text,
-                               event.request_id, at))
+        status = ended_status(event.finish_reason)
+        writes.append(_message(event, event.reply_seq, "assistant", event.text))
         writes.append(
-            Write(
+            write(
                 _FINISHED_GENERATION,
                 (event.request_id, conv, event.tenant, status, event.finish_reason,
                  event.usage.prompt_tokens, event.usage.completion_tokens, event.ttft_ms,
@@ -181,10 +202,10 @@ def project(event: Event) -> list[Write]:
         )
     elif isinstance(event, GenerationFailed):
         writes.append(
-            Write(
+            write(
                 _FAILED_GENERATION,
                 (event.request_id, conv, event.tenant, event.attempt, event.code,
-                 storable(event.message), at),
+                 event.message, at),
             )
         )
     # GenerationCancelled asks to stop; the worker's GenerationFinished(abort) records the

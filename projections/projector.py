@@ -8,6 +8,7 @@ to those stored positions, so a crash at any point neither loses nor repeats row
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,16 +19,37 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.deadletter import dead_letter
-from pipeline.kafka import BEGINNING, AsyncConsumer, EventProducer, KafkaException, Record
+from pipeline.kafka import (
+    BEGINNING,
+    AsyncConsumer,
+    EventProducer,
+    KafkaException,
+    ProduceError,
+    Record,
+)
+from pipeline.retry import Backoff, QuietLog
 from pipeline.settings import ProjectorSettings
-from pipeline.topics import GENERATIONS, PROMPTS
-from projections.projection import project
-from schemas import Event
+from pipeline.topics import CONVERSATION_TOPICS
+from projections.projection import Write, project
+from schemas import Event, PromptSubmitted
+from schemas.conversation import TurnLedger, Verdict
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
-# Errors that belong to one event (a value Postgres refuses), not to the database.
-EVENT_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
+# SQLSTATE classes an event's content can cause: data exceptions (22: a number out of
+# range, text Postgres cannot hold), integrity violations (23) and program limits (54: an
+# index row too large, JSON nested too deep). Such an event is dead-lettered. Any other
+# error (the connection lost, a missing table, a full disk) is not the event's fault: the
+# batch is retried, with backoff, until the database takes it.
+EVENT_SQLSTATE_CLASSES = ("22", "23", "54")
+RETRY_MIN_S, RETRY_MAX_S = 0.2, 10.0
+
+
+def caused_by_event(exc: BaseException) -> bool:
+    """Whether a database error belongs to the event being written, not to the database."""
+    if isinstance(exc, (psycopg.DataError, psycopg.IntegrityError)):
+        return True  # also raised by psycopg itself, e.g. for NUL in text
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in EVENT_SQLSTATE_CLASSES
 
 
 class ProjectorMetrics:
@@ -45,6 +67,9 @@ class ProjectorMetrics:
         self.lag_seconds = Gauge("projector_lag_seconds",
                                  "Age of the newest applied record while behind (0 if caught up)",
                                  registry=registry)
+        self.retries = Counter("projector_retries",
+                               "Batches retried after a database or Kafka error",
+                               registry=registry)
 
 
 @dataclass
@@ -65,17 +90,19 @@ Park = Callable[[list[tuple[Record, str]]], Awaitable[None]]
 
 
 async def apply_batch(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection,  # autocommit: each step is a transaction of its own
     records: list[Record],
     park: Park | None = None,
     keep: Callable[[Event], bool] = lambda _e: True,
 ) -> Batch:
     """Apply ``records`` and their positions in one transaction.
 
-    Records that do not decode, and events whose rows Postgres refuses, are skipped
-    and handed to ``park`` with the reason before the transaction commits, so they
-    are dead-lettered before the positions that skip them are stored. Events for
-    which ``keep`` is false are skipped silently (their positions advance).
+    Records that do not decode, events the projection cannot turn into writes, and
+    events whose rows Postgres refuses for their content (``caused_by_event``) are
+    skipped and handed to ``park`` with the reason before the transaction commits, so
+    they are dead-lettered before the positions that skip them are stored. Events for
+    which ``keep`` is false are skipped silently (their positions advance). Any other
+    error propagates, and nothing of the batch is stored.
     """
     batch = Batch()
     decoded: list[tuple[Record, Event]] = []
@@ -89,44 +116,84 @@ async def apply_batch(
             continue
         if keep(event):
             decoded.append((record, event))
+    async with conn.transaction():
+        ledger = await _ledger(conn, [e for _, e in decoded if isinstance(e, PromptSubmitted)])
+    writes: list[tuple[Record, Event, list[Write]]] = []
+    for record, event in decoded:
+        offset = record.position.offset
+        try:
+            verdict = ledger.decide(event.conversation_id, event.request_id, event.history_end,
+                                    offset).verdict if isinstance(event, PromptSubmitted) \
+                else Verdict.ACCEPTED
+            writes.append((record, event, project(event, offset, verdict)))
+        except Exception as exc:  # the projection is pure: the event itself is at fault
+            batch.parked.append((record, f"cannot be projected: {exc!r}"))
 
     async def finish() -> None:
-        await _store_positions(conn, batch.positions)
+        await store_positions(conn, batch.positions)
         if park is not None and batch.parked:
             await park(batch.parked)
 
     try:
         async with conn.transaction(), conn.pipeline():
-            for _, event in decoded:
-                await _write(conn, event, batch)
+            for _, event, event_writes in writes:
+                await _write(conn, event, event_writes, batch)
             await finish()
-    except EVENT_ERRORS:
-        # One bad event must not stop the projection: redo the batch one event at a
-        # time, each in a savepoint, and park the events Postgres refuses.
-        batch.applied.clear()
-        async with conn.transaction():
-            for record, event in decoded:
-                try:
-                    async with conn.transaction():
-                        await _write(conn, event, batch)
-                except EVENT_ERRORS as exc:
-                    batch.parked.append((record, f"rejected by the store: {exc}"))
-            await finish()
+        return batch
+    except psycopg.Error as exc:
+        if not caused_by_event(exc) or conn.broken:
+            raise
+    # One event's content made Postgres refuse the batch: redo it one event at a time,
+    # each in a savepoint, and park the events that are refused for what they hold.
+    batch.applied.clear()
+    parked_before = len(batch.parked)
+    async with conn.transaction():
+        for record, event, event_writes in writes:
+            try:
+                async with conn.transaction():
+                    await _write(conn, event, event_writes, batch)
+            except psycopg.Error as exc:
+                if not caused_by_event(exc):
+                    raise
+                batch.parked.append((record, f"rejected by the store: {exc}"))
+        await finish()
+    log.warning("the store refused %d events of a batch of %d",
+                len(batch.parked) - parked_before, len(records))
     return batch
 
 
-async def _write(conn: psycopg.AsyncConnection, event: Event, batch: Batch) -> None:
-    for write in project(event):
+async def _ledger(conn: psycopg.AsyncConnection, prompts: list[PromptSubmitted]) -> TurnLedger:
+    """A ledger that knows the stored turns these prompts' verdicts depend on: those of
+    their conversations accepted at or after the earliest ``history_end`` among them."""
+    ledger = TurnLedger()
+    judged = [p for p in prompts if p.history_end is not None]
+    if judged:
+        rows = await (await conn.execute(
+            "SELECT conversation_id, request_id, prompt_offset FROM generations"
+            " WHERE conversation_id = ANY(%s) AND prompt_offset >= %s",
+            (list({p.conversation_id for p in judged}),
+             min(p.history_end for p in judged if p.history_end is not None)))).fetchall()
+        for conversation_id, request_id, offset in rows:
+            ledger.know(conversation_id, offset, request_id)
+    return ledger
+
+
+async def _write(conn: psycopg.AsyncConnection, event: Event, writes: list[Write],
+                 batch: Batch) -> None:
+    for write in writes:
         await conn.execute(write.sql, write.params)
     batch.applied[event.type] = batch.applied.get(event.type, 0) + 1
 
 
-async def _store_positions(conn: psycopg.AsyncConnection, positions: dict[TP, int]) -> None:
+async def store_positions(conn: psycopg.AsyncConnection, positions: dict[TP, int]) -> None:
     async with conn.cursor() as cur:
         await cur.executemany(
             "INSERT INTO projector_positions (topic, partition, next_offset)"
             " VALUES (%s, %s, %s) ON CONFLICT (topic, partition)"
-            " DO UPDATE SET next_offset = EXCLUDED.next_offset",
+            # Positions only move forward, even if a projector that lost its partitions
+            # still applies an old batch (the writes themselves are idempotent).
+            " DO UPDATE SET next_offset ="
+            " GREATEST(projector_positions.next_offset, EXCLUDED.next_offset)",
             [(t, p, o) for (t, p), o in positions.items()],
         )
 
@@ -138,7 +205,7 @@ class Projector:
         bootstrap: str,
         database_url: str,
         registry: CollectorRegistry,
-        topics: tuple[str, str] = (PROMPTS, GENERATIONS),
+        topics: tuple[str, ...] = CONVERSATION_TOPICS,
         group: str | None = None,
     ) -> None:
         self.settings = settings
@@ -147,38 +214,87 @@ class Projector:
         self.metrics = ProjectorMetrics(registry)
         self.topics = topics
         self.group = group or settings.group
+        self._quiet = QuietLog(log)
+        self._positions: dict[TP, int] = {}  # what is stored, as far as this process knows
 
     def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
-        """Start every assigned partition at the position stored with the rows."""
-        with psycopg.connect(self.database_url) as conn:
-            stored = load_positions(conn)
+        """Start every assigned partition at the position stored with the rows (waiting,
+        with backoff, for the database if it is away)."""
+        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
+        while True:
+            try:
+                with psycopg.connect(self.database_url, connect_timeout=10) as conn:
+                    stored = load_positions(conn)
+                break
+            except psycopg.OperationalError as exc:
+                self._quiet.warning("cannot read the stored positions, retrying: %s", exc)
+                time.sleep(backoff.next())
         start = {tp: stored.get(tp, BEGINNING) for tp in partitions}
+        self._positions = {tp: o for tp, o in start.items() if o >= 0}
         log.info("assigned %s", {f"{t}/{p}": o for (t, p), o in start.items()})
         return start
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Project until ``stop``. A batch the database does not take (other than for
+        one event's content, see ``apply_batch``) is retried with backoff, reconnecting
+        when the connection is gone, until it is taken: the store catches up by itself
+        once the database is back."""
         producer = EventProducer(self.bootstrap)
         consumer = AsyncConsumer(self.bootstrap, self.group,
                                  **{"session.timeout.ms": self.settings.session_timeout_ms})
         consumer.subscribe(list(self.topics), on_assign=self._on_assign)
+        conn: psycopg.AsyncConnection | None = None
+        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
+        records: list[Record] = []  # polled, not yet applied
         try:
-            async with await psycopg.AsyncConnection.connect(self.database_url) as conn:
-                while not stop.is_set():
+            while not stop.is_set():
+                if not records:
                     records = await consumer.poll_batch(
-                        self.settings.batch_max_events, self.settings.batch_max_ms / 1000
-                    )
+                        self.settings.batch_max_events, self.settings.batch_max_ms / 1000)
+                newest = records[-1].timestamp_ms / 1000 if records else time.time()
+                try:
+                    if conn is None:
+                        conn = await psycopg.AsyncConnection.connect(
+                            self.database_url, connect_timeout=10, autocommit=True)
                     if records:
                         positions = await self._apply(conn, producer, records)
+                        self._positions.update(positions)
+                        records = []
                         await self._commit_for_lag_tools(consumer, positions)
-                        newest = records[-1].timestamp_ms / 1000
                     else:
-                        newest = time.time()
-                    behind = sum((await consumer.call(consumer.lag_sync)).values())
-                    self.metrics.lag_events.set(behind)
-                    self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)
+                        await self._store_skipped(conn, consumer)
+                    backoff.reset()
+                except (psycopg.Error, OSError, ProduceError) as exc:
+                    self.metrics.retries.inc()
+                    if conn is not None and (conn.broken or conn.closed):
+                        await conn.close()
+                        conn = None
+                    delay = backoff.next()
+                    self._quiet.warning("could not apply a batch of %d records (retrying in "
+                                        "%.1f s): %s", len(records), delay, exc)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), delay)
+                    continue
+                behind = sum((await consumer.call(consumer.lag_sync)).values())
+                self.metrics.lag_events.set(behind)
+                self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)
         finally:
+            if conn is not None:
+                await conn.close()
             await consumer.close()
             producer.close()
+
+    async def _store_skipped(self, conn: psycopg.AsyncConnection,
+                             consumer: AsyncConsumer) -> None:
+        """With nothing left to apply, store the positions the consumer moved past records
+        it never delivers (transaction markers, aborted records), so the stored positions
+        reach the end of the log (``GET /v1/sessions`` waits for that)."""
+        moved = {tp: offset for tp, offset in (await consumer.call(consumer.positions_sync)).items()
+                 if offset > self._positions.get(tp, -1)}
+        if moved:
+            async with conn.transaction():
+                await store_positions(conn, moved)
+            self._positions.update(moved)
 
     async def _commit_for_lag_tools(
         self, consumer: AsyncConsumer, positions: dict[TP, int]

@@ -18,9 +18,9 @@ from psycopg import sql
 from tqdm import tqdm
 
 from pipeline.kafka import AsyncConsumer
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import CONVERSATION_TOPICS
 from projections.migrate import in_schema, migrate
-from projections.projector import apply_batch
+from projections.projector import apply_batch, store_positions
 from schemas import Event
 
 
@@ -68,7 +68,7 @@ async def replay(
     until: datetime | None = None,
     batch_size: int = 2000,
     progress: bool = True,
-    topics: tuple[str, str] = (PROMPTS, GENERATIONS),
+    topics: tuple[str, ...] = CONVERSATION_TOPICS,
 ) -> ReplayStats:
     prepare_target(database_url, schema)
     consumer = AsyncConsumer(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")
@@ -83,21 +83,27 @@ async def replay(
         total = await consumer.call(_count_to_read, consumer, remaining)
         bar = tqdm(total=total, unit="ev", desc="replay", disable=not progress)
         started = time.perf_counter()  # the rate covers reading and applying only
-        async with await psycopg.AsyncConnection.connect(in_schema(database_url, schema)) as conn:
+        async with await psycopg.AsyncConnection.connect(in_schema(database_url, schema),
+                                                         autocommit=True) as conn:
             while remaining:
-                records = await consumer.poll_batch(batch_size, 0.5)
+                records = await consumer.poll_batch(batch_size, 0.2)
                 records = [r for r in records
-                           if r.position.offset < remaining.get(
-                               (r.position.topic, r.position.partition), -1)]
+                           if r.position.offset < ends[(r.position.topic, r.position.partition)]]
                 if records:
                     batch = await apply_batch(conn, records, keep=keep)
                     records_seen += len(records)
                     applied += sum(batch.applied.values())
                     undecodable += len(batch.parked)
                     bar.update(len(records))
-                    for tp, next_offset in batch.positions.items():
-                        if tp in remaining and next_offset >= remaining[tp]:
-                            del remaining[tp]
+                # Transaction markers are never delivered: the position says when done.
+                reached = await consumer.call(consumer.positions_sync, list(remaining))
+                for tp, position in reached.items():
+                    if position >= remaining[tp]:
+                        del remaining[tp]
+            # The rebuilt store's positions are the ends read to, so a projector pointed
+            # at it carries on from there.
+            async with conn.transaction():
+                await store_positions(conn, ends)
         bar.close()
     finally:
         await consumer.close()
