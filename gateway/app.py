@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import completions, sessions
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
+from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, JsonOnly
 from gateway.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler
 from gateway.fleet import Fleet
 from gateway.http import Resources, resources
@@ -29,7 +30,7 @@ from gateway.tail import GenerationTail
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
 from pipeline.metrics import serve_metrics
 from pipeline.settings import CommonSettings, GatewaySettings
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import CONVERSATION_TOPICS, GENERATIONS, PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,17 @@ class RequestMetrics:
                 route = scope.get("route")
                 path = getattr(route, "path", "unmatched")
                 self.metrics.requests.labels(path, str(message["status"])).inc()
-                if message["status"] in (401, 413, 429, 503):
+                if message["status"] in (400, 401, 409, 413, 415, 429, 503):
                     self.metrics.rejected.labels(str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def served_hosts(settings: GatewaySettings) -> list[str]:
+    """The ``Host`` names answered: loopback, the address listened on, and the setting."""
+    own = [] if settings.host in ("0.0.0.0", "::", "") else [settings.host]
+    return [*LOOPBACK_HOSTS, *own, *settings.allowed_hosts]
 
 
 def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
@@ -98,7 +105,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         try:
             partitions = len(await meta.call(meta.partitions_sync, PROMPTS))
             for consumer in (meta, reader):  # so a client's first call waits for no lookup
-                for topic in (PROMPTS, GENERATIONS):
+                for topic in CONVERSATION_TOPICS:
                     await consumer.call(consumer.partitions_sync, topic)
             store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s)
 
@@ -157,6 +164,10 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             Exception: unexpected_error_handler,
         },
     )
+    # Last added runs first: metrics count every answer, then the host and the body's type
+    # are checked before anyone is authenticated.
     app.add_middleware(Authenticate)
-    app.add_middleware(RequestMetrics, metrics=gateway_metrics)  # outermost: counts 401s too
+    app.add_middleware(JsonOnly)
+    app.add_middleware(AllowedHosts, allowed=served_hosts(settings))
+    app.add_middleware(RequestMetrics, metrics=gateway_metrics)
     return app

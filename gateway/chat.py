@@ -32,7 +32,7 @@ from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position
 from pipeline.kafka import EventProducer
 from pipeline.settings import GatewaySettings
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import CONTROL, GENERATIONS, PROMPTS
 from schemas import (
     ClientAttached,
     ClientDetached,
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 # Worker and gateway clocks may differ: read a turn's events from this long before
 # its prompt's time when replaying it from the start.
 CLOCK_SKEW_MS = 5_000
+# How long a request whose prompt is in the log may wait to learn whether it counts.
+JUDGE_TIMEOUT_S = 30
 
 
 @dataclass
@@ -119,6 +121,7 @@ class ChatService:
         conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
         request_id = completion_id(conversation, tenant, key)
         history = []
+        view: ConversationView | None = None
         if session is not None or key is not None:
             view = await self.store.view(conversation)
             turn = view.turns.get(request_id) if key is not None else None
@@ -131,9 +134,7 @@ class ChatService:
                                    code="session_not_found", param="session_id")
                 busy = view.busy()
                 if busy is not None:
-                    raise APIError(409, f"The session's previous turn ({busy.request_id}) is "
-                                   "still generating; wait for it to finish.",
-                                   code="turn_in_progress")
+                    raise _turn_in_progress(busy.request_id)
                 history = view.history()
         self.fleet.admit()
         new = tuple(m.to_event() for m in request.messages)
@@ -144,21 +145,52 @@ class ChatService:
             model=request.model, messages=(*history, *new),
             history_len=len(history), sampling=request.sampling(), idempotency_key=key,
             background=request.background,
+            history_end=view.prompts_end if view is not None else None,
         )
         # Follow before producing, so no event of this turn can pass unseen.
         sub = await self.tail.follow(request_id, _key(conversation),
                                      self.store.partition_of(conversation))
         try:
-            await asyncio.wait_for(self.producer.send(PROMPTS, prompt), timeout=15)
-        except Exception as exc:
+            try:
+                written = await asyncio.wait_for(self.producer.send(PROMPTS, prompt),
+                                                 timeout=15)
+            except Exception as exc:
+                log.error("could not write prompt %s: %s", request_id, exc)
+                raise APIError(503, "The log is unavailable; the request was not accepted.",
+                               code="log_unavailable", headers={"Retry-After": "2"}) from exc
+            if view is not None:
+                await self._judge(view, prompt, written.offset)
+        except BaseException:
             self.tail.unfollow(sub)
-            log.error("could not write prompt %s: %s", request_id, exc)
-            raise APIError(503, "The log is unavailable; the request was not accepted.",
-                           code="log_unavailable", headers={"Retry-After": "2"}) from exc
+            raise
         self.metrics.accepted.inc()
         return Following(request_id, conversation, tenant, int(prompt.occurred_at.timestamp()),
                          prompt.model, sub, [], attachment=request_id,
                          accepted_at=time.monotonic())
+
+    async def _judge(self, view: ConversationView, prompt: PromptSubmitted, offset: int) -> None:
+        """Raise 409 if ``prompt``, now at ``offset``, is void: another turn of its session
+        was accepted after its history was read (``schemas.conversation``). Every
+        reader of the log reaches the same verdict, so a void prompt is never run."""
+        assert view.prompts_end is not None
+        deadline = time.monotonic() + JUDGE_TIMEOUT_S
+        while True:
+            try:  # the turns appended between the history's read and this prompt
+                await self.store.fold(view, PROMPTS, view.prompts_end, offset)
+                break
+            except Exception as exc:
+                # The prompt is in the log; what it means must be known before answering.
+                if time.monotonic() > deadline:
+                    raise APIError(503, "The log is unavailable; the request was not "
+                                   "accepted.", code="log_unavailable",
+                                   headers={"Retry-After": "2"}) from exc
+                await asyncio.sleep(0.2)
+        view.apply(prompt, offset)
+        rival = view.void.get(prompt.request_id)
+        if rival is not None:
+            log.info("prompt %s is void: %s was accepted first in its session",
+                     prompt.request_id, rival)
+            raise _turn_in_progress(rival)
 
     # -- an existing turn ---------------------------------------------------------
     async def find_turn(self, completion: str,
@@ -203,7 +235,7 @@ class ChatService:
             ended = any(isinstance(d.event, (GenerationFinished, GenerationFailed))
                         for d in history)
             if not ended:
-                await self.producer.send(PROMPTS, ClientAttached(
+                await self.producer.send(CONTROL, ClientAttached(
                     conversation_id=conversation, request_id=turn.request_id, tenant=tenant,
                     attachment=attachment))
         except BaseException:
@@ -218,7 +250,7 @@ class ChatService:
         """Ask the worker to stop a turn now; return the turn's status before that."""
         view, turn = await self.find_turn(completion, tenant)
         if turn.status in ("pending", "running"):
-            await self.producer.send(PROMPTS, GenerationCancelled(
+            await self.producer.send(CONTROL, GenerationCancelled(
                 conversation_id=uuid.UUID(str(view.id)), request_id=completion, tenant=tenant,
                 reason="client request"))
         return turn.status
@@ -303,7 +335,12 @@ class ChatService:
         event = ClientDetached(conversation_id=f.conversation_id, request_id=f.completion_id,
                                tenant=f.tenant, attachment=f.attachment,
                                grace_s=self.settings.cancel_grace_s)
-        self.producer.send(PROMPTS, event).add_done_callback(_log_failure)
+        self.producer.send(CONTROL, event).add_done_callback(_log_failure)
+
+
+def _turn_in_progress(request_id: str) -> APIError:
+    return APIError(409, f"The session has a turn in progress ({request_id}); wait for it to "
+                    "finish, then send the next message.", code="turn_in_progress")
 
 
 def _key(conversation_id: uuid.UUID) -> bytes:

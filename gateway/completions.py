@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.chat import Following
+from gateway.edge import idempotency_key
 from gateway.errors import APIError
 from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
@@ -37,7 +38,7 @@ async def respond(request: Request, chat_request: ChatRequest,
     """Accept a turn (or find the one an idempotency key names) and answer with it."""
     res = resources(request)
     following = await res.chat.accept(chat_request, session, caller_of(request),
-                                      request.headers.get("Idempotency-Key"))
+                                      idempotency_key(request.headers.get("Idempotency-Key")))
     headers = {SESSION_HEADER: str(following.conversation_id),
                "X-Request-Id": following.completion_id}
     if chat_request.stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -41,8 +42,8 @@ def tenant_of(request: Request) -> str:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing more than ``limit`` bytes with a 413."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = request.headers.get("content-length", "")
+    if re.fullmatch(r"[0-9]{1,19}", declared) and int(declared) > limit:
         raise APIError(413, f"The request body is larger than {limit} bytes.",
                        code="request_too_large")
     body = bytearray()

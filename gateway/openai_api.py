@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway.edge import load_json
 from gateway.errors import APIError
 from schemas import ChatMessage, SamplingParams, Usage
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+MAX_MODEL_CHARS = 256
+MAX_STOP = 4
+MAX_STOP_CHARS = 1000
 
 
 class TextPart(BaseModel):
@@ -27,14 +30,6 @@ class InMessage(BaseModel):
     role: Role
     content: str | list[TextPart]
 
-    @field_validator("content")
-    @classmethod
-    def _no_nul(cls, value: str | list[TextPart]) -> str | list[TextPart]:
-        texts = [value] if isinstance(value, str) else [p.text for p in value]
-        if any("\x00" in t for t in texts):
-            raise ValueError("must not contain NUL (\\u0000) characters")
-        return value
-
     def to_event(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content
@@ -50,7 +45,7 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
     messages: list[InMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,7 +54,7 @@ class ChatRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = Field(default=1, ge=1)
     logprobs: bool | None = None
     # Not OpenAI's: keep generating even when every client has gone away (as the
@@ -71,8 +66,11 @@ class ChatRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_limit(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        stops = [value] if isinstance(value, str) else value or []
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return value
 
     def sampling(self) -> SamplingParams:
@@ -88,18 +86,6 @@ class ChatRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-def load_json(body: bytes) -> dict[str, Any]:
-    """A request body that must be a JSON object, or a 400 that says what is wrong."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}",
-                       code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-    return data
 
 
 M = TypeVar("M", bound=BaseModel)

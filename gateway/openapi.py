@@ -34,12 +34,14 @@ def _op(op_id: str, summary: str, ok: dict[str, Any], *errors: int,
         body: dict[str, Any] | None = None, params: list[dict[str, Any]] | None = None,
         status: str = "200") -> dict[str, Any]:
     reasons = {400: "Invalid request", 404: "Not found", 409: "Conflict",
-               413: "Body too large", 429: "Backlog over its bound; see Retry-After",
+               413: "Body too large", 415: "The body is not sent as application/json",
+               429: "Backlog over its bound; see Retry-After",
                503: "Kafka or the store is unavailable; see Retry-After"}
     op: dict[str, Any] = {"operationId": op_id, "summary": summary, "responses": {
         status: ok, **{str(code): _error(reasons[code]) for code in errors}}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        op["responses"]["415"] = _error(reasons[415])
     if params:
         op["parameters"] = params
     return op

@@ -7,6 +7,7 @@ the projection in, so they see the caller's own writes at once.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -15,11 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.completions import parse_session_id, respond
+from gateway.edge import load_json
 from gateway.errors import APIError
 from gateway.http import read_body, resources, tenant_of
-from gateway.openai_api import InMessage, Role, load_json, parse_chat_request, validate
+from gateway.openai_api import InMessage, Role, parse_chat_request, validate
 from gateway.store import session_json
-from pipeline.topics import PROMPTS
+from pipeline.topics import CONTROL
 from schemas import SessionCreated, SessionDeleted
 
 
@@ -40,7 +42,7 @@ async def create(request: Request) -> Response:
     new = validate(NewSession, load_json(body) if body.strip() else {})
     event = SessionCreated(conversation_id=uuid.uuid4(), request_id=f"session-{uuid.uuid4().hex}",
                            tenant=tenant_of(request), title=new.title)
-    await res.producer.send(PROMPTS, event)
+    await res.producer.send(CONTROL, event)
     created = session_json(event.conversation_id, new.title, event.occurred_at,
                            event.occurred_at)
     return JSONResponse(created, status_code=201)
@@ -49,7 +51,7 @@ async def create(request: Request) -> Response:
 async def list_sessions(request: Request) -> Response:
     res = resources(request)
     raw_limit = request.query_params.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if not re.fullmatch(r"[0-9]{1,3}", raw_limit) or not 1 <= int(raw_limit) <= 100:
         raise APIError(400, "limit must be an integer from 1 to 100.", code="invalid_value",
                        param="limit")
     raw_after = request.query_params.get("after")
@@ -74,7 +76,7 @@ async def delete(request: Request) -> Response:
     session = parse_session_id(request.path_params["session_id"])
     tenant = tenant_of(request)
     await res.chat.visible_view(session, tenant)
-    await res.producer.send(PROMPTS, SessionDeleted(
+    await res.producer.send(CONTROL, SessionDeleted(
         conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}", tenant=tenant))
     return JSONResponse({"id": str(session), "object": "session.deleted", "deleted": True})
 

@@ -23,10 +23,10 @@ from gateway.view import ConversationView, Message, TurnState
 from pipeline.codec import DecodeError, decode
 from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import CONTROL, CONVERSATION_TOPICS, PROMPTS
 from schemas import Event
 
-TOPICS = (PROMPTS, GENERATIONS)
+TOPICS = CONVERSATION_TOPICS
 
 
 def _lagging() -> APIError:
@@ -73,13 +73,18 @@ class ConversationStore:
         p = self.partition_of(conversation_id)
         ends = {t: await self.end_of(t, p) for t in TOPICS}
         view, positions = await self._stored(conversation_id, p)
+        view.prompts_end = ends[PROMPTS]
         for topic in TOPICS:
             start = positions.get(topic, 0)
             if ends[topic] - start > self.max_unprojected:
                 raise _lagging()
-            for _, event in await self.events(topic, conversation_id, start, ends[topic]):
-                view.apply(event)
+            await self.fold(view, topic, start, ends[topic])
         return view
+
+    async def fold(self, view: ConversationView, topic: str, start: int, end: int) -> None:
+        """Fold the conversation's events in ``[start, end)`` of ``topic`` into ``view``."""
+        for record, event in await self.events(topic, view.id, start, end):
+            view.apply(event, record.position.offset)
 
     async def _stored(self, conversation_id: uuid.UUID,
                       partition: int) -> tuple[ConversationView, dict[str, int]]:
@@ -100,11 +105,11 @@ class ConversationStore:
                 "SELECT seq, role, content, request_id, created_at FROM messages"
                 " WHERE conversation_id = %s", (conversation_id,))).fetchall():
                 view.messages[seq] = Message(role, content, request_id, at)
-            for request_id, status, model, at, key in await (await conn.execute(
-                "SELECT request_id, status, model, submitted_at, idempotency_key"
+            for request_id, status, model, at, offset in await (await conn.execute(
+                "SELECT request_id, status, model, submitted_at, prompt_offset"
                 " FROM generations WHERE conversation_id = %s", (conversation_id,),
             )).fetchall():
-                view.turns[request_id] = TurnState(request_id, status, model, at, key)
+                view.stored_turn(TurnState(request_id, status, model, at, offset))
         return view, positions
 
     async def catch_up(self, topic: str) -> None:
@@ -128,7 +133,8 @@ class ConversationStore:
     async def list_sessions(self, tenant: str, limit: int,
                             after: uuid.UUID | None) -> tuple[list[dict[str, Any]], bool]:
         """The tenant's sessions, newest first, ``limit`` at a time after session ``after``."""
-        await self.catch_up(PROMPTS)
+        for topic in (PROMPTS, CONTROL):  # prompts and SessionCreated make sessions
+            await self.catch_up(topic)
         cursor = "" if after is None else (
             " AND (created_at, id) < (SELECT created_at, id FROM conversations"
             " WHERE id = %(after)s AND tenant = %(tenant)s)")

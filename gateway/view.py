@@ -1,13 +1,13 @@
 """A conversation as the gateway needs it: the stored rows plus the events the
 projector has not applied yet, folded the way the projection applies them. No I/O.
 
-The projection (``projections.projection``) is the authority on what events mean
-for the store; this fold follows it for the fields the gateway reads (messages,
-turn status, deletion), and a test holds the two equal.
+Both follow ``schemas.conversation`` (storable text, titles, statuses, which prompts
+are void); a test feeds the same events to both and holds them equal.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -21,8 +21,17 @@ from schemas import (
     SessionCreated,
     SessionDeleted,
 )
-
-RUNNING = ("pending", "running")
+from schemas.conversation import (
+    FAILED,
+    PENDING,
+    RUNNING,
+    UNFINISHED,
+    TurnLedger,
+    Verdict,
+    ended_status,
+    storable,
+    title,
+)
 
 
 @dataclass
@@ -36,15 +45,15 @@ class Message:
 @dataclass
 class TurnState:
     request_id: str
-    status: str = "pending"
+    status: str = PENDING
     model: str | None = None
     submitted_at: datetime | None = None
-    idempotency_key: str | None = None
+    prompt_offset: int | None = None  # where its accepted prompt is in chat.prompts
 
 
 @dataclass
 class ConversationView:
-    id: object
+    id: uuid.UUID
     tenant: str | None = None
     title: str | None = None
     created_at: datetime | None = None
@@ -52,6 +61,12 @@ class ConversationView:
     deleted: bool = False
     messages: dict[int, Message] = field(default_factory=dict)
     turns: dict[str, TurnState] = field(default_factory=dict)
+    # The end of the conversation's chat.prompts partition when the view was read: a
+    # turn built on this view's history names it as its ``history_end``.
+    prompts_end: int | None = None
+    ledger: TurnLedger = field(default_factory=TurnLedger)
+    # Void prompts seen by the fold (never stored): request id -> the turn that counts.
+    void: dict[str, str] = field(default_factory=dict)
 
     def visible_to(self, tenant: str) -> bool:
         return self.tenant == tenant and not self.deleted
@@ -61,10 +76,13 @@ class ConversationView:
                 for _, m in sorted(self.messages.items())]
 
     def busy(self) -> TurnState | None:
-        return next((t for t in self.turns.values() if t.status in RUNNING), None)
+        return next((t for t in self.turns.values() if t.status in UNFINISHED), None)
 
-    def by_idempotency_key(self, key: str) -> TurnState | None:
-        return next((t for t in self.turns.values() if t.idempotency_key == key), None)
+    def stored_turn(self, turn: TurnState) -> None:
+        """A turn as the store holds it (its prompt already judged)."""
+        self.turns[turn.request_id] = turn
+        if turn.prompt_offset is not None:
+            self.ledger.know(self.id, turn.prompt_offset, turn.request_id)
 
     def _touch(self, event: Event) -> None:
         self.tenant = self.tenant or event.tenant
@@ -75,11 +93,16 @@ class ConversationView:
     def _add_message(self, seq: int, role: str, content: str, request_id: str,
                      at: datetime) -> None:
         if not self.deleted:
-            self.messages.setdefault(seq, Message(role, content.replace("\x00", "\ufffd"),
-                                                  request_id, at))
+            self.messages.setdefault(seq, Message(role, storable(content), request_id, at))
 
-    def apply(self, event: Event) -> None:
-        """Fold one event in, as the projection would (idempotent, order-tolerant)."""
+    def _turn(self, request_id: str) -> TurnState:
+        return self.turns.setdefault(request_id, TurnState(request_id))
+
+    def apply(self, event: Event, offset: int) -> None:
+        """Fold in one event found at ``offset`` of its topic, as the projection would
+        (idempotent, tolerant of the order between topics)."""
+        if self.tenant is not None and event.tenant != self.tenant:
+            return  # another tenant's event changes nothing of this conversation
         if isinstance(event, SessionDeleted):
             self._touch(event)
             self.deleted, self.title = True, None
@@ -88,30 +111,38 @@ class ConversationView:
         if isinstance(event, SessionCreated):
             self._touch(event)
             if not self.deleted:
-                self.title = self.title or event.title
+                self.title = self.title or title(event.title)
         elif isinstance(event, PromptSubmitted):
-            self._touch(event)
-            for seq in range(event.history_len, len(event.messages)):
-                msg = event.messages[seq]
-                self._add_message(seq, msg.role, msg.content, event.request_id,
-                                  event.occurred_at)
-            if not self.deleted and not self.title and not event.history_len:
-                first = next((m.content for m in event.messages if m.role == "user"), "")
-                self.title = " ".join(first.replace("\x00", "\ufffd").split())[:80] or None
-            turn = self.turns.setdefault(event.request_id, TurnState(event.request_id))
-            turn.model, turn.submitted_at = event.model, event.occurred_at
-            turn.idempotency_key = event.idempotency_key
+            self._apply_prompt(event, offset)
         elif isinstance(event, GenerationStarted):
             self._touch(event)
-            turn = self.turns.setdefault(event.request_id, TurnState(event.request_id))
-            if turn.status == "pending":
-                turn.status = "running"
+            turn = self._turn(event.request_id)
+            if turn.status == PENDING:
+                turn.status = RUNNING
         elif isinstance(event, GenerationFinished):
             self._touch(event)
             self._add_message(event.reply_seq, "assistant", event.text, event.request_id,
                               event.occurred_at)
-            turn = self.turns.setdefault(event.request_id, TurnState(event.request_id))
-            turn.status = "cancelled" if event.finish_reason == "abort" else "finished"
+            self._turn(event.request_id).status = ended_status(event.finish_reason)
         elif isinstance(event, GenerationFailed):
             self._touch(event)
-            self.turns.setdefault(event.request_id, TurnState(event.request_id)).status = "failed"
+            self._turn(event.request_id).status = FAILED
+
+    def _apply_prompt(self, event: PromptSubmitted, offset: int) -> None:
+        decision = self.ledger.decide(self.id, event.request_id, event.history_end, offset)
+        if decision.verdict is Verdict.VOID:
+            assert decision.rival is not None
+            self.void[event.request_id] = decision.rival
+            return  # never run, never stored
+        self.void.pop(event.request_id, None)
+        self._touch(event)
+        turn = self._turn(event.request_id)
+        if turn.prompt_offset is None:
+            turn.prompt_offset = offset
+        for seq in range(event.history_len, len(event.messages)):
+            msg = event.messages[seq]
+            self._add_message(seq, msg.role, msg.content, event.request_id, event.occurred_at)
+        if not self.deleted and not self.title and not event.history_len:
+            self.title = title(next((m.content for m in event.messages if m.role == "user"),
+                                    ""))
+        turn.model, turn.submitted_at = event.model, event.occurred_at
