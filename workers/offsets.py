@@ -21,6 +21,12 @@ class OffsetTracker:
         self._next: dict[TopicPartition, int] = {}
         self._committed: dict[TopicPartition, int] = {}
 
+    def start(self, tp: TopicPartition, offset: int) -> None:
+        """A partition just assigned, read from ``offset`` on."""
+        with self._lock:
+            self._next.setdefault(tp, offset)
+            self._committed.setdefault(tp, offset)
+
     def taken(self, tp: TopicPartition, offset: int) -> None:
         with self._lock:
             self._in_flight.setdefault(tp, set()).add(offset)
@@ -40,6 +46,13 @@ class OffsetTracker:
                 if self._committed.get(tp) != safe:
                     out[tp] = safe
         return out
+
+    def positions(self) -> dict[TopicPartition, int]:
+        """The safe position of every partition (moved or not): what a transaction
+        commits, so the broker checks this worker still owns them."""
+        with self._lock:
+            return {tp: min(self._in_flight[tp]) if self._in_flight.get(tp) else nxt
+                    for tp, nxt in self._next.items()}
 
     def mark_committed(self, positions: dict[TopicPartition, int]) -> None:
         with self._lock:

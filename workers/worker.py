@@ -1,19 +1,23 @@
-"""The worker: consumes ``chat.prompts`` in group ``workers`` and runs many prompts at once.
+"""The worker: consumes ``chat.prompts`` and ``chat.control`` in group ``workers`` and runs
+many prompts at once on one engine.
 
-* Every prompt becomes its own task on one engine, so the engine batches them
-  continuously; fetching pauses while ``max_num_seqs`` generations are in flight.
-* A prompt's offset is committed only once its generation's terminal event is
-  durable (the low watermark of in-flight offsets per partition).
-* Clients come and go: ``ClientDetached`` starts a grace period after which the turn
-  is stopped unless a ``ClientAttached`` arrives first (``background`` turns never
-  stop for that); ``GenerationCancelled`` stops it at once; ``SessionDeleted`` stops
-  every turn of the session. These facts are in the log, so a worker taking over
-  sees them too.
-* Takeover: a worker handed a partition first reads what earlier owners left in
-  the log (``workers.recovery``). Turns that ended are not run again; unfinished
-  ones continue after their emitted tokens, under the next ``attempt``, with
-  ``seq`` carrying on. A worker losing a partition abandons its turns there before
-  the rebalance completes, so two owners never write the same turn at once.
+* Every prompt becomes its own task on the engine, so the engine batches them
+  continuously. While ``max_num_seqs`` turns run (or wait for a slot here), fetching
+  prompts pauses; control events are fetched regardless, so a cancel, a client leaving
+  or a session deleted reaches its turn however full the engine is, and a turn
+  cancelled or abandoned while it waited never starts (``workers.control``).
+* A prompt is judged before it runs (``schemas.conversation.TurnLedger``): a void prompt
+  (a racing turn of the same session came first) and a duplicate of a turn already
+  accepted are never run.
+* Everything the worker writes goes through one ``TransactionalProducer``: each
+  transaction commits the prompts' offsets too (the low watermark of unfinished turns,
+  so a crash re-delivers every unfinished prompt), and the broker refuses it once the
+  worker has left the group. A worker that was paused or cut off while its partitions
+  moved on writes nothing a reader sees.
+* Takeover: a worker handed a partition first reads what earlier owners left in the
+  log (``workers.recovery``), and the recent control events. Turns that ended are not
+  run again; unfinished ones continue after their emitted tokens, under the next
+  ``attempt``, with ``seq`` carrying on.
 """
 
 from __future__ import annotations
@@ -23,26 +27,36 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+import uuid
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
-from pipeline.deadletter import dead_letter
+from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import (
     QUICK_ASSIGN,
+    STORED,
     AsyncConsumer,
-    EventProducer,
-    KafkaException,
+    Fenced,
     Record,
+    TransactionalProducer,
+    high_watermarks,
+    read_spans,
     scan_partitions,
 )
-from pipeline.topics import GENERATIONS, PROMPTS, WORKERS_GROUP, worker_client_id
+from pipeline.topics import (
+    CONTROL,
+    DEADLETTER,
+    GENERATIONS,
+    PROMPTS,
+    WORKERS_GROUP,
+    worker_client_id,
+)
 from schemas import (
-    ClientAttached,
-    ClientDetached,
+    Event,
     EventIds,
     FinishReason,
     GenerationCancelled,
@@ -54,32 +68,45 @@ from schemas import (
     TokenDelta,
     Usage,
 )
+from schemas.conversation import TurnLedger, Verdict
+from workers.coalescer import Coalescer
+from workers.control import ControlBook
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.offsets import OffsetTracker
 from workers.recovery import Recovered, from_log
 
 log = logging.getLogger(__name__)
-GROUP = WORKERS_GROUP
-COMMIT_INTERVAL_S = 0.1
 TP = tuple[str, int]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Turns that ended here, remembered so a re-submitted prompt (an idempotent retry
 # racing its original) is not run twice.
 ENDED_MEMORY = 100_000
+POLL_RECORDS = 200
+# How often offsets that moved without anything to write (skipped prompts, turns whose
+# end was in the last transaction) are committed on their own.
+COMMIT_INTERVAL_S = 0.2
+# A partition's ledger keeps this many prompts back; a prompt whose history was read
+# further back than that has the ledger read the log again.
+LEDGER_SPAN = 50_000
 
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, worker: Worker) -> None:
         engine = worker.engine
+        model = engine.model_name
         Gauge("worker_running_sequences", "Generations the engine is running",
               registry=registry).set_function(engine.running)
-        Gauge("worker_waiting_sequences", "Generations taken but not yet running in the engine",
+        Gauge("worker_waiting_sequences", "Prompts taken but not yet running in the engine",
               registry=registry).set_function(
-                  lambda: max(len(worker.in_flight) - engine.running(), 0))
+                  lambda: max(len(worker.in_flight) - engine.running(), 0) + len(worker.waiting))
         Gauge("worker_batch_utilisation", "Running sequences / max_num_seqs",
               registry=registry).set_function(lambda: engine.running() / engine.max_num_seqs)
         Gauge("worker_kv_cache_usage", "KV-cache usage as the engine reports it (0-1)",
               registry=registry).set_function(lambda: engine.kv_cache_usage() or 0.0)
+        Gauge("worker_transactions", "Transactions committed", registry=registry
+              ).set_function(lambda: worker.writer.transactions if worker.writer else 0)
+        Gauge("worker_model_info", "The model this worker serves", ["model"],
+              registry=registry).labels(model).set(1)
         self.in_flight_peak = Gauge("worker_in_flight_peak",
                                     "Most generations ever in flight at once",
                                     registry=registry)
@@ -96,8 +123,17 @@ class WorkerMetrics:
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("worker_inter_token_seconds", "Time between tokens of a sequence",
                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.dead_letters = Counter("worker_dead_letters", "Prompts sent to the dead-letter topic",
+        self.dead_letters = Counter("worker_dead_letters", "Records sent to the dead-letter topic",
                                     registry=registry)
+        self.skipped = Counter("worker_skipped_prompts",
+                               "Prompts not run: void (a racing turn came first) or duplicate",
+                               ["verdict"], registry=registry)
+        self.unstarted = Counter("worker_unstarted_turns",
+                                 "Turns ended before they started (cancelled, abandoned, "
+                                 "session deleted)", registry=registry)
+        self.fenced = Counter("worker_fenced",
+                              "Transactions refused because this worker left its group",
+                              registry=registry)
 
 
 @dataclass
@@ -105,10 +141,15 @@ class InFlight:
     tp: TP
     task: asyncio.Task[None]
     prompt: PromptSubmitted
-    # The clients following the turn; the original request is attached from the start.
-    attached: set[str] = field(default_factory=set)
     grace: asyncio.Task[None] | None = None
     cancelled: bool = False
+
+
+@dataclass
+class Waiting:
+    prompt: PromptSubmitted
+    tp: TP
+    offset: int
 
 
 @dataclass
@@ -126,11 +167,20 @@ class Progress:
                    [t for d in emitted for t in d.token_ids])
 
 
+@dataclass
+class _Ledger:
+    """A partition's prompt verdicts, complete for offsets from ``known_from`` on."""
+
+    known_from: int
+    ledger: TurnLedger = field(default_factory=TurnLedger)
+
+
 class Worker:
     def __init__(
         self, engine: Engine, bootstrap: str, registry: CollectorRegistry, name: str = "",
         *, session_timeout_ms: int = 10_000, recovery_window_s: float = 300.0,
-        coalesce_ms: float = 10.0,
+        coalesce_ms: float = 10.0, transaction_timeout_ms: int = 10_000,
+        transactional_id: str = "",
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
@@ -138,115 +188,148 @@ class Worker:
         self.session_timeout_ms = session_timeout_ms
         self.recovery_window_s = recovery_window_s
         self.coalesce_s = coalesce_ms / 1000
+        self.transaction_timeout_ms = transaction_timeout_ms
+        # Unique per process unless configured: a stable id (one per worker slot) lets a
+        # restarted worker fence its predecessor's open transaction at once.
+        self._own_transactional_id = not transactional_id
+        self.transactional_id = (transactional_id
+                                 or f"chat-worker-{self.name}-{uuid.uuid4().hex[:8]}")
         self.tracker = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
+        self.waiting: deque[Waiting] = deque()
         self.peak_in_flight = 0
         self.recovered: dict[str, Recovered] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
+        self.book = ControlBook()
+        self.ledgers: dict[int, _Ledger] = {}
+        self.writer: TransactionalProducer | None = None
         self.metrics = WorkerMetrics(registry, self)
-        self._slot_freed = asyncio.Event()
         self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
+        self._fenced = asyncio.Event()
         self._fatal: BaseException | None = None
-        self._producer: EventProducer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._consumer: AsyncConsumer | None = None
 
     # -- rebalances (these run on the consumer's thread, inside a poll) -------
-    def _on_assign(self, assigned: list[TP]) -> None:
-        partitions = [p for t, p in assigned if t == PROMPTS]
+    def _on_assign(self, assigned: list[TP]) -> dict[TP, int]:
+        assert self._consumer is not None
+        prompts = [p for t, p in assigned if t == PROMPTS]
+        controls = [p for t, p in assigned if t == CONTROL]
         since_ms = int((time.time() - self.recovery_window_s) * 1000)
-        records = scan_partitions(self.bootstrap, GENERATIONS, partitions, since_ms)
-        # Ended turns come back with their mark only; unfinished ones with their deltas.
+        # What earlier owners wrote (committed, or resolved if still open: read_spans).
+        # Open transactions of an earlier owner end within the transaction timeout.
+        wait_s = max(60.0, 3 * self.transaction_timeout_ms / 1000)
+        records = scan_partitions(self.bootstrap, GENERATIONS, prompts, since_ms, wait_s)
         found = {rid: rec for rid, rec in from_log([r.value for r in records]).items()
                  if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
+        # The recent control events, so a turn cancelled or abandoned while its prompt
+        # waited is known before the prompt comes up; control is read on from there.
+        control_ends = high_watermarks(self.bootstrap, CONTROL, controls)
+        for record in scan_partitions(self.bootstrap, CONTROL, controls, since_ms, wait_s,
+                                      ends=control_ends):
+            event = _decoded(record)
+            if event is not None:
+                self.book.apply(event)
+        # Prompts are read on from the committed offsets: the ledger and the offsets
+        # of each transaction start there.
+        committed = self._consumer.committed_sync([(PROMPTS, p) for p in prompts])
+        for tp, offset in committed.items():
+            self.tracker.start(tp, offset)
+        self.ledgers = {p: _Ledger(known_from=committed[(PROMPTS, p)]) for p in prompts}
         self._assignments += 1
-        self.metrics.assigned.set(len(partitions))
+        self.metrics.assigned.set(len(prompts))
         unfinished = sum(not r.ended for r in found.values())
-        log.info("assigned %s; %d recent turns in the log, %d unfinished",
-                 partitions, len(found), unfinished)
+        log.info("assigned prompts %s; %d recent turns in the log, %d unfinished",
+                 prompts, len(found), unfinished)
+        return {**{(PROMPTS, p): STORED for p in prompts},
+                **{(CONTROL, p): control_ends[p] for p in controls}}
 
-    def _on_revoke(self, consumer: AsyncConsumer, revoked: list[TP]) -> None:
-        assert self._loop is not None
-        abandon = asyncio.run_coroutine_threadsafe(self._abandon(revoked), self._loop)
-        abandon.result(timeout=60)
-        safe = {tp: o for tp, o in self.tracker.committable().items() if tp in revoked}
-        try:
-            consumer.commit_sync(safe)
-        except KafkaException as exc:  # the next owner re-reads from the last commit
-            log.warning("commit on revoke failed: %s", exc)
-        self.tracker.forget(revoked)
-        self.metrics.assigned.set(0)  # eager rebalancing: everything is handed back
+    def _on_revoke(self, revoked: list[TP]) -> None:
+        assert self._loop is not None and self.writer is not None
+        partitions = [p for t, p in revoked if t == PROMPTS]
+        abandon = asyncio.run_coroutine_threadsafe(self._abandon(partitions), self._loop)
+        abandon.result(timeout=30)
+        # Nothing is committed here: the rebalance waits for this callback, and a
+        # transaction's group check waits for the rebalance. Records not yet in a
+        # transaction are dropped; one in flight either passed its check before the
+        # generation ended (its records were in the log before that, so the next owner's
+        # scan waits for it) or is refused. The next owner regenerates what was dropped.
+        self.writer.new_epoch()
+        self.tracker.forget([(PROMPTS, p) for p in partitions])
+        for p in partitions:
+            self.ledgers.pop(p, None)
+        self.metrics.assigned.set(len(self.ledgers))
 
-    async def _abandon(self, revoked: list[TP]) -> None:
-        """Stop this worker's turns in revoked partitions; their new owner resumes them."""
-        flights = [f for f in self.in_flight.values() if f.tp in revoked]
+    async def _abandon(self, partitions: list[int]) -> None:
+        """Stop this worker's turns in ``partitions``; their next owner resumes them."""
+        flights = [f for f in self.in_flight.values() if f.tp[1] in partitions]
         for flight in flights:
             flight.task.cancel()
         await asyncio.gather(*(f.task for f in flights), return_exceptions=True)
-        assert self._producer is not None
-        await asyncio.to_thread(self._producer.flush, 30)
+        self.waiting = deque(w for w in self.waiting if w.tp[1] not in partitions)
         if flights:
             log.info("handed %d unfinished turns to the next owner", len(flights))
+
+    def _on_fenced(self) -> None:
+        """The broker refused a transaction (called on the writer's thread)."""
+        self.metrics.fenced.inc()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fenced.set)
 
     # -- the loop ---------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
-        self._producer = EventProducer(self.bootstrap)
-        consumer = AsyncConsumer(self.bootstrap, GROUP,
-                                 **{"session.timeout.ms": self.session_timeout_ms,
-                                    "client.id": worker_client_id(self.engine.model_name),
-                                    # Resumed partitions join the fetches at once.
-                                    **QUICK_ASSIGN})
-        consumer.subscribe([PROMPTS], on_assign=self._on_assign,
-                           on_revoke=lambda tps: self._on_revoke(consumer, tps))
+        consumer = self._consumer = AsyncConsumer(
+            self.bootstrap, WORKERS_GROUP,
+            **{"session.timeout.ms": self.session_timeout_ms,
+               "client.id": worker_client_id(self.engine.model_name),
+               # A worker owns the same partition number of both topics.
+               "partition.assignment.strategy": "range",
+               # Resumed partitions join the fetches at once.
+               **QUICK_ASSIGN})
+        self.writer = TransactionalProducer(
+            self.bootstrap, self.transactional_id, consumer, self.tracker.positions,
+            on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
+            timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id)
+        await asyncio.to_thread(self.writer.start)
+        consumer.subscribe([PROMPTS, CONTROL], on_assign=self._on_assign,
+                           on_revoke=self._on_revoke)
         paused: bool | None = None  # as applied to the assignment of version `applied`
         applied = -1
-        last_commit = 0.0
+        last_lag = last_commit = 0.0
         try:
             while not stop.is_set() and self._fatal is None:
-                free = self.engine.max_num_seqs - len(self.in_flight)
+                if self._fenced.is_set():
+                    self._fenced.clear()
+                    await self._abandon(list(self.ledgers))
+                full = len(self.in_flight) + len(self.waiting) >= self.engine.max_num_seqs
                 # A new assignment may hold partitions paused before a rebalance, or
                 # none paused while the engine is full: set the state anew each time.
-                if (free <= 0) != paused or applied != self._assignments:
-                    applied = self._assignments
-                    paused = free <= 0
-                    await consumer.call(consumer.pause_all_sync if paused
-                                        else consumer.resume_all_sync)
-                if paused:
-                    self._slot_freed.clear()
-                    if len(self.in_flight) < self.engine.max_num_seqs:
-                        continue  # a turn ended while pausing (its signal just cleared)
-                    try:
-                        await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
-                    except TimeoutError:
-                        # Serve rebalances while paused. A record can still arrive (from
-                        # a partition just assigned): take it, never drop it.
-                        for record in await consumer.poll_batch(1, 0):
-                            await self._take(record)
-                else:
-                    for record in await consumer.poll_batch(free, 0.05):
-                        await self._take(record)
+                if full != paused or applied != self._assignments:
+                    applied, paused = self._assignments, full
+                    await consumer.call(consumer.pause_sync if full else consumer.resume_sync,
+                                        PROMPTS)
+                # Paused, only control events come: poll briefly, to see freed slots soon.
+                for record in await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05):
+                    await self._take(record)
+                self._start_waiting()
+                if self.writer.failed is not None:
+                    self._fatal = self.writer.failed
                 if time.monotonic() - last_commit > COMMIT_INTERVAL_S:
-                    await self._commit(consumer)
-                    self.metrics.lag.set(sum((await consumer.call(consumer.lag_sync)).values()))
+                    if self.tracker.committable():  # offsets moved with nothing to write
+                        self.writer.commit_offsets()
                     last_commit = time.monotonic()
+                if time.monotonic() - last_lag > 1.0:
+                    self.metrics.lag.set(sum(n for (t, _), n in (
+                        await consumer.call(consumer.lag_sync)).items() if t == PROMPTS))
+                    last_lag = time.monotonic()
             await self._drain()
-            await self._commit(consumer)
         finally:
+            await asyncio.to_thread(self.writer.close)
             await consumer.close()
-            self._producer.close()
         if self._fatal is not None:
             raise self._fatal
-
-    async def _commit(self, consumer: AsyncConsumer) -> None:
-        """Commit the safe positions; on failure keep them pending and retry next time."""
-        positions = self.tracker.committable()
-        try:
-            await consumer.commit(positions)
-        except KafkaException as exc:
-            log.warning("offset commit failed, will retry: %s", exc)
-            return
-        self.tracker.mark_committed(positions)
 
     async def _drain(self, grace_s: float = 30.0) -> None:
         tasks = [f.task for f in self.in_flight.values()]
@@ -256,52 +339,137 @@ class Worker:
             for task in pending:
                 task.cancel()
 
+    # -- records ------------------------------------------------------------------
     async def _take(self, record: Record) -> None:
-        assert self._producer is not None
-        tp = (record.position.topic, record.position.partition)
-        offset = record.position.offset
-        self.tracker.taken(tp, offset)
+        topic, partition, offset = record.position.topic, record.position.partition, \
+            record.position.offset
+        if topic == PROMPTS:
+            self.tracker.taken((topic, partition), offset)
         try:
             event = decode(record.value)
         except DecodeError as exc:
-            await dead_letter(self._producer, record, str(exc), GROUP)
-            self.metrics.dead_letters.inc()
+            await self._dead_letter(record, str(exc))
+            self._done((topic, partition), offset)
+            return
+        if not isinstance(event, PromptSubmitted):
+            # Control events; also found in chat.prompts when written by gateways from
+            # before chat.control existed.
+            await self._control(event)
+            self._done((topic, partition), offset)
+            return
+        verdict = await self._judge(event, partition, offset)
+        if verdict is not Verdict.ACCEPTED:
+            if verdict is not None:
+                self.metrics.skipped.labels(verdict.value).inc()
+                log.info("not running %s: its prompt at %s is %s", event.request_id,
+                         record.position, verdict.value)
+            self._done((topic, partition), offset)
+            return
+        self.waiting.append(Waiting(event, (topic, partition), offset))
+
+    def _done(self, tp: TP, offset: int) -> None:
+        if tp[0] == PROMPTS:
             self.tracker.done(tp, offset)
-            return
-        if isinstance(event, PromptSubmitted):
-            self._start(event, tp, offset)
-            return
-        flight = self.in_flight.get(event.request_id)
-        if isinstance(event, GenerationCancelled) and flight is not None:
-            await self._cancel(flight)
-        elif isinstance(event, ClientDetached) and flight is not None:
-            flight.attached.discard(event.attachment)
-            if not flight.attached and not flight.prompt.background and flight.grace is None:
-                age = (datetime.now(UTC) - event.occurred_at).total_seconds()
-                flight.grace = asyncio.create_task(
-                    self._cancel(flight, after_s=max(event.grace_s - age, 0.0)))
-        elif isinstance(event, ClientAttached) and flight is not None:
-            flight.attached.add(event.attachment)
-            if flight.grace is not None:
-                flight.grace.cancel()
-                flight.grace = None
-        elif isinstance(event, SessionDeleted):
+
+    async def _dead_letter(self, record: Record, reason: str) -> None:
+        assert self.writer is not None
+        log.warning("dead-lettering %s: %s", record.position, reason)
+        self.metrics.dead_letters.inc()
+        try:
+            await self.writer.send_raw(DEADLETTER, record.key, record.value,
+                                       dead_letter_headers(record, reason, WORKERS_GROUP),
+                                       self.writer.epoch)
+        except Fenced:
+            pass  # the partition moved on: its next owner dead-letters the record
+
+    async def _judge(self, prompt: PromptSubmitted, partition: int,
+                     offset: int) -> Verdict | None:
+        """The prompt's verdict (None: the partition is no longer this worker's)."""
+        state = self.ledgers.get(partition)
+        if state is None:
+            return None
+        end = prompt.history_end
+        if end is not None and end < state.known_from:
+            await self._extend(state, partition, end)
+        if offset - state.known_from > 2 * LEDGER_SPAN:  # keep the ledger bounded
+            state.known_from = offset - LEDGER_SPAN
+            state.ledger.forget_before(state.known_from)
+        return state.ledger.decide(prompt.conversation_id, prompt.request_id, end,
+                                   offset).verdict
+
+    async def _extend(self, state: _Ledger, partition: int, start: int) -> None:
+        """Make the ledger know the prompts from ``start`` on: read what lies before its
+        known part, back as far as those prompts' own verdicts need."""
+        target = start
+        while True:
+            records = await asyncio.to_thread(
+                read_spans, self.bootstrap, PROMPTS, {partition: (target, state.known_from)})
+            prompts = [(r.position.offset, e) for r in records
+                       if isinstance(e := _decoded(r), PromptSubmitted)]
+            needed = min((p.history_end for _, p in prompts
+                          if p.history_end is not None and p.history_end < target), default=None)
+            if needed is None:
+                break
+            target = needed
+        for offset, prompt in prompts:
+            state.ledger.decide(prompt.conversation_id, prompt.request_id, prompt.history_end,
+                                offset)
+        state.known_from = target
+
+    async def _control(self, event: Event) -> None:
+        self.book.apply(event)
+        if isinstance(event, SessionDeleted):
             for other in list(self.in_flight.values()):
                 if other.prompt.conversation_id == event.conversation_id:
                     await self._cancel(other)
-        self.tracker.done(tp, offset)
+            return
+        flight = self.in_flight.get(event.request_id)
+        if flight is None:
+            return  # remembered in the book for when its prompt comes up
+        if isinstance(event, GenerationCancelled):
+            await self._cancel(flight)
+            return
+        self._arm_grace(flight)
+
+    def _arm_grace(self, flight: InFlight, stop_at: datetime | None = None) -> None:
+        """Stop the turn when its grace ends, unless a client follows it again."""
+        control = self.book.turn(flight.prompt.request_id)
+        since = control.abandoned_since
+        if since is None or flight.prompt.background:
+            if flight.grace is not None:
+                flight.grace.cancel()
+                flight.grace = None
+            return
+        if flight.grace is None:
+            left = control.grace_s - (datetime.now(UTC) - since).total_seconds()
+            flight.grace = asyncio.create_task(self._cancel(flight, after_s=max(left, 0.0)))
+
+    def _start_waiting(self) -> None:
+        while self.waiting and len(self.in_flight) < self.engine.max_num_seqs:
+            item = self.waiting.popleft()
+            self._start(item.prompt, item.tp, item.offset)
 
     def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> None:
+        assert self.writer is not None
         rid = prompt.request_id
         rec = self.recovered.pop(rid, None)
         if (rec is not None and rec.ended) or rid in self.ended or rid in self.in_flight:
             # It ended before its offset was committed, or it is a re-submission of a
             # turn that ended or is running here: either way, not run twice.
-            self.tracker.done(tp, offset)
+            self._done(tp, offset)
             return
         progress = Progress.resumed(rec) if rec is not None else Progress()
-        task = asyncio.create_task(self._generate(prompt, tp, offset, progress))
-        self.in_flight[rid] = InFlight(tp, task, prompt, attached={rid})
+        decision = self.book.decide(prompt, datetime.now(UTC))
+        epoch = self.writer.epoch
+        if not decision.start:
+            log.info("not starting %s: %s", rid, decision.reason)
+            self.metrics.unstarted.inc()
+            task = asyncio.create_task(self._end_unstarted(prompt, tp, offset, progress, epoch))
+        else:
+            task = asyncio.create_task(self._generate(prompt, tp, offset, progress, epoch))
+        flight = self.in_flight[rid] = InFlight(tp, task, prompt)
+        if decision.start:
+            self._arm_grace(flight)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
         self.metrics.in_flight_peak.set(self.peak_in_flight)
 
@@ -313,31 +481,39 @@ class Worker:
             flight.cancelled = True
             await self.engine.abort(flight.prompt.request_id)
 
-    # -- one generation ------------------------------------------------------
+    # -- one turn ----------------------------------------------------------------
+    async def _end_unstarted(self, prompt: PromptSubmitted, tp: TP, offset: int,
+                             progress: Progress, epoch: int) -> None:
+        """End a turn that must not start: cancelled, with what earlier attempts wrote."""
+        final = GenerationFinished(
+            **_ids(prompt), model=self.engine.model_name, attempt=progress.attempt,
+            reply_seq=prompt.reply_seq, finish_reason="abort", text="".join(progress.parts),
+            deltas=len(progress.parts),
+            usage=Usage(prompt_tokens=0, completion_tokens=len(progress.token_ids)),
+            duration_ms=0.0)
+        await self._finish(prompt, tp, offset, final, epoch)
+
     async def _generate(
-        self, prompt: PromptSubmitted, tp: TP, offset: int, progress: Progress
+        self, prompt: PromptSubmitted, tp: TP, offset: int, progress: Progress, epoch: int,
     ) -> None:
-        assert self._producer is not None
-        ids = EventIds(conversation_id=prompt.conversation_id, request_id=prompt.request_id,
-                       tenant=prompt.tenant)
+        writer = self.writer
+        assert writer is not None
+        ids = _ids(prompt)
         attempt = progress.attempt
         started = last_token = time.monotonic()
-        last_window: int | None = None
         ttft: float | None = None
-        held_text: list[str] = []
-        held_ids: list[int] = []
+        coalescer = Coalescer(self.coalesce_s, emitted=len(progress.parts))
 
-        def emit() -> None:
-            """One TokenDelta for what was held: seq stays gap-free."""
-            assert self._producer is not None
-            text = "".join(held_text)
-            self._producer.send_nowait(GENERATIONS, TokenDelta(
+        def emit(delta: tuple[str, tuple[int, ...]] | None) -> None:
+            """One TokenDelta: seq stays gap-free."""
+            if delta is None:
+                return
+            text, token_ids = delta
+            writer.send_nowait(GENERATIONS, TokenDelta(
                 **ids, attempt=attempt, seq=len(progress.parts), text=text,
-                token_ids=tuple(held_ids)))
+                token_ids=token_ids), epoch)
             progress.parts.append(text)
-            progress.token_ids.extend(held_ids)
-            held_text.clear()
-            held_ids.clear()
+            progress.token_ids.extend(token_ids)
 
         prompt_tokens = 0
         finish_reason: FinishReason = "abort"
@@ -358,26 +534,17 @@ class Worker:
                     ttft = now - started
                     prompt_tokens = out.prompt_tokens
                     self.metrics.ttft.observe(ttft)
-                    self._producer.send_nowait(GENERATIONS, GenerationStarted(
+                    writer.send_nowait(GENERATIONS, GenerationStarted(
                         **ids, model=self.engine.model_name, worker=self.name, attempt=attempt,
-                        reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens))
+                        reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens), epoch)
                 elif out.token_ids:
                     self.metrics.itl.observe((now - last_token) / len(out.token_ids))
                 last_token = now
-                if out.text or out.token_ids:
-                    held_text.append(out.text)
-                    held_ids.extend(out.token_ids)
-                    self.metrics.tokens.inc(len(out.token_ids))
-                    # The first tokens go at once (time to first token); later ones are
-                    # coalesced per engine step, or per ``coalesce_ms`` window when set.
-                    window = self._window(now)
-                    if not progress.parts or window is None or window != last_window:
-                        emit()
-                        last_window = window
+                self.metrics.tokens.inc(len(out.token_ids))
+                emit(coalescer.add(out.text, out.token_ids, now))
                 if out.finish_reason in ("stop", "length"):
                     finish_reason = "stop" if out.finish_reason == "stop" else "length"
-            if held_text or held_ids:
-                emit()
+            emit(coalescer.drain())
             final = GenerationFinished(
                 **ids, model=self.engine.model_name, attempt=attempt, reply_seq=prompt.reply_seq,
                 finish_reason=finish_reason, text="".join(progress.parts),
@@ -402,31 +569,49 @@ class Worker:
             log.exception("generation %s failed", prompt.request_id)
             final = GenerationFailed(**ids, attempt=attempt, code="internal_error",
                                      message=type(exc).__name__)
+        await self._finish(prompt, tp, offset, final, epoch)
+
+    async def _finish(self, prompt: PromptSubmitted, tp: TP, offset: int,
+                      final: GenerationFinished | GenerationFailed, epoch: int) -> None:
+        """Write the turn's terminal event; once it is committed, so is (in the next
+        transaction) the prompt's offset."""
+        assert self.writer is not None
         try:
-            await self._producer.send(GENERATIONS, final)
+            await self.writer.send(GENERATIONS, final, epoch)
+        except asyncio.CancelledError:
+            self._forget(prompt.request_id)
+            raise
+        except Fenced:  # the partition moved on: its next owner finishes the turn
+            self._forget(prompt.request_id)
+            return
         except Exception as exc:  # the turn stays uncommitted and is redelivered
             log.error("could not record the end of %s: %s", prompt.request_id, exc)
             self._fatal = exc
-        else:
-            self.tracker.done(tp, offset)
+            self._forget(prompt.request_id)
+            return
+        self._done(tp, offset)
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
         self._forget(prompt.request_id, ended=True)
-
-    def _window(self, now: float) -> int | None:
-        """The coalescing window ``now`` falls in. Windows are the same for every turn
-        of this worker, so the turns of one engine step emit their deltas together and
-        the producer packs them into one request: Kafka requests per second stay near
-        1000 / ``coalesce_ms`` whatever the concurrency. (Per-turn timers spread them
-        out instead: one request per delta.) None: no coalescing, a delta per step."""
-        return int(now / self.coalesce_s) if self.coalesce_s else None
 
     def _forget(self, request_id: str, ended: bool = False) -> None:
         flight = self.in_flight.pop(request_id, None)
         if flight is not None and flight.grace is not None:
             flight.grace.cancel()
         if ended:
+            self.book.forget(request_id)
             self.ended[request_id] = None
             while len(self.ended) > ENDED_MEMORY:
                 self.ended.popitem(last=False)
-        self._slot_freed.set()
+
+
+def _ids(prompt: PromptSubmitted) -> EventIds:
+    return EventIds(conversation_id=prompt.conversation_id, request_id=prompt.request_id,
+                    tenant=prompt.tenant)
+
+
+def _decoded(record: Record) -> Event | None:
+    try:
+        return decode(record.value)
+    except DecodeError:
+        return None
