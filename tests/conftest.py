@@ -24,7 +24,7 @@ from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.settings import REPO_ROOT
-from pipeline.topics import GENERATIONS, PROMPTS, topic_specs
+from pipeline.topics import CONVERSATION_TOPICS, topic_specs
 from projections.migrate import migrate
 from tests.logread import end_offsets
 
@@ -118,7 +118,7 @@ class Pipeline:
 
     def wait_projected(self, timeout: float = 60) -> None:
         """Until the projector's stored positions reach the current end of both topics."""
-        ends = {(t, p): o for t in (PROMPTS, GENERATIONS)
+        ends = {(t, p): o for t in CONVERSATION_TOPICS
                 for p, o in end_offsets(self.stack.bootstrap, t).items() if o > 0}
         deadline = time.monotonic() + timeout
         with psycopg.connect(self.stack.database_url, autocommit=True) as conn:

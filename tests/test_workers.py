@@ -240,37 +240,113 @@ def test_vllm_backpressure_holds_the_bound(pipeline: Pipeline) -> None:
     assert scraped["worker_generated_tokens_total"] > 0
 
 
-def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> None:
-    """A second vLLM worker joins the group, is SIGKILLed mid-generation, and the
-    first resumes its turns: streams complete, the log's seqs are exact."""
+@pytest.fixture(scope="module")
+def extra_worker(pipeline: Pipeline) -> Iterator[tuple[Service, str]]:
+    """A second vLLM worker in the group, owning partitions beside the first."""
     metrics_port = free_port()
     extra = start_service(pipeline.stack, "worker-extra", "worker", "--max-num-seqs", "8",
                           "--metrics-port", str(metrics_port),
                           WORKER_SESSION_TIMEOUT_MS="6000")
-    extra_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
-        def owns_partitions() -> bool:
-            try:
-                return metric(extra_url, "worker_assigned_partitions") >= 1
-            except Exception:
-                return False
-        wait_for(owns_partitions, 180, "the extra vLLM worker to own partitions")
+        wait_for(lambda: _owns_partitions(url), 180, "the extra vLLM worker to own partitions")
         wait_for(lambda: metric(pipeline.worker_metrics, "worker_assigned_partitions") >= 1,
                  60, "the first worker to rejoin")
-        # Long turns that cannot end early on end-of-sequence, so the kill lands mid-turn.
-        body = {"max_tokens": 400, "ignore_eos": True}
-        with ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(stream_chat, pipeline.url, {
-                **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
-                for i in range(16)]
-            # Kill it once its output is in the log (a new producer may take a moment to
-            # deliver anything; turns with nothing in the log are simply run afresh).
-            wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid), 60,
-                     "the extra worker's deltas to reach the log")
-            extra.kill()
-            results = [f.result() for f in futures]
+        yield extra, url
     finally:
         extra.stop()
+
+
+def _owns_partitions(url: str) -> bool:
+    try:
+        return metric(url, "worker_assigned_partitions") >= 1
+    except httpx.HTTPError:
+        return False
+
+
+def test_vllm_worker_paused_past_its_session_is_fenced(
+    pipeline: Pipeline, extra_worker: tuple[Service, str],
+) -> None:
+    """The extra worker (and its engine) is paused mid-generation for longer than its
+    session, so the first worker takes its turns over; then it carries on. Sampling at
+    temperature 1, each attempt's text differs. Every reader of the committed log sees one
+    writer per turn (no attempt's records after a later attempt's), and the stored reply
+    is what the client saw. The paused worker did write again: the broker refused it."""
+    extra, extra_url = extra_worker
+    wait_for(lambda: _owns_partitions(extra_url), 120, "the extra worker to own partitions")
+    body = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream_chat, pipeline.url, {
+            **body, "model": MODEL, "messages": [{"role": "user", "content": f"z{i}"}]})
+            for i in range(16)]
+        wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid), 60,
+                 "the extra worker's deltas to reach the log")
+        os.killpg(extra.proc.pid, signal.SIGSTOP)
+        try:
+            # Its session (6 s) runs out and its partitions move to the first worker.
+            wait_for(lambda: metric(pipeline.worker_metrics, "worker_assigned_partitions") == 3,
+                     60, "the first worker to take every partition")
+            wait_for(lambda: metric(pipeline.worker_metrics,
+                                    "worker_resumed_generations_total") >= 1,
+                     60, "a turn to be resumed")
+        finally:
+            os.killpg(extra.proc.pid, signal.SIGCONT)
+        results = [f.result() for f in futures]
+    assert all(r.done and r.error is None for r in results), [r.error for r in results]
+    ours = {r.request_id for r in results}
+    committed = [(pos, e) for pos, e in read_events(pipeline.stack.bootstrap, GENERATIONS)
+                 if e.request_id in ours]
+    assert_one_writer_per_turn(committed)
+    assert_log_seqs_exact(pipeline.stack, results)
+    finals = {e.request_id: e.text for _, e in committed if isinstance(e, GenerationFinished)}
+    assert {r.request_id: r.text for r in results} == finals  # what each client saw
+    assert any(isinstance(e, GenerationStarted) and e.attempt >= 1 for _, e in committed)
+    pipeline.wait_projected()
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        stored = dict(conn.execute(
+            "SELECT request_id, content FROM messages WHERE role = 'assistant'"
+            " AND request_id = ANY(%s)", (list(ours),)).fetchall())
+    assert stored == {rid: text.replace("\x00", "\ufffd") for rid, text in finals.items()}
+    # Everything written, aborted transactions included: the paused worker's attempt-0
+    # records after the takeover exist, and no committed reader saw them.
+    final_attempt = {e.request_id: e.attempt for _, e in committed
+                     if isinstance(e, GenerationFinished)}
+    seen = {pos for pos, _ in committed}
+    fenced = [e for pos, e in read_events(pipeline.stack.bootstrap, GENERATIONS, committed=False)
+              if e.request_id in ours and pos not in seen
+              and getattr(e, "attempt", 0) < final_attempt[e.request_id]]
+    assert fenced, "the paused worker wrote nothing after it resumed"
+
+
+def assert_one_writer_per_turn(events: list[tuple[object, object]]) -> None:
+    """In log order, no record of a turn comes from an attempt older than one already seen."""
+    latest: dict[str, int] = {}
+    for pos, event in events:
+        attempt = getattr(event, "attempt", 0)
+        rid = event.request_id  # type: ignore[attr-defined]
+        assert attempt >= latest.get(rid, 0), f"{rid}: attempt {attempt} after a later one at {pos}"
+        latest[rid] = attempt
+
+
+def test_vllm_worker_killed_mid_generation_is_taken_over(
+    pipeline: Pipeline, extra_worker: tuple[Service, str],
+) -> None:
+    """The extra vLLM worker is SIGKILLed mid-generation, and the first resumes its turns:
+    streams complete, the log's seqs are exact."""
+    extra, extra_url = extra_worker
+    wait_for(lambda: _owns_partitions(extra_url), 120, "the extra worker to own partitions")
+    # Long turns that cannot end early on end-of-sequence, so the kill lands mid-turn.
+    body = {"max_tokens": 400, "ignore_eos": True}
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream_chat, pipeline.url, {
+            **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
+            for i in range(16)]
+        # Kill it once its output is in the log (a new producer may take a moment to
+        # deliver anything; turns with nothing in the log are simply run afresh).
+        wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid), 60,
+                 "the extra worker's deltas to reach the log")
+        extra.kill()
+        results = [f.result() for f in futures]
     assert all(r.done and r.error is None for r in results), [r.error for r in results]
     attempts = assert_log_seqs_exact(pipeline.stack, results)
     assert any(a >= 1 for a in attempts.values()), "no turn was taken over"
@@ -283,7 +359,6 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(pipeline: Pipeline) -> 
             "SELECT request_id, content FROM messages WHERE role = 'assistant'"
             " AND request_id = ANY(%s)", ([r.request_id for r in results],)).fetchall())
     assert stored == {r.request_id: r.text.replace("\x00", "\ufffd") for r in results}
-
 
 
 def test_a_rebalance_while_a_worker_is_full_leaves_no_partition_paused(sim: SimPipeline) -> None:

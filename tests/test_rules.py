@@ -1,0 +1,189 @@
+"""Pure rules, no broker: which prompts count (the turn ledger), what control events mean
+for turns that have not started, delta coalescing, the gateway's edge checks, and
+event versions."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from gateway.edge import check_text, host_allowed, host_name, idempotency_key, load_json
+from gateway.errors import APIError
+from gateway.view import ConversationView
+from pipeline.codec import DecodeError, decode, encode
+from projections.projection import project
+from schemas import (
+    ChatMessage,
+    ClientAttached,
+    ClientDetached,
+    GenerationCancelled,
+    PromptSubmitted,
+    SessionDeleted,
+)
+from schemas.conversation import TurnLedger, Verdict, storable, title
+from workers.coalescer import Coalescer
+from workers.control import ControlBook
+
+CONV = uuid.uuid4()
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+
+
+def prompt(rid: str, history_end: int | None, history: int = 0, **kw: object) -> PromptSubmitted:
+    messages = tuple(ChatMessage(role="user", content=f"m{i}") for i in range(history + 1))
+    return PromptSubmitted(conversation_id=CONV, request_id=rid, model="m", messages=messages,
+                           history_len=history, history_end=history_end, **kw)  # type: ignore[arg-type]
+
+
+# -- one turn at a time, decided by the log -----------------------------------------
+def test_of_racing_turns_built_on_one_history_the_first_in_the_log_counts() -> None:
+    ledger = TurnLedger()
+    assert ledger.decide(CONV, "a", 10, 12).verdict is Verdict.ACCEPTED
+    void = ledger.decide(CONV, "b", 10, 15)  # read the same history, appended later
+    assert (void.verdict, void.rival) == (Verdict.VOID, "a")
+    assert ledger.decide(CONV, "c", 10, 16).rival == "a"  # a void prompt never counts
+    # A turn built after "a" was in the log (its history includes it) counts.
+    assert ledger.decide(CONV, "d", 13, 20).verdict is Verdict.ACCEPTED
+
+
+def test_an_idempotent_retry_racing_its_original_is_a_duplicate_not_a_rival() -> None:
+    ledger = TurnLedger()
+    assert ledger.decide(CONV, "a", 5, 6).verdict is Verdict.ACCEPTED
+    assert ledger.decide(CONV, "a", 5, 7).verdict is Verdict.DUPLICATE
+    assert ledger.decide(CONV, "b", 7, 9).verdict is Verdict.ACCEPTED  # dups are no rivals
+
+
+def test_a_void_turn_retried_with_its_key_counts_once_its_rival_is_in_its_history() -> None:
+    ledger = TurnLedger()
+    ledger.decide(CONV, "a", 0, 1)
+    assert ledger.decide(CONV, "b", 0, 2).verdict is Verdict.VOID
+    assert ledger.decide(CONV, "b", 3, 4).verdict is Verdict.ACCEPTED
+
+
+def test_verdicts_do_not_depend_on_other_conversations_or_on_asking_twice() -> None:
+    ledger = TurnLedger()
+    other = uuid.uuid4()
+    ledger.decide(other, "x", 0, 1)
+    assert ledger.decide(CONV, "a", 0, 2).verdict is Verdict.ACCEPTED
+    assert ledger.decide(CONV, "b", 0, 3).verdict is Verdict.VOID
+    assert ledger.decide(CONV, "b", 0, 3).verdict is Verdict.VOID  # same record again
+    known = TurnLedger()  # one that learns "a" from the store gets the same answer
+    known.know(CONV, 2, "a")
+    assert known.decide(CONV, "b", 0, 3).rival == "a"
+
+
+def test_the_gateway_view_and_the_projection_agree_on_void_prompts() -> None:
+    view = ConversationView(CONV)
+    first, racing = prompt("a", 4), prompt("b", 4)
+    view.apply(first, 4)
+    view.apply(racing, 6)
+    assert list(view.turns) == ["a"] and view.void == {"b": "a"}
+    assert [m.content for m in view.messages.values()] == ["m0"]
+    assert project(racing, 6, Verdict.VOID) == []
+    assert any("INTO messages" in w.sql for w in project(first, 4, Verdict.ACCEPTED))
+
+
+def test_titles_and_storable_text_are_one_rule() -> None:
+    assert storable("a\x00b") == "a\ufffdb"
+    assert storable("a\ud800b") == "a\ufffdb"
+    assert title("  many   words\nhere ") == "many words here"
+    assert title("x" * 200) == "x" * 80 and title("   ") is None
+    view = ConversationView(CONV)
+    from schemas import SessionCreated
+    view.apply(SessionCreated(conversation_id=CONV, request_id="s", title="  a\x00  b "), 0)
+    conversation_row = project(SessionCreated(conversation_id=CONV, request_id="s",
+                                              title="  a\x00  b "))[0]
+    assert view.title == conversation_row.params[2] == "a\ufffd b"
+
+
+# -- control events for turns that have not started ---------------------------------
+def test_a_cancelled_or_abandoned_turn_never_starts() -> None:
+    book = ControlBook()
+    p = prompt("r", None)
+    assert book.decide(p, NOW).start
+    book.apply(GenerationCancelled(conversation_id=CONV, request_id="r"))
+    assert not book.decide(p, NOW).start
+
+    book = ControlBook()
+    book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
+                              grace_s=10, occurred_at=NOW))
+    within = book.decide(p, NOW + timedelta(seconds=3))
+    assert within.start and within.stop_at == NOW + timedelta(seconds=10)
+    assert not book.decide(p, NOW + timedelta(seconds=11)).start
+    assert book.decide(prompt("r", None, background=True), NOW + timedelta(hours=1)).start
+    book.apply(ClientAttached(conversation_id=CONV, request_id="r", attachment="x"))
+    assert book.decide(p, NOW + timedelta(seconds=11)) .start  # a client came back
+    book.apply(SessionDeleted(conversation_id=CONV, request_id="d"))
+    assert not book.decide(p, NOW).start
+
+
+# -- coalescing ---------------------------------------------------------------------------
+def test_the_first_tokens_go_at_once_then_one_delta_per_window() -> None:
+    c = Coalescer(0.010)
+    assert c.add("a", (1,), 0.001) == ("a", (1,))
+    assert c.add("b", (2,), 0.002) is None
+    assert c.add("c", (3,), 0.009) is None
+    assert c.add("d", (4,), 0.011) == ("bcd", (2, 3, 4))
+    assert c.add("e", (5,), 0.012) is None
+    assert c.drain() == ("e", (5,)) and c.drain() is None and c.emitted == 3
+    every_step = Coalescer(0)
+    assert [every_step.add(t, (i,), 0.0) for i, t in enumerate("xy")] == [("x", (0,)),
+                                                                            ("y", (1,))]
+
+
+# -- the gateway's edge -------------------------------------------------------------------
+@pytest.mark.parametrize(("body", "fragment"), [
+    (b'{"seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested"),
+    (b'{"a": ' * 40 + b"1" + b"}" * 40, "nested"),
+    (b'{"stop": ["a\\u0000"]}', "NUL"),
+    (b'{"messages": [{"content": "\\ud800"}]}', "surrogate"),
+    (b'{"a\\u0000": 1}', "NUL"),
+    (b"\xff\xfe{}", "not valid JSON"),
+])
+def test_hostile_json_is_a_400(body: bytes, fragment: str) -> None:
+    with pytest.raises(APIError) as err:
+        load_json(body)
+    assert err.value.status == 400 and fragment in err.value.message
+
+
+def test_text_rule_names_the_field() -> None:
+    with pytest.raises(APIError) as err:
+        check_text({"messages": [{"role": "user", "content": "x"}, {"content": "a\x00"}]})
+    assert err.value.param == "messages[1].content"
+
+
+@pytest.mark.parametrize("key", ["", " padded", "x" * 256, "é", "tab\tkey"])
+def test_idempotency_keys_are_bounded(key: str) -> None:
+    with pytest.raises(APIError):
+        idempotency_key(key)
+    assert idempotency_key("x" * 255) == "x" * 255 and idempotency_key(None) is None
+
+
+def test_host_allow_list() -> None:
+    loopback = ["localhost", "127.0.0.1", "::1"]
+    assert host_allowed(host_name("127.0.0.1:8000"), loopback)
+    assert host_allowed(host_name("[::1]:8000"), loopback)
+    assert host_allowed(host_name("LOCALHOST"), loopback)
+    assert not host_allowed(host_name("evil.example"), loopback)
+    assert not host_allowed(host_name("127.0.0.1.evil.example:80"), loopback)
+    assert host_allowed("api.example.com", ["*.example.com"])
+    assert not host_allowed("example.com.evil", ["*.example.com"])
+
+
+# -- event versions -------------------------------------------------------------------------
+def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
+    newer = (b'{"type":"PromptSubmitted","v":7,"conversation_id":"%s","request_id":"r",'
+             b'"model":"m","messages":[{"role":"user","content":"x","lang":"en"}],'
+             b'"priority":"high"}' % str(CONV).encode())
+    event = decode(newer)
+    assert isinstance(event, PromptSubmitted) and event.v == 7
+    assert event.model_extra == {"priority": "high"}
+    assert b'"priority":"high"' in encode(event) and b'"lang":"en"' in encode(event)
+    older = (b'{"type":"PromptSubmitted","v":1,"conversation_id":"%s","request_id":"r",'
+             b'"model":"m","messages":[{"role":"user","content":"x"}]}' % str(CONV).encode())
+    upcast = decode(older)
+    assert isinstance(upcast, PromptSubmitted) and (upcast.v, upcast.history_end) == (2, None)
+    with pytest.raises(DecodeError):
+        decode(b'{"type":"PromptSubmitted","v":1}')
