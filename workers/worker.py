@@ -41,12 +41,14 @@ from pipeline.kafka import (
     STORED,
     AsyncConsumer,
     Fenced,
+    KafkaException,
     Record,
     TransactionalProducer,
     high_watermarks,
     read_spans,
     scan_partitions,
 )
+from pipeline.retry import Backoff
 from pipeline.topics import (
     CONTROL,
     DEADLETTER,
@@ -85,6 +87,9 @@ POLL_RECORDS = 200
 # How often offsets that moved without anything to write (skipped prompts, turns whose
 # end was in the last transaction) are committed on their own.
 COMMIT_INTERVAL_S = 0.2
+# Worker and gateway clocks may differ: a takeover scan starts this long before the oldest
+# unfinished prompt's time.
+CLOCK_SKEW_MS = 60_000
 # A partition's ledger keeps this many prompts back; a prompt whose history was read
 # further back than that has the ledger read the log again.
 LEDGER_SPAN = 50_000
@@ -215,28 +220,30 @@ class Worker:
         assert self._consumer is not None
         prompts = [p for t, p in assigned if t == PROMPTS]
         controls = [p for t, p in assigned if t == CONTROL]
-        since_ms = int((time.time() - self.recovery_window_s) * 1000)
+        # Prompts are read on from the committed offsets: the ledger and the offsets of
+        # each transaction start there, and the scans below start at the oldest of them.
+        committed = self._consumer.committed_sync([(PROMPTS, p) for p in prompts])
+        for tp, offset in committed.items():
+            self.tracker.start(tp, offset)
+        since = self._scan_starts(committed)
         # What earlier owners wrote (committed, or resolved if still open: read_spans).
         # Open transactions of an earlier owner end within the transaction timeout.
         wait_s = max(60.0, 3 * self.transaction_timeout_ms / 1000)
-        records = scan_partitions(self.bootstrap, GENERATIONS, prompts, since_ms, wait_s)
+        records = scan_partitions(self.bootstrap, GENERATIONS, list(since), since, wait_s)
         found = {rid: rec for rid, rec in from_log([r.value for r in records]).items()
                  if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
         # The recent control events, so a turn cancelled or abandoned while its prompt
         # waited is known before the prompt comes up; control is read on from there.
         control_ends = high_watermarks(self.bootstrap, CONTROL, controls)
-        for record in scan_partitions(self.bootstrap, CONTROL, controls, since_ms, wait_s,
-                                      ends=control_ends):
+        for record in scan_partitions(self.bootstrap, CONTROL, [p for p in controls if p in since],
+                                      since, wait_s, ends=control_ends):
             event = _decoded(record)
             if event is not None:
                 self.book.apply(event)
-        # Prompts are read on from the committed offsets: the ledger and the offsets
-        # of each transaction start there.
-        committed = self._consumer.committed_sync([(PROMPTS, p) for p in prompts])
-        for tp, offset in committed.items():
-            self.tracker.start(tp, offset)
         self.ledgers = {p: _Ledger(known_from=committed[(PROMPTS, p)]) for p in prompts}
+        assert self.writer is not None  # the new generation, for every transaction from now
+        self.writer.set_group(self._consumer.group_metadata_sync())
         self._assignments += 1
         self.metrics.assigned.set(len(prompts))
         unfinished = sum(not r.ended for r in found.values())
@@ -244,6 +251,18 @@ class Worker:
                  prompts, len(found), unfinished)
         return {**{(PROMPTS, p): STORED for p in prompts},
                 **{(CONTROL, p): control_ends[p] for p in controls}}
+
+    def _scan_starts(self, committed: dict[TP, int]) -> dict[int, int]:
+        """Per prompt partition with unfinished prompts, the time to scan from: the oldest
+        uncommitted prompt's (what its turn and later ones wrote came after it), less
+        clock skew, and within the recovery window. Partitions whose prompts are all
+        committed need no scan."""
+        ends = high_watermarks(self.bootstrap, PROMPTS, [p for _, p in committed])
+        spans = {p: (o, o + 1) for (_, p), o in committed.items() if o < ends[p]}
+        oldest = {r.position.partition: r.timestamp_ms
+                  for r in read_spans(self.bootstrap, PROMPTS, spans)}
+        floor = int((time.time() - self.recovery_window_s) * 1000)
+        return {p: max(oldest.get(p, floor) - CLOCK_SKEW_MS, floor) for p in spans}
 
     def _on_revoke(self, revoked: list[TP]) -> None:
         assert self._loop is not None and self.writer is not None
@@ -289,7 +308,7 @@ class Worker:
                # Resumed partitions join the fetches at once.
                **QUICK_ASSIGN})
         self.writer = TransactionalProducer(
-            self.bootstrap, self.transactional_id, consumer, self.tracker.positions,
+            self.bootstrap, self.transactional_id, self.tracker.positions,
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
             timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id)
         await asyncio.to_thread(self.writer.start)
@@ -402,8 +421,7 @@ class Worker:
         known part, back as far as those prompts' own verdicts need."""
         target = start
         while True:
-            records = await asyncio.to_thread(
-                read_spans, self.bootstrap, PROMPTS, {partition: (target, state.known_from)})
+            records = await self._read_prompts(partition, target, state.known_from)
             prompts = [(r.position.offset, e) for r in records
                        if isinstance(e := _decoded(r), PromptSubmitted)]
             needed = min((p.history_end for _, p in prompts
@@ -415,6 +433,19 @@ class Worker:
             state.ledger.decide(prompt.conversation_id, prompt.request_id, prompt.history_end,
                                 offset)
         state.known_from = target
+
+    async def _read_prompts(self, partition: int, start: int, end: int) -> list[Record]:
+        """The prompts in ``[start, end)``; the verdicts wait for them, so retry until read."""
+        backoff = Backoff()
+        while True:
+            try:
+                return await asyncio.to_thread(read_spans, self.bootstrap, PROMPTS,
+                                               {partition: (start, end)})
+            except (KafkaException, TimeoutError) as exc:
+                delay = backoff.next()
+                log.warning("could not read prompts %d-%d of partition %d (retrying in "
+                            "%.1f s): %s", start, end, partition, delay, exc)
+                await asyncio.sleep(delay)
 
     async def _control(self, event: Event) -> None:
         self.book.apply(event)
