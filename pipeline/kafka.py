@@ -598,6 +598,9 @@ class AsyncConsumer:
             with contextlib.suppress(KafkaException):  # only a wake-up: best effort
                 self._consumer.get_watermark_offsets(tp, timeout=5, cached=False)
 
+    def assignment_sync(self) -> list[TP]:
+        return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
+
     def positions_sync(self, partitions: list[TP] | None = None) -> dict[TP, int]:
         """The next offset to read of each partition (of the assignment if not given):
         past transaction markers and aborted records too, which are never delivered."""

@@ -18,13 +18,16 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -33,9 +36,11 @@ from confluent_kafka import Producer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.codec import encode
 from pipeline.topics import CONTROL, DEADLETTER, GENERATIONS, PROMPTS
+from projections.migrate import migrate
 from projections.projector import caused_by_event
 from schemas import (
     ChatMessage,
@@ -207,6 +212,52 @@ def test_only_errors_about_an_events_content_are_the_events_fault(acc: Accepting
     assert (errors["limit"].sqlstate or "").startswith("54")
     down = psycopg.OperationalError("connection lost")
     assert not caused_by_event(down)
+
+
+def test_the_projector_waits_out_a_database_restart(acc: Accepting, tmp_path: Path) -> None:
+    """A projector on a PostgreSQL of its own, stopped for a few seconds while turns go on
+    and started again: the projector never exits, and its store catches up by itself to
+    equal a replay of the log."""
+    pg_home = Path(tempfile.mkdtemp(prefix="pipeline-test-pg-own-"))
+    own = PostgresServer(home=pg_home, port=free_port(), database="own")
+    own.start()
+    migrate(own.url)
+    stack = Stack(acc.stack.bootstrap, own.url, acc.stack.logs)
+    metrics = free_port()
+    projector = start_service(stack, "acc-projector-own", "projector",
+                              PROJECTOR_GROUP=f"own-{uuid.uuid4().hex[:8]}",
+                              PROJECTOR_METRICS_PORT=str(metrics))
+    try:
+        own_pipeline = Pipeline(stack, acc.url, {"projector": projector})
+        own_pipeline.wait_projected(timeout=120)
+        own.stop()
+        sessions = [httpx.post(f"{acc.url}/v1/chat/completions", json=acc.chat(f"down {i}"),
+                               timeout=60).headers["x-session-id"] for i in range(3)]
+        time.sleep(3)  # the projector meets the missing database meanwhile
+        assert projector.proc.poll() is None, projector.tail()
+        own.start()
+        own_pipeline.wait_projected(timeout=60)
+        assert projector.proc.poll() is None, projector.tail()
+        retries = scrape(f"http://127.0.0.1:{metrics}/metrics")["projector_retries_total"]
+        assert retries >= 1
+        for i, session in enumerate(sessions):
+            assert stored(own.url, session) == [("user", f"down {i}"), ("assistant", expected(3))]
+        schema = f"replay_{uuid.uuid4().hex[:8]}"
+        replayed = subprocess.run([sys.executable, "-m", "pipeline", "replay",
+                                   "--from-beginning", "--schema", schema], env=stack.env(),
+                                  capture_output=True, text=True, timeout=300)
+        assert replayed.returncode == 0, replayed.stderr
+        with psycopg.connect(own.url) as conn:
+            for table, order in (("messages", "conversation_id, seq"),
+                                 ("generations", "request_id")):
+                live = conn.execute(f"SELECT * FROM public.{table} ORDER BY {order}").fetchall()
+                again = conn.execute(f"SELECT * FROM {schema}.{table} ORDER BY {order}"
+                                     ).fetchall()
+                assert live == again, table
+    finally:
+        projector.stop()
+        own.stop()
+        shutil.rmtree(pg_home, ignore_errors=True)
 
 
 # -- 2. one rule for every text field; accepted means stored ---------------------------

@@ -1,0 +1,74 @@
+"""The worker's writes are fenced by its consumer group (KIP-447), against the real broker:
+once a member has left the group, a transaction that shows the broker its old group
+metadata is refused, and its records never reach a read_committed reader."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from pipeline.kafka import AsyncConsumer, Fenced, TransactionalProducer, ensure_topics
+from pipeline.topics import TopicSpec
+from schemas import SessionCreated
+from tests.conftest import Stack
+from tests.logread import read_records
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    source, sink, group = f"fence.in.{suffix}", f"fence.out.{suffix}", f"fence-{suffix}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(source, 1, {}), TopicSpec(sink, 1, {})])
+
+    async def scenario() -> tuple[list[str], int]:
+        fenced_calls = 0
+
+        def on_fenced() -> None:
+            nonlocal fenced_calls
+            fenced_calls += 1
+
+        member = AsyncConsumer(sim_stack.bootstrap, group, **{"session.timeout.ms": 6000})
+        member.subscribe([source])
+        deadline = time.monotonic() + 30
+        while not await member.call(member.assignment_sync):
+            assert time.monotonic() < deadline, "never assigned"
+            await member.poll_batch(1, 0.2)
+        writer = TransactionalProducer(
+            sim_stack.bootstrap, f"fence-writer-{suffix}", lambda: {(source, 0): 0},
+            on_committed=lambda _: None, on_fenced=on_fenced, timeout_ms=10_000)
+        await asyncio.to_thread(writer.start)
+        writer.set_group(await member.call(member.group_metadata_sync))
+
+        def event(title: str) -> SessionCreated:
+            return SessionCreated(conversation_id=uuid.uuid4(), request_id=title, title=title)
+
+        await writer.send(sink, event("while a member"), writer.epoch)
+        # The member leaves and another takes the partition: the writer is now a zombie.
+        await member.close()
+        successor = AsyncConsumer(sim_stack.bootstrap, group)
+        successor.subscribe([source])
+        deadline = time.monotonic() + 30
+        while not await successor.call(successor.assignment_sync):
+            assert time.monotonic() < deadline, "the successor was never assigned"
+            await successor.poll_batch(1, 0.2)
+        outcomes = []
+        for title in ("after leaving", "and again"):
+            try:
+                await writer.send(sink, event(title), writer.epoch)
+                outcomes.append("committed")
+            except Fenced:
+                outcomes.append("refused")
+        await asyncio.to_thread(writer.close)
+        await successor.close()
+        return outcomes, fenced_calls
+
+    outcomes, fenced_calls = asyncio.run(scenario())
+    assert outcomes == ["refused", "refused"] and fenced_calls >= 1
+    committed = [v for _, v, _ in read_records(sim_stack.bootstrap, sink)]
+    everything = [v for _, v, _ in read_records(sim_stack.bootstrap, sink, committed=False)]
+    assert [b"while a member" in v for v in committed] == [True]
+    assert any(b"after leaving" in v for v in everything)  # written, then aborted
