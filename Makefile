@@ -17,7 +17,7 @@ $(UV):
 $(STAMP): pyproject.toml infra/python-overrides.txt | $(UV)
 	$(UV) venv -q --allow-existing --python "$$(command -v $(PYTHON))" $(VENV)
 	$(UV) pip install -q --python $(VENV)/bin/python \
-		--override infra/python-overrides.txt -e '.[vllm,dev]'
+		--override infra/python-overrides.txt -e '.[vllm,local,bench,dev]'
 	touch $@
 
 venv: $(STAMP)
@@ -30,7 +30,7 @@ test: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy schemas pipeline
+	$(VENV)/bin/mypy
 
 clean-state:
 	-$(VENV)/bin/pipeline infra down

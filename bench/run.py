@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.settings import CommonSettings, WorkerSettings
+from pipeline.settings import CommonSettings
+from workers.settings import WorkerSettings
 
 PARTS = ("serving", "capacity", "projection")
 
@@ -36,7 +37,7 @@ def _save(out: Path, part: str, title: str, figures: dict[str, Any], table: str,
 def serving(common: CommonSettings, quick: bool, out: Path,
             resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]]
             ) -> str:
-    from workers import bench
+    from bench import serving as bench
 
     levels = [8] if quick else [1, 8, 32]
     max_tokens = 64 if quick else 128
@@ -63,7 +64,7 @@ def serving(common: CommonSettings, quick: bool, out: Path,
 
 
 def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
-    from gateway import bench
+    from bench import capacity as bench
 
     figures = bench.run(common.kafka_bootstrap, quick, common.state_dir / "bench-logs")
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
@@ -77,7 +78,7 @@ def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
 
 
 def projection(common: CommonSettings, quick: bool, out: Path) -> str:
-    from projections.bench import run
+    from bench.projection import run
 
     return run(common.kafka_bootstrap, common.database_url, 2_000 if quick else 10_000, 16,
                common.partitions, out)

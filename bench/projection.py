@@ -24,11 +24,11 @@ from prometheus_client import CollectorRegistry
 from psycopg import sql
 
 from pipeline.kafka import AsyncConsumer, EventProducer, delete_topics, ensure_topics
-from pipeline.settings import ProjectorSettings
 from pipeline.topics import TopicSpec
 from projections.migrate import in_schema, migrate
 from projections.projector import Projector
 from projections.replay import replay
+from projections.settings import ProjectorSettings
 from schemas import (
     ChatMessage,
     EventIds,

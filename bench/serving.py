@@ -39,11 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.ids import completion_id
-from infra.process import free_port, wait_http
-from pipeline.codec import decode
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer, GroupStatus
-from pipeline.loadgen import (
+from bench.loadgen import (
     Load,
     MakeRequest,
     Request,
@@ -53,8 +49,12 @@ from pipeline.loadgen import (
     run_load,
     stream_once,
 )
-from pipeline.settings import ProjectorSettings, WorkerSettings
+from gateway.ids import completion_id
+from infra.process import free_port, wait_http
+from pipeline.codec import decode
+from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer, GroupStatus
 from pipeline.topics import GENERATIONS, PROMPTS
+from projections.settings import ProjectorSettings
 from schemas import (
     ChatMessage,
     GenerationFailed,
@@ -64,15 +64,10 @@ from schemas import (
     TokenDelta,
 )
 from workers.engine import Engine, EngineRequest
+from workers.host import lower_engine_priority, lower_session_priority, move_off_engine_cores
+from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine
-from workers.vllm_engine import (
-    VllmEngine,
-    engine_nice,
-    isolate_engine_cores,
-    lower_engine_priority,
-    lower_session_priority,
-    move_off_engine_cores,
-)
+from workers.vllm_engine import VllmEngine, engine_nice, isolate_engine_cores
 
 PROMPT = "Write a long story about a log that remembers everything."
 MODES = ("engine", "worker", "vllm-serve", "pipeline", "sim-engine", "sim-worker")
@@ -269,7 +264,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
               levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
     """The engine paired with one worker process alone; then vllm serve paired with the
     pipeline (that worker, with a projector and a gateway started beside it)."""
-    exe = [sys.executable, "-m", "pipeline"]
+    exe = [sys.executable, "-m", "launch"]
     flags = _engine_flags(settings)
     # The worker starts first: the in-process engine then moves this process off the
     # engine's cores, which a child started later would inherit.
@@ -321,7 +316,7 @@ async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, 
     (the vLLM worker has left the group by now, so this one takes every prompt)."""
     env = {**os.environ, "WORKER_SIM_TOKENS_PER_S": str(SIM_TOKENS_PER_S),
            "WORKER_SERVED_MODEL_NAME": SIM_NAME}
-    procs = _start({"sim-worker": [sys.executable, "-m", "pipeline", "worker",
+    procs = _start({"sim-worker": [sys.executable, "-m", "launch", "worker",
                                    "--engine", "sim"]}, log_dir, env)
     try:
         async with kafka_client(bootstrap, SIM_NAME, max_tokens) as worker, \

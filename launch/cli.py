@@ -18,22 +18,22 @@ Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.settings import CommonSettings, GatewaySettings, ProjectorSettings, WorkerSettings
+from gateway.settings import GatewaySettings
+from launch.services import resolve_model, run_gateway, run_projector, run_worker
+from pipeline.settings import CommonSettings
+from projections.settings import ProjectorSettings
+from workers.settings import WorkerSettings
 
 log = logging.getLogger("pipeline")
-TINY_MODEL_NAME = "tiny-random-llama"
 
 
 def _setup_logging() -> None:
@@ -41,100 +41,6 @@ def _setup_logging() -> None:
         level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-
-
-def _run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await main(stop)
-
-    asyncio.run(runner())
-
-
-# -- services -----------------------------------------------------------------
-def run_gateway(common: CommonSettings, settings: GatewaySettings) -> None:
-    import uvicorn
-
-    from gateway.app import create_app
-
-    app = create_app(settings, common)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                access_log=False, timeout_graceful_shutdown=10)
-
-
-def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Path, str]:
-    if settings.model:
-        path = Path(settings.model)
-        return path, settings.served_model_name or path.name
-    from workers.tiny_model import make_tiny_model
-
-    path = make_tiny_model(common.state_dir / "models" / TINY_MODEL_NAME)
-    log.warning("serving the tiny random model at %s: its text is noise. "
-                "Set WORKER_MODEL to a model directory to serve a real model.", path)
-    return path, settings.served_model_name or TINY_MODEL_NAME
-
-
-def make_engine(common: CommonSettings, settings: WorkerSettings) -> Any:
-    if settings.engine == "sim":
-        from workers.sim_engine import SimEngine
-
-        log.warning("SIMULATED engine: no model runs; for load and fault tests only")
-        return SimEngine(settings.served_model_name or "sim", ttft_ms=settings.sim_ttft_ms,
-                         tokens_per_s=settings.sim_tokens_per_s,
-                         max_num_seqs=settings.max_num_seqs or 256,
-                         max_model_len=settings.max_model_len or 8192)
-    from workers.vllm_engine import VllmEngine
-
-    path, name = resolve_model(common, settings)
-    if not settings.model and settings.max_model_len is None:
-        settings = settings.model_copy(update={"max_model_len": 512})
-    return VllmEngine(settings, path, name)
-
-
-def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
-    from prometheus_client import CollectorRegistry
-
-    from pipeline.metrics import serve_metrics
-    from workers.worker import Worker
-
-    registry = CollectorRegistry()
-
-    async def main(stop: asyncio.Event) -> None:
-        engine = make_engine(common, settings)
-        if settings.engine == "sim":  # fault injection, simulated engine only
-            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.crash)
-        try:
-            log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
-                     engine.model_name, engine.max_num_seqs)
-            worker = Worker(engine, common.kafka_bootstrap, registry,
-                            session_timeout_ms=settings.session_timeout_ms,
-                            recovery_window_s=settings.recovery_window_s,
-                            coalesce_ms=settings.coalesce_ms,
-                            transaction_timeout_ms=settings.transaction_timeout_ms,
-                            transactional_id=settings.transactional_id)
-            serve_metrics(registry, settings.metrics_port)
-            await worker.run(stop)
-        finally:
-            engine.close()
-
-    _run_until_signalled(main)
-
-
-def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
-    from prometheus_client import CollectorRegistry
-
-    from pipeline.metrics import serve_metrics
-    from projections.migrate import migrate
-    from projections.projector import Projector
-
-    migrate(common.database_url)
-    registry = CollectorRegistry()
-    serve_metrics(registry, settings.metrics_port)
-    projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
-    _run_until_signalled(projector.run)
 
 
 # -- argument parsing -----------------------------------------------------------
@@ -268,8 +174,8 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
 
 
 def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
-    from pipeline import bench
-    from pipeline.local import infra_up
+    from bench import run as bench
+    from launch.local import infra_up
 
     unknown = set(args.part) - set(bench.PARTS)
     if unknown:
@@ -306,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     common = CommonSettings()
     external_db = "DATABASE_URL" in os.environ
     if args.command == "infra":
-        from pipeline.local import infra_down, infra_status, infra_up
+        from launch.local import infra_down, infra_status, infra_up
 
         if args.action == "up":
             infra_up(common, external_db)
@@ -341,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench":
         return run_bench_command(common, args)
     elif args.command == "demo":
-        from pipeline.demo import run_demo
+        from launch.demo import run_demo
 
         return run_demo(common, GatewaySettings(), external_db)
     return 0

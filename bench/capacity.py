@@ -32,10 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from infra.process import free_port, wait_http
 from pipeline.codec import decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
-from pipeline.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from pipeline.topics import GENERATIONS
 from schemas import TokenDelta
 
@@ -65,7 +65,7 @@ def _rss_mb(pid: int) -> float:
 def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, int]]:
     """A simulated worker, a projector and a gateway; yields the URL and the gateway pid."""
     port = free_port()
-    exe = [sys.executable, "-m", "pipeline"]
+    exe = [sys.executable, "-m", "launch"]
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
            "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **worker_env}
     log_dir.mkdir(parents=True, exist_ok=True)

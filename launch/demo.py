@@ -8,8 +8,9 @@ import subprocess
 import sys
 import time
 
-from pipeline.local import infra_down, infra_up
-from pipeline.settings import CommonSettings, GatewaySettings
+from gateway.settings import GatewaySettings
+from launch.local import infra_down, infra_up
+from pipeline.settings import CommonSettings
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -23,7 +24,7 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     infra_up(common, external_db)
-    exe = [sys.executable, "-m", "pipeline"]
+    exe = [sys.executable, "-m", "launch"]
     # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
     # and one that will not stop is killed with every process it started (vLLM's engine).
     procs = {name: subprocess.Popen([*exe, name], start_new_session=True)
@@ -34,7 +35,7 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
             wait_http(f"{base}/health", list(procs.values()), timeout=120)
         except RuntimeError as exc:
             raise SystemExit(str(exc)) from None
-        print(_demo_banner(base, gateway.models.split(",")[0],
+        print(_demo_banner(base, gateway.models[0],
                            _keys_exist(common.database_url)), flush=True)
         while all(p.poll() is None for p in procs.values()):
             time.sleep(0.5)

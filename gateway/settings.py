@@ -1,0 +1,47 @@
+"""The gateway's settings (prefix ``GATEWAY_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipeline.settings import CommaList
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # How long a request waits for the projection to reach the log's end for its
+    # conversation before answering 503 (read-your-writes barrier).
+    projection_wait_s: float = Field(default=10.0, gt=0)
+    # How long a request waits for its generation to finish, all told.
+    generation_timeout_s: float = Field(default=300.0, gt=0)
+    max_body_bytes: int = Field(default=1_000_000, ge=1024)
+    max_messages: int = Field(default=256, ge=1)
+    max_tokens_limit: int = Field(default=32_768, ge=1)
+    # The model names the workers serve (what /v1/models lists before any worker is up);
+    # GATEWAY_MODELS=a,b in the environment.
+    models: CommaList = Field(default_factory=lambda: ["tiny-random-llama"], min_length=1)
+    # When every client of a turn has gone away, the worker stops it after this long
+    # unless one comes back (through any gateway). Requests with "background": true
+    # keep running regardless.
+    cancel_grace_s: float = Field(default=10.0, ge=0)
+    # Admission: refuse new turns (429) while the workers' backlog (prompts accepted but
+    # not finished, running ones included) is over this bound.
+    max_backlog: int = Field(default=2048, ge=1)
+    # A slow client's stream is dropped past this many queued events or bytes of text
+    # (consecutive deltas merge first); it resumes with Last-Event-ID.
+    stream_max_items: int = Field(default=1000, ge=8)
+    stream_max_bytes: int = Field(default=4_000_000, ge=1024)
+    # Stop reading a generations partition this long after its last stream ended.
+    tail_linger_s: float = Field(default=60.0, ge=0)
+    # API keys: required when set, and in any case as soon as one key exists.
+    require_auth: bool = False
+    # Serve /metrics on this address instead of the API's (port 0: on the API's).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    # Host names (the Host header) answered besides the loopback names and ``host``:
+    # comma-separated; "*.example.com" matches its subdomains, "*" any name.
+    allowed_hosts: CommaList = Field(default_factory=list)

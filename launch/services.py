@@ -1,0 +1,114 @@
+"""Each service built from its settings and run until SIGINT or SIGTERM. Apps are imported
+here, when their service starts, so the command's other uses load none of them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from gateway.settings import GatewaySettings
+from pipeline.settings import CommonSettings
+from projections.settings import ProjectorSettings
+from workers.engine import Engine
+from workers.settings import WorkerSettings
+
+log = logging.getLogger("pipeline")
+TINY_MODEL_NAME = "tiny-random-llama"
+
+
+def _run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+def run_gateway(common: CommonSettings, settings: GatewaySettings) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings, common)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
+                access_log=False, timeout_graceful_shutdown=10)
+
+
+def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Path, str]:
+    if settings.model:
+        path = Path(settings.model)
+        return path, settings.served_model_name or path.name
+    from workers.tiny_model import make_tiny_model
+
+    path = make_tiny_model(common.state_dir / "models" / TINY_MODEL_NAME)
+    log.warning("serving the tiny random model at %s: its text is noise. "
+                "Set WORKER_MODEL to a model directory to serve a real model.", path)
+    return path, settings.served_model_name or TINY_MODEL_NAME
+
+
+def make_engine(common: CommonSettings, settings: WorkerSettings) -> Engine:
+    """The configured engine: vLLM (with the tiny model by default), or SIMULATED."""
+    if settings.engine == "sim":
+        from workers.sim_engine import SimEngine
+
+        log.warning("SIMULATED engine: no model runs; for load and fault tests only")
+        return SimEngine(settings.served_model_name or "sim", ttft_ms=settings.sim_ttft_ms,
+                         tokens_per_s=settings.sim_tokens_per_s,
+                         max_num_seqs=settings.max_num_seqs or 256,
+                         max_model_len=settings.max_model_len or 8192)
+    from workers.vllm_engine import VllmEngine
+
+    path, name = resolve_model(common, settings)
+    if not settings.model and settings.max_model_len is None:
+        settings = settings.model_copy(update={"max_model_len": 512})
+    return VllmEngine(settings, path, name)
+
+
+def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pipeline.metrics import serve_metrics
+    from workers.sim_engine import SimEngine
+    from workers.worker import Worker
+
+    registry = CollectorRegistry()
+
+    async def main(stop: asyncio.Event) -> None:
+        engine = make_engine(common, settings)
+        if isinstance(engine, SimEngine):  # fault injection, simulated engine only
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.crash)
+        try:
+            log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
+                     engine.model_name, engine.max_num_seqs)
+            worker = Worker(engine, common.kafka_bootstrap, registry,
+                            session_timeout_ms=settings.session_timeout_ms,
+                            recovery_window_s=settings.recovery_window_s,
+                            coalesce_ms=settings.coalesce_ms,
+                            transaction_timeout_ms=settings.transaction_timeout_ms,
+                            transactional_id=settings.transactional_id)
+            serve_metrics(registry, settings.metrics_port)
+            await worker.run(stop)
+        finally:
+            engine.close()
+
+    _run_until_signalled(main)
+
+
+def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pipeline.metrics import serve_metrics
+    from projections.migrate import migrate
+    from projections.projector import Projector
+
+    migrate(common.database_url)
+    registry = CollectorRegistry()
+    serve_metrics(registry, settings.metrics_port)
+    projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
+    _run_until_signalled(projector.run)

@@ -1,0 +1,57 @@
+"""The worker's settings (prefix ``WORKER_``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
+
+    # "vllm", or "sim": a SIMULATED engine for load and fault tests (no model).
+    engine: Literal["vllm", "sim"] = "vllm"
+    # A Hugging Face model directory. Empty: make (once) and serve the tiny random model.
+    model: str = ""
+    served_model_name: str = ""
+    dtype: str = "float32"
+    # Defaults: 32 for vLLM, 256 for the simulated engine.
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    # Default: 512 for the tiny model, the model's own otherwise.
+    max_model_len: int | None = Field(default=None, ge=16)
+    kv_cache_memory_bytes: int | None = 256 * 2**20
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    enable_prefix_caching: bool = True
+    speculative_config: dict[str, Any] | None = None
+    # Token coalescing: one TokenDelta per request per N ms window, the windows shared
+    # by all turns (the first token always goes at once); 0 emits one per engine step
+    # per request.
+    coalesce_ms: float = Field(default=10.0, ge=0)
+    # How much to lower the CPU priority (nice) of vLLM's engine processes. They poll
+    # without pause; on a host whose CPU also runs the model, they otherwise starve the
+    # broker and this worker's own Kafka threads. Default: 10 when vLLM runs on the
+    # CPU, 0 (left alone) on accelerators.
+    engine_nice: int | None = Field(default=None, ge=0, le=19)
+    # Keep this process's own threads (the event loop, vLLM's output processing, the
+    # Kafka clients) off the cores vLLM binds its CPU compute threads to, so they do
+    # not preempt the model. Default: on when vLLM runs on the CPU.
+    isolate_engine_cores: bool | None = None
+    metrics_port: int = 0
+    # How soon the group notices a dead worker and hands its prompts on.
+    session_timeout_ms: int = Field(default=10_000, ge=6_000)
+    # How far back a worker looks for unfinished turns when handed a partition:
+    # at least the longest a generation may take.
+    recovery_window_s: float = Field(default=300.0, gt=0)
+    # The longest a transaction may stay open. A worker that dies mid-transaction holds
+    # back readers of its partitions' generations this long at most.
+    transaction_timeout_ms: int = Field(default=10_000, ge=1_000)
+    # The producer's transactional id. Empty: one of its own per process. A stable one
+    # per worker slot (a StatefulSet ordinal, say) lets a restarted worker fence its
+    # predecessor's open transaction at once.
+    transactional_id: str = ""
+    # The simulated engine: time to first token and per-sequence decode rate.
+    sim_ttft_ms: float = Field(default=50.0, ge=0)
+    sim_tokens_per_s: float = Field(default=50.0, gt=0)
