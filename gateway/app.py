@@ -20,16 +20,24 @@ from gateway import completions, sessions
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
 from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, JsonOnly
-from gateway.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler
+from gateway.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    problem_handler,
+    unexpected_error_handler,
+)
 from gateway.fleet import Fleet
 from gateway.http import Resources, resources
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
+from gateway.problems import Problem
+from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.tail import GenerationTail
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
 from pipeline.metrics import serve_metrics
-from pipeline.settings import CommonSettings, GatewaySettings
+from pipeline.settings import CommonSettings
 from pipeline.topics import CONVERSATION_TOPICS, GENERATIONS, PROMPTS
 
 log = logging.getLogger(__name__)
@@ -123,7 +131,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
                      "not required: no key exists (pipeline keys create), serving tenant "
                      "'default' to anyone who can reach this address")
             chat = ChatService(settings, producer, tail, store, fleet, guard, gateway_metrics,
-                               [m.strip() for m in settings.models.split(",") if m.strip()])
+                               settings.models)
             app.state.resources = Resources(chat, producer, guard, registry, settings)
             yield
         finally:
@@ -160,6 +168,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         lifespan=lifespan,
         exception_handlers={
             APIError: api_error_handler,
+            Problem: problem_handler,
             HTTPException: http_error_handler,
             Exception: unexpected_error_handler,
         },

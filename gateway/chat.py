@@ -20,18 +20,30 @@ from typing import Any
 
 from gateway import openai_api
 from gateway.auth import Caller, Guard, estimate_tokens
-from gateway.cursor import Cursor, failure_error, sse
-from gateway.errors import APIError
+from gateway.cursor import Cursor, failure, sse
+from gateway.errors import api_error
 from gateway.fleet import Fleet
 from gateway.ids import completion_id, conversation_of, idempotent_conversation
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatRequest
+from gateway.problems import (
+    CompletionNotFound,
+    GenerationTimeout,
+    InvalidLastEventId,
+    LogUnavailable,
+    ModelNotFound,
+    OverLimit,
+    Problem,
+    SessionNotFound,
+    StreamLagging,
+    TurnInProgress,
+)
+from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.tail import Delivered, GenerationTail, Overflow, Subscription
 from gateway.view import ConversationView, TurnState
-from pipeline.codec import Position
+from pipeline.codec import Position, conversation_key
 from pipeline.kafka import EventProducer
-from pipeline.settings import GatewaySettings
 from pipeline.topics import CONTROL, GENERATIONS, PROMPTS
 from schemas import (
     ClientAttached,
@@ -93,21 +105,19 @@ class ChatService:
 
     def check_limits(self, request: ChatRequest) -> None:
         if request.model not in self.fleet.models and request.model not in self.configured_models:
-            raise APIError(404, f"The model '{request.model}' does not exist.",
-                           code="model_not_found", param="model")
+            raise ModelNotFound(request.model)
         if len(request.messages) > self.settings.max_messages:
-            raise APIError(400, f"At most {self.settings.max_messages} messages per request.",
-                           code="too_many_messages", param="messages")
+            raise OverLimit(f"At most {self.settings.max_messages} messages per request.",
+                            "messages")
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is not None and max_tokens > self.settings.max_tokens_limit:
-            raise APIError(400, f"max_tokens is at most {self.settings.max_tokens_limit}.",
-                           code="invalid_value", param="max_tokens")
+            raise OverLimit(f"max_tokens is at most {self.settings.max_tokens_limit}.",
+                            "max_tokens")
 
     async def visible_view(self, conversation_id: uuid.UUID, tenant: str) -> ConversationView:
         view = await self.store.view(conversation_id)
         if not view.visible_to(tenant):
-            raise APIError(404, f"No session found with id '{conversation_id}'.",
-                           code="session_not_found", param="session_id")
+            raise SessionNotFound(conversation_id)
         return view
 
     # -- a new turn -------------------------------------------------------------
@@ -130,11 +140,10 @@ class ChatService:
                 return await self.attach_turn(view, turn, tenant, None)
             if session is not None:
                 if not view.visible_to(tenant):
-                    raise APIError(404, f"No session found with id '{session}'.",
-                                   code="session_not_found", param="session_id")
+                    raise SessionNotFound(session)
                 busy = view.busy()
                 if busy is not None:
-                    raise _turn_in_progress(busy.request_id)
+                    raise TurnInProgress(busy.request_id)
                 history = view.history()
         self.fleet.admit()
         new = tuple(m.to_event() for m in request.messages)
@@ -148,7 +157,7 @@ class ChatService:
             history_end=view.prompts_end if view is not None else None,
         )
         # Follow before producing, so no event of this turn can pass unseen.
-        sub = await self.tail.follow(request_id, _key(conversation),
+        sub = await self.tail.follow(request_id, conversation_key(conversation),
                                      self.store.partition_of(conversation))
         try:
             try:
@@ -156,8 +165,7 @@ class ChatService:
                                                  timeout=15)
             except Exception as exc:
                 log.error("could not write prompt %s: %s", request_id, exc)
-                raise APIError(503, "The log is unavailable; the request was not accepted.",
-                               code="log_unavailable", headers={"Retry-After": "2"}) from exc
+                raise LogUnavailable() from exc
             if view is not None:
                 await self._judge(view, prompt, written.offset)
         except BaseException:
@@ -181,16 +189,14 @@ class ChatService:
             except Exception as exc:
                 # The prompt is in the log; what it means must be known before answering.
                 if time.monotonic() > deadline:
-                    raise APIError(503, "The log is unavailable; the request was not "
-                                   "accepted.", code="log_unavailable",
-                                   headers={"Retry-After": "2"}) from exc
+                    raise LogUnavailable() from exc
                 await asyncio.sleep(0.2)
         view.apply(prompt, offset)
         rival = view.void.get(prompt.request_id)
         if rival is not None:
             log.info("prompt %s is void: %s was accepted first in its session",
                      prompt.request_id, rival)
-            raise _turn_in_progress(rival)
+            raise TurnInProgress(rival)
 
     # -- an existing turn ---------------------------------------------------------
     async def find_turn(self, completion: str,
@@ -198,8 +204,7 @@ class ChatService:
         view = await self.store.view(conversation_of(completion))
         turn = view.turns.get(completion)
         if turn is None or not view.visible_to(tenant):
-            raise APIError(404, f"No chat completion found with id '{completion}'.",
-                           code="completion_not_found")
+            raise CompletionNotFound(completion)
         return view, turn
 
     async def attach(self, completion: str, tenant: str,
@@ -213,9 +218,8 @@ class ChatService:
         conversation = uuid.UUID(str(view.id))
         partition = self.store.partition_of(conversation)
         if last_event_id is not None and last_event_id[0] != partition:
-            raise APIError(400, "Last-Event-ID does not name an event of this stream.",
-                           code="invalid_last_event_id", param="Last-Event-ID")
-        sub = await self.tail.follow(turn.request_id, _key(conversation), partition)
+            raise InvalidLastEventId()
+        sub = await self.tail.follow(turn.request_id, conversation_key(conversation), partition)
         try:
             if last_event_id is not None:
                 start = last_event_id[1]
@@ -229,8 +233,7 @@ class ChatService:
                        and event.request_id == turn.request_id]
             if last_event_id is not None and start < sub.start and (
                     not history or history[0].position.offset != start):
-                raise APIError(400, "Last-Event-ID does not name an event of this stream.",
-                               code="invalid_last_event_id", param="Last-Event-ID")
+                raise InvalidLastEventId()
             attachment = uuid.uuid4().hex
             ended = any(isinstance(d.event, (GenerationFinished, GenerationFailed))
                         for d in history)
@@ -266,8 +269,7 @@ class ChatService:
                 item = await asyncio.wait_for(f.sub.get(),
                                               timeout=max(deadline - time.monotonic(), 0))
             except TimeoutError:
-                raise APIError(504, "The generation did not finish in time.",
-                               code="generation_timeout") from None
+                raise GenerationTimeout() from None
             yield item
 
     def _observe(self, f: Following, item: Delivered) -> None:
@@ -294,13 +296,13 @@ class ChatService:
                         yield out
                     if cursor.done:
                         break
-            except APIError as exc:
-                yield sse(exc.body())
+            except Problem as exc:
+                yield sse(api_error(exc).body())
             except Overflow:
                 complete = False  # the client reconnects with its Last-Event-ID
-                yield sse(APIError(503, "The stream fell too far behind and was dropped; "
-                                   "reconnect with Last-Event-ID to continue.",
-                                   code="stream_lagging").body())
+                yield sse(api_error(StreamLagging(
+                    "The stream fell too far behind and was dropped; reconnect with "
+                    "Last-Event-ID to continue.")).body())
         finally:
             self.metrics.active_streams.dec()
             self._open[f.conversation_id] -= 1
@@ -323,10 +325,10 @@ class ChatService:
                     return openai_api.completion(f.completion_id, f.created, f.model,
                                                  event.text, event.finish_reason, event.usage)
                 if isinstance(event, GenerationFailed):
-                    raise failure_error(event)
+                    raise failure(event)
         except Overflow:  # only a reader stalled for a very long time gets here
-            raise APIError(503, "The reply could not be collected; retry with the same "
-                           "Idempotency-Key.", code="stream_lagging") from None
+            raise StreamLagging("The reply could not be collected; retry with the same "
+                                "Idempotency-Key.") from None
         finally:
             self.tail.unfollow(f.sub)
         raise AssertionError("unreachable")
@@ -336,15 +338,6 @@ class ChatService:
                                tenant=f.tenant, attachment=f.attachment,
                                grace_s=self.settings.cancel_grace_s)
         self.producer.send(CONTROL, event).add_done_callback(_log_failure)
-
-
-def _turn_in_progress(request_id: str) -> APIError:
-    return APIError(409, f"The session has a turn in progress ({request_id}); wait for it to "
-                    "finish, then send the next message.", code="turn_in_progress")
-
-
-def _key(conversation_id: uuid.UUID) -> bytes:
-    return str(conversation_id).encode()
 
 
 def _log_failure(future: asyncio.Future[Position]) -> None:

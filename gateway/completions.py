@@ -11,10 +11,10 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.chat import Following
 from gateway.edge import idempotency_key
-from gateway.errors import APIError
 from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
 from gateway.openai_api import ChatRequest, parse_chat_request
+from gateway.problems import SessionNotFound
 
 SESSION_HEADER = "X-Session-Id"
 # Seconds a stream may stay blocked on a client that reads nothing before it is dropped.
@@ -25,8 +25,7 @@ def parse_session_id(raw: str) -> uuid.UUID:
     try:
         return uuid.UUID(raw)
     except ValueError:
-        raise APIError(404, f"No session found with id '{raw[:100]}'.",
-                       code="session_not_found", param="session_id") from None
+        raise SessionNotFound(raw) from None
 
 
 def sse_response(events: Any, headers: dict[str, str]) -> EventSourceResponse:

@@ -19,8 +19,9 @@ import logging
 from typing import Any
 
 from gateway import openai_api
-from gateway.errors import APIError
+from gateway.errors import api_error
 from gateway.ids import event_id
+from gateway.problems import GenerationFailure, InvalidLastEventId
 from gateway.tail import Delivered
 from schemas import GenerationFailed, GenerationFinished, GenerationStarted, TokenDelta
 
@@ -38,10 +39,8 @@ def sse(payload: dict[str, Any], delivered: Delivered | None = None) -> dict[str
     return event
 
 
-def failure_error(event: GenerationFailed) -> APIError:
-    if event.code in CLIENT_FAILURES:
-        return APIError(400, event.message, code=event.code)
-    return APIError(502, f"The generation failed: {event.message}", code=event.code)
+def failure(event: GenerationFailed) -> GenerationFailure:
+    return GenerationFailure(event.code, event.message, event.code in CLIENT_FAILURES)
 
 
 class Cursor:
@@ -74,12 +73,10 @@ class Cursor:
             if offset < self.resume_after:
                 return []
             if offset > self.resume_after:
-                raise APIError(400, "Last-Event-ID does not name an event of this stream.",
-                               code="invalid_last_event_id", param="Last-Event-ID")
+                raise InvalidLastEventId()
             if isinstance(item.event, GenerationStarted) and item.event.attempt > 0:
                 # No chunk carries a later attempt's start, so no client holds its id.
-                raise APIError(400, "Last-Event-ID does not name an event of this stream.",
-                               code="invalid_last_event_id", param="Last-Event-ID")
+                raise InvalidLastEventId()
             self.resume_after = None
             self._restore(item)
             return []
@@ -113,4 +110,4 @@ class Cursor:
                 out.append(sse(openai_api.usage_chunk(self.completion_id, self.created,
                                                       self.model, event.usage)))
             return out
-        return [sse(failure_error(event).body(), item)]
+        return [sse(api_error(failure(event)).body(), item)]

@@ -7,6 +7,22 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gateway.problems import (
+    BacklogFull,
+    CompletionNotFound,
+    GenerationFailure,
+    GenerationTimeout,
+    InvalidLastEventId,
+    LogUnavailable,
+    ModelNotFound,
+    OverLimit,
+    Problem,
+    SessionNotFound,
+    StoreLagging,
+    StreamLagging,
+    TurnInProgress,
+)
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -15,6 +31,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 class APIError(Exception):
+    """An HTTP error in OpenAI's shape, raised where HTTP is handled (parsing, headers,
+    auth); the service's own refusals are ``gateway.problems`` (see ``api_error``)."""
+
     def __init__(
         self,
         status: int,
@@ -43,6 +62,48 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error(problem: Problem) -> APIError:
+    """The one place a refusal of the service becomes an HTTP status and body."""
+    message = str(problem)
+    match problem:
+        case SessionNotFound():
+            return APIError(404, message, code="session_not_found", param="session_id")
+        case CompletionNotFound():
+            return APIError(404, message, code="completion_not_found")
+        case ModelNotFound():
+            return APIError(404, message, code="model_not_found", param="model")
+        case OverLimit():
+            code = "too_many_messages" if problem.param == "messages" else "invalid_value"
+            return APIError(400, message, code=code, param=problem.param)
+        case InvalidLastEventId():
+            return APIError(400, message, code="invalid_last_event_id", param="Last-Event-ID")
+        case TurnInProgress():
+            return APIError(409, message, code="turn_in_progress")
+        case LogUnavailable():
+            return APIError(503, message, code="log_unavailable", headers={"Retry-After": "2"})
+        case StoreLagging():
+            return APIError(503, message, code="projection_lagging",
+                            headers={"Retry-After": "2"})
+        case BacklogFull():
+            return APIError(429, message, code="backlog_full",
+                            headers={"Retry-After": str(problem.retry_after_s)})
+        case GenerationTimeout():
+            return APIError(504, message, code="generation_timeout")
+        case StreamLagging():
+            return APIError(503, message, code="stream_lagging")
+        case GenerationFailure():
+            if problem.by_request:
+                return APIError(400, message, code=problem.code)
+            return APIError(502, f"The generation failed: {message}", code=problem.code)
+    return APIError(500, "The server had an error while processing your request.",
+                    code="internal_error")
+
+
+async def problem_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Problem)
+    return api_error(exc).response()
 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 
-from gateway.errors import APIError
+from gateway.problems import BacklogFull
 from pipeline.kafka import GroupStatus
 from pipeline.topics import PROMPTS, WORKERS_GROUP, served_model
 
@@ -36,15 +36,13 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
 
     def admit(self) -> None:
-        """Raise a 429 if the workers' backlog is over the bound."""
+        """Refuse (``BacklogFull``) while the workers' backlog is over the bound."""
         excess = self.backlog - self.max_backlog
         if excess < 0:
             return
         wait = math.ceil((excess + 1) / self.drain_per_s) if self.drain_per_s > 0 else 5
         wait = min(max(wait, 1), 60)
-        raise APIError(429, f"The workers are {self.backlog} prompts behind (bound "
-                       f"{self.max_backlog}); retry after {wait} s.", code="backlog_full",
-                       headers={"Retry-After": str(wait)})
+        raise BacklogFull(self.backlog, self.max_backlog, wait)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="fleet")

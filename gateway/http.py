@@ -11,8 +11,8 @@ from starlette.requests import Request
 from gateway.auth import OPEN, Caller, Guard
 from gateway.chat import ChatService
 from gateway.errors import APIError
+from gateway.settings import GatewaySettings
 from pipeline.kafka import EventProducer
-from pipeline.settings import GatewaySettings
 
 
 @dataclass

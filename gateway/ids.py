@@ -15,7 +15,7 @@ import re
 import secrets
 import uuid
 
-from gateway.errors import APIError
+from gateway.problems import CompletionNotFound, InvalidLastEventId
 
 PREFIX = "chatcmpl-"
 _COMPLETION = re.compile(r"chatcmpl-([0-9a-f]{32})([0-9a-f]{16})")
@@ -37,11 +37,10 @@ def completion_id(conversation_id: uuid.UUID, tenant: str = "", key: str | None 
 
 
 def conversation_of(completion: str) -> uuid.UUID:
-    """The conversation a completion id names; a 404 for anything that is not one."""
+    """The conversation a completion id names (``CompletionNotFound`` for anything else)."""
     match = _COMPLETION.fullmatch(completion)
     if match is None:
-        raise APIError(404, f"No chat completion found with id '{completion[:100]}'.",
-                       code="completion_not_found")
+        raise CompletionNotFound(completion)
     return uuid.UUID(hex=match.group(1))
 
 
@@ -52,6 +51,5 @@ def event_id(partition: int, offset: int) -> str:
 def parse_event_id(raw: str) -> tuple[int, int]:
     match = _EVENT_ID.fullmatch(raw.strip())
     if match is None:
-        raise APIError(400, f"'{raw[:100]}' is not an event id of this stream.",
-                       code="invalid_last_event_id", param="Last-Event-ID")
+        raise InvalidLastEventId(raw)
     return int(match.group(1)), int(match.group(2))

@@ -18,20 +18,15 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from gateway.errors import APIError
+from gateway.problems import StoreLagging
 from gateway.view import ConversationView, Message, TurnState
-from pipeline.codec import DecodeError, decode
+from pipeline.codec import DecodeError, conversation_key, decode
 from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, PROMPTS
 from schemas import Event
 
 TOPICS = CONVERSATION_TOPICS
-
-
-def _lagging() -> APIError:
-    return APIError(503, "The conversation store is too far behind the log; retry shortly.",
-                    code="projection_lagging", headers={"Retry-After": "2"})
 
 
 class ConversationStore:
@@ -47,7 +42,7 @@ class ConversationStore:
         self.max_unprojected = max_unprojected
 
     def partition_of(self, conversation_id: uuid.UUID) -> int:
-        return partition_for(str(conversation_id).encode(), self.partitions)
+        return partition_for(conversation_key(conversation_id), self.partitions)
 
     async def end_of(self, topic: str, partition: int) -> int:
         return (await self.meta.call(self.meta.watermarks_sync, topic, partition))[1]
@@ -59,7 +54,7 @@ class ConversationStore:
                      end: int) -> list[tuple[Record, Event]]:
         """The conversation's events in ``[start, end)`` of its partition of ``topic``
         (records that do not decode are the projector's to dead-letter)."""
-        key = str(conversation_id).encode()
+        key = conversation_key(conversation_id)
         records = await self.reader.call(self.reader.read_range_sync, topic,
                                          self.partition_of(conversation_id), start, end)
         out = []
@@ -77,7 +72,7 @@ class ConversationStore:
         for topic in TOPICS:
             start = positions.get(topic, 0)
             if ends[topic] - start > self.max_unprojected:
-                raise _lagging()
+                raise StoreLagging()
             await self.fold(view, topic, start, ends[topic])
         return view
 
@@ -126,7 +121,7 @@ class ConversationStore:
             if all(done.get(tp, 0) >= end for tp, end in targets.items()):
                 return
             if time.monotonic() > deadline:
-                raise _lagging()
+                raise StoreLagging()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
 

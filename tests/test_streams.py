@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from gateway.cursor import Cursor
-from gateway.errors import APIError
+from gateway.errors import api_error
+from gateway.problems import InvalidLastEventId
 from gateway.tail import Delivered, Overflow, Subscription
 from pipeline.codec import Position
 from pipeline.topics import GENERATIONS
@@ -108,6 +109,6 @@ def test_a_resume_point_that_is_not_in_the_stream_is_refused(
     last: int, log: list[Delivered]
 ) -> None:
     cursor = Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=last)
-    with pytest.raises(APIError) as err:
+    with pytest.raises(InvalidLastEventId) as err:
         sent(cursor, log)
-    assert err.value.status == 400
+    assert api_error(err.value).status == 400

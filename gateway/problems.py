@@ -1,0 +1,81 @@
+"""What the chat service refuses, said without HTTP. ``gateway.errors`` maps each to its
+status and OpenAI-shaped body, in one place, as Starlette maps ``HTTPException``."""
+
+from __future__ import annotations
+
+
+class Problem(Exception):
+    """A request the service cannot serve, and why."""
+
+
+class SessionNotFound(Problem):
+    def __init__(self, session: object) -> None:
+        super().__init__(f"No session found with id '{str(session)[:100]}'.")
+
+
+class CompletionNotFound(Problem):
+    def __init__(self, completion: str) -> None:
+        super().__init__(f"No chat completion found with id '{completion[:100]}'.")
+
+
+class ModelNotFound(Problem):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model[:256]}' does not exist.")
+
+
+class OverLimit(Problem):
+    """A request past a configured limit (``param`` names the field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidLastEventId(Problem):
+    def __init__(self, raw: str | None = None) -> None:
+        super().__init__(f"'{raw[:100]}' is not an event id of this stream." if raw is not None
+                         else "Last-Event-ID does not name an event of this stream.")
+
+
+class TurnInProgress(Problem):
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"The session has a turn in progress ({request_id}); wait for it to "
+                         "finish, then send the next message.")
+        self.request_id = request_id
+
+
+class LogUnavailable(Problem):
+    def __init__(self) -> None:
+        super().__init__("The log is unavailable; the request was not accepted.")
+
+
+class StoreLagging(Problem):
+    def __init__(self) -> None:
+        super().__init__("The conversation store is too far behind the log; retry shortly.")
+
+
+class BacklogFull(Problem):
+    def __init__(self, backlog: int, bound: int, retry_after_s: int) -> None:
+        super().__init__(f"The workers are {backlog} prompts behind (bound {bound}); retry "
+                         f"after {retry_after_s} s.")
+        self.retry_after_s = retry_after_s
+
+
+class GenerationTimeout(Problem):
+    def __init__(self) -> None:
+        super().__init__("The generation did not finish in time.")
+
+
+class StreamLagging(Problem):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class GenerationFailure(Problem):
+    """A turn that ended in ``GenerationFailed``; ``by_request``: the request was at fault
+    (too long for the model, bad sampling parameters), not the service."""
+
+    def __init__(self, code: str, message: str, by_request: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.by_request = by_request
