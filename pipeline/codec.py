@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from schemas import EVENT_ADAPTER, Event
 from schemas.versions import is_current, upcast
+
+# A topic and one of its partitions.
+TP = tuple[str, int]
 
 
 @dataclass(frozen=True, order=True)
@@ -59,5 +63,10 @@ def _summarise(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def conversation_key(conversation_id: uuid.UUID) -> bytes:
+    """The record key of a conversation's events in every chat topic."""
+    return str(conversation_id).encode()
+
+
 def key_of(event: Event) -> bytes:
-    return str(event.conversation_id).encode()
+    return conversation_key(event.conversation_id)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -29,10 +30,15 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
 
-from pipeline.codec import Position, encode, key_of
+# NewTopic's documented home is confluent_kafka.admin, which re-exports it from the private
+# cimpl module without marking the re-export (strict mypy wants that marked).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    NewTopic,
+)
+
+from pipeline.codec import TP, Position, encode, key_of
 from pipeline.topics import TopicSpec
 from schemas import Event
 
@@ -101,12 +107,27 @@ class EventProducer:
         self._producer = Producer({**_producer_config(bootstrap, linger_ms),
                                    "error_cb": _log_client_error})
         self._stop = threading.Event()
+        # Records the local queue had no room for, in order; the poll thread produces them
+        # as deliveries make room, so no caller (an event loop) ever waits for it.
+        self._overflow: collections.deque[dict[str, Any]] = collections.deque()
+        self._overflow_lock = threading.Lock()
         self._thread = threading.Thread(target=self._poll, name="kafka-producer-poll", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            self._producer.poll(0.05)
+            self._producer.poll(0.01 if self._overflow else 0.05)
+            if self._overflow:
+                self._drain_overflow()
+
+    def _drain_overflow(self) -> None:
+        with self._overflow_lock:
+            while self._overflow:
+                try:
+                    self._producer.produce(**self._overflow[0])
+                except BufferError:
+                    return
+                self._overflow.popleft()
 
     def send(self, topic: str, event: Event) -> asyncio.Future[Position]:
         return self.send_raw(topic, key_of(event), encode(event))
@@ -116,13 +137,16 @@ class EventProducer:
         self._produce(topic, value=encode(event), key=key_of(event))
 
     def _produce(self, topic: str, **record: Any) -> None:
-        while True:
-            try:
-                self._producer.produce(topic, **record)
-                return
-            except BufferError:
-                # The local queue is full: wait for deliveries rather than drop the record.
-                self._producer.poll(0.01)
+        """Hand the record to librdkafka; if its queue is full, to the overflow (never
+        dropped, never waited for here)."""
+        with self._overflow_lock:
+            if not self._overflow:
+                try:
+                    self._producer.produce(topic, **record)
+                    return
+                except BufferError:
+                    pass
+            self._overflow.append({"topic": topic, **record})
 
     def send_raw(
         self,
@@ -145,7 +169,11 @@ class EventProducer:
         return future
 
     def flush(self, timeout: float = 30.0) -> int:
-        return int(self._producer.flush(timeout))
+        deadline = time.monotonic() + timeout
+        while self._overflow and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return int(self._producer.flush(max(deadline - time.monotonic(), 0))) + len(
+            self._overflow)
 
     def close(self) -> None:
         remaining = self.flush()
@@ -193,7 +221,6 @@ def _resolve(future: asyncio.Future[Position], result: Position | BaseException)
         future.set_result(result)
 
 
-TP = tuple[str, int]
 
 # Errors with which the group coordinator refuses a transaction's offsets (KIP-447):
 # this member's generation is over, its partitions are (or are about to be) elsewhere.

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.codec import DecodeError, Position, decode
+from pipeline.codec import DecodeError, Position, conversation_key, decode
 from pipeline.kafka import AsyncConsumer
 from pipeline.partitioning import partition_for
 from pipeline.topics import CONVERSATION_TOPICS, PROMPTS
@@ -35,7 +35,7 @@ def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID) -> list[En
     """Every record keyed by the conversation, from every topic it lives in (runs on the
     consumer thread). A conversation lives in one partition of each topic, so only those
     are read."""
-    key = str(conversation_id).encode()
+    key = conversation_key(conversation_id)
     partitions = len(consumer.partitions_sync(PROMPTS))
     p = partition_for(key, partitions)
     ends = consumer.assign_partitions_sync([(t, p) for t in CONVERSATION_TOPICS])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.codec import DecodeError, decode
+from pipeline.codec import TP, DecodeError, decode
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import (
     BEGINNING,
@@ -28,14 +28,13 @@ from pipeline.kafka import (
     Record,
 )
 from pipeline.retry import Backoff, QuietLog
-from pipeline.settings import ProjectorSettings
 from pipeline.topics import CONVERSATION_TOPICS
 from projections.projection import Write, project
+from projections.settings import ProjectorSettings
 from schemas import Event, PromptSubmitted
 from schemas.conversation import TurnLedger, Verdict
 
 log = logging.getLogger(__name__)
-TP = tuple[str, int]
 # SQLSTATE classes an event's content can cause: data exceptions (22: a number out of
 # range, text Postgres cannot hold), integrity violations (23) and program limits (54: an
 # index row too large, JSON nested too deep). Such an event is dead-lettered. Any other

@@ -193,7 +193,3 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 # What chat.generations carries.
 GenerationEvent = GenerationStarted | TokenDelta | GenerationFinished | GenerationFailed
-# What chat.prompts carries besides prompts: facts about a turn or a session.
-ControlEvent = (
-    GenerationCancelled | ClientDetached | ClientAttached | SessionCreated | SessionDeleted
-)

@@ -187,3 +187,33 @@ def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
     assert isinstance(upcast, PromptSubmitted) and (upcast.v, upcast.history_end) == (2, None)
     with pytest.raises(DecodeError):
         decode(b'{"type":"PromptSubmitted","v":1}')
+
+
+# -- what a worker does with a prompt -------------------------------------------------------
+def test_a_prompt_is_skipped_ended_or_run_and_a_resumed_turn_carries_on() -> None:
+    from schemas import TokenDelta
+    from workers.plan import Action, plan_start, stop_at
+    from workers.recovery import Recovered
+
+    p = prompt("r", None)
+    book = ControlBook()
+    assert plan_start(p, None, True, book, NOW).action is Action.SKIP  # runs here already
+    assert plan_start(p, Recovered(ended=True), False, book, NOW).action is Action.SKIP
+    fresh = plan_start(p, None, False, book, NOW)
+    assert fresh.action is Action.RUN and fresh.progress.attempt == 0
+    earlier = Recovered(attempt=1, deltas={
+        i: TokenDelta(conversation_id=CONV, request_id="r", seq=i, text=t, token_ids=(i,))
+        for i, t in enumerate(["a", "b"])})
+    resumed = plan_start(p, earlier, False, book, NOW)
+    assert (resumed.action, resumed.progress.attempt, resumed.progress.parts,
+            resumed.progress.token_ids) == (Action.RUN, 2, ["a", "b"], [0, 1])
+    book.apply(GenerationCancelled(conversation_id=CONV, request_id="r"))
+    ended = plan_start(p, earlier, False, book, NOW)
+    assert (ended.action, ended.progress.parts) == (Action.END, ["a", "b"])
+
+    book = ControlBook()
+    assert stop_at(book, p) is None
+    book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
+                              grace_s=5, occurred_at=NOW))
+    assert stop_at(book, p) == NOW + timedelta(seconds=5)
+    assert stop_at(book, prompt("r", None, background=True)) is None

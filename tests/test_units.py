@@ -26,10 +26,10 @@ from schemas import (
     Usage,
 )
 from workers.engine import EngineRequest
+from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
 from workers.recovery import Recovered, fold, from_log
 from workers.sim_engine import SimEngine, sim_token_text
-from workers.vllm_engine import AUTOGROUP_SWITCH, lower_session_priority
 
 CONV = uuid.uuid4()
 

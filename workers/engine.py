@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from schemas import ChatMessage, SamplingParams
@@ -26,7 +26,6 @@ class EngineOutput:
     token_ids: tuple[int, ...]
     prompt_tokens: int
     finish_reason: str | None = None  # set on the last output: stop | length | abort
-    stop_reason: str | int | None = field(default=None)
 
 
 class EngineRejected(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-TopicPartition = tuple[str, int]
+from pipeline.codec import TP
 
 
 class OffsetTracker:
@@ -17,26 +17,26 @@ class OffsetTracker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._in_flight: dict[TopicPartition, set[int]] = {}
-        self._next: dict[TopicPartition, int] = {}
-        self._committed: dict[TopicPartition, int] = {}
+        self._in_flight: dict[TP, set[int]] = {}
+        self._next: dict[TP, int] = {}
+        self._committed: dict[TP, int] = {}
 
-    def start(self, tp: TopicPartition, offset: int) -> None:
+    def start(self, tp: TP, offset: int) -> None:
         """A partition just assigned, read from ``offset`` on."""
         with self._lock:
             self._next.setdefault(tp, offset)
             self._committed.setdefault(tp, offset)
 
-    def taken(self, tp: TopicPartition, offset: int) -> None:
+    def taken(self, tp: TP, offset: int) -> None:
         with self._lock:
             self._in_flight.setdefault(tp, set()).add(offset)
             self._next[tp] = max(self._next.get(tp, 0), offset + 1)
 
-    def done(self, tp: TopicPartition, offset: int) -> None:
+    def done(self, tp: TP, offset: int) -> None:
         with self._lock:
             self._in_flight.get(tp, set()).discard(offset)
 
-    def committable(self) -> dict[TopicPartition, int]:
+    def committable(self) -> dict[TP, int]:
         """Safe positions that moved since the last ``mark_committed``."""
         out = {}
         with self._lock:
@@ -47,20 +47,20 @@ class OffsetTracker:
                     out[tp] = safe
         return out
 
-    def positions(self) -> dict[TopicPartition, int]:
+    def positions(self) -> dict[TP, int]:
         """The safe position of every partition (moved or not): what a transaction
         commits, so the broker checks this worker still owns them."""
         with self._lock:
             return {tp: min(self._in_flight[tp]) if self._in_flight.get(tp) else nxt
                     for tp, nxt in self._next.items()}
 
-    def mark_committed(self, positions: dict[TopicPartition, int]) -> None:
+    def mark_committed(self, positions: dict[TP, int]) -> None:
         with self._lock:
             for tp, offset in positions.items():
                 if tp in self._next:
                     self._committed[tp] = offset
 
-    def forget(self, tps: list[TopicPartition]) -> None:
+    def forget(self, tps: list[TP]) -> None:
         """Drop partitions this worker no longer owns."""
         with self._lock:
             for tp in tps:

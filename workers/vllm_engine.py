@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -10,8 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.settings import WorkerSettings
 from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
+from workers.host import (
+    lower_engine_priority,
+    lower_session_priority,
+    move_off_engine_cores,
+    set_affinity,
+)
+from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_SEQS = 32
@@ -42,8 +48,6 @@ class SchedulerView:
     """The latest scheduler figures vLLM reported (filled by ``_StatsTap``)."""
 
     kv_cache_usage: float | None = None
-    running: int = 0
-    waiting: int = 0
 
 
 def _stats_tap(view: SchedulerView) -> Any:
@@ -58,94 +62,11 @@ def _stats_tap(view: SchedulerView) -> Any:
                    mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
                 view.kv_cache_usage = scheduler_stats.kv_cache_usage
-                view.running = scheduler_stats.num_running_reqs
-                view.waiting = scheduler_stats.num_waiting_reqs
 
         def log_engine_initialized(self) -> None:
             pass
 
     return _StatsTap
-
-
-def _engine_processes(root: int) -> list[tuple[int, str]]:
-    """(pid, name) of each vLLM engine process (named ``VLLM::...``, API servers
-    aside) under process ``root``."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat.read_text()
-            name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:]
-            children.setdefault(int(rest.split()[1]), []).append((int(stat.parent.name), name))
-    found = []
-    todo = [root]
-    while todo:
-        for pid, name in children.get(todo.pop(), []):
-            todo.append(pid)
-            if name.startswith("VLLM::") and not name.startswith("VLLM::APIServer"):
-                found.append((pid, name))
-    return found
-
-
-def _threads(pid: int) -> list[int]:
-    return [int(task.name) for task in Path(f"/proc/{pid}/task").glob("*")]
-
-
-def lower_engine_priority(root: int, nice: int) -> int:
-    """Give every thread of each vLLM engine process under process ``root`` a nice
-    value of at least ``nice``; return how many threads changed. Threads they start
-    later inherit it. Calling it again changes nothing."""
-    changed = 0
-    for pid, _ in _engine_processes(root):
-        for tid in _threads(pid):
-            with contextlib.suppress(OSError):
-                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
-                    changed += 1
-    return changed
-
-
-AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
-
-
-def lower_session_priority(pid: int, nice: int) -> bool:
-    """Give the session that process ``pid`` leads the nice value ``nice``, when the
-    kernel schedules by session (autogroup); return whether it did.
-
-    With autogroup on (many distributions' kernels, and this machine), the CPU is
-    first shared equally between sessions, and a thread's nice ranks it only within
-    its own: engine threads at nice 10 then still take half of a contended core from
-    the broker, the gateway or PostgreSQL in other sessions. (Measured here, a worker
-    serving vLLM at 8 clients, four runs each: a plain Kafka round trip from another
-    process had a p99 of 71-132 ms, at most 208 ms; with the worker's session at nice
-    10, 1.3-4.6 ms and at most 13 ms.) Only a process that leads a session of its own
-    (as a supervisor, ``pipeline demo``, the bench and the tests start it) is changed:
-    a worker run from a terminal shares that terminal's session, which is left alone."""
-    try:
-        if AUTOGROUP_SWITCH.read_text().strip() != "1" or os.getsid(pid) != pid:
-            return False
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-    except OSError:
-        return False
-    return True
-
-
-def move_off_engine_cores(pid: int) -> set[int]:
-    """Move every thread of process ``pid`` off the cores that its vLLM model
-    processes are bound to (vLLM's CPU backend binds its OpenMP compute threads to
-    cores of their own and leaves the rest for the serving process). Returns the
-    cores ``pid`` keeps, or an empty set when nothing was moved (no binding, or no
-    core would be left). Threads started later inherit it."""
-    engine: set[int] = set()
-    for child, name in _engine_processes(pid):
-        if name.startswith("VLLM::Worker"):
-            with contextlib.suppress(OSError):
-                engine |= os.sched_getaffinity(child)
-    ours = os.sched_getaffinity(pid)
-    rest = ours - engine
-    if not engine or not rest or rest == ours:
-        return set()
-    set_affinity(pid, rest)
-    return rest
 
 
 def _on_cpu() -> bool:
@@ -166,13 +87,6 @@ def isolate_engine_cores(settings: WorkerSettings) -> bool:
     if settings.isolate_engine_cores is not None:
         return settings.isolate_engine_cores
     return _on_cpu()
-
-
-def set_affinity(pid: int, cores: set[int]) -> None:
-    """Every thread of process ``pid`` on ``cores``."""
-    for tid in _threads(pid):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, cores)
 
 
 class VllmEngine:
@@ -263,7 +177,9 @@ class VllmEngine:
         from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        prompt_ids = self._prompt_ids(request)
+        # The chat template and the tokenizer take milliseconds for long prompts: off the
+        # event loop, which serves every other turn's tokens meanwhile.
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
         done = len(request.prefix_token_ids)
         params = self._sampling(request, len(prompt_ids) + done, done)
         prompt_ids += request.prefix_token_ids
@@ -277,7 +193,6 @@ class VllmEngine:
                     token_ids=tuple(completion.token_ids),
                     prompt_tokens=len(prompt_ids),
                     finish_reason=completion.finish_reason if out.finished else None,
-                    stop_reason=completion.stop_reason,
                 )
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.codec import DecodeError, decode
+from pipeline.codec import TP, DecodeError, decode
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import (
     QUICK_ASSIGN,
@@ -75,10 +75,10 @@ from workers.coalescer import Coalescer
 from workers.control import ControlBook
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.offsets import OffsetTracker
+from workers.plan import Action, Progress, plan_start, stop_at
 from workers.recovery import Recovered, from_log
 
 log = logging.getLogger(__name__)
-TP = tuple[str, int]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Turns that ended here, remembered so a re-submitted prompt (an idempotent retry
 # racing its original) is not run twice.
@@ -155,21 +155,6 @@ class Waiting:
     prompt: PromptSubmitted
     tp: TP
     offset: int
-
-
-@dataclass
-class Progress:
-    """A turn's generation so far, including what earlier attempts emitted."""
-
-    attempt: int = 0
-    parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-    @classmethod
-    def resumed(cls, rec: Recovered) -> Progress:
-        emitted = rec.emitted()
-        return cls(rec.attempt + 1, [d.text for d in emitted],
-                   [t for d in emitted for t in d.token_ids])
 
 
 @dataclass
@@ -462,17 +447,15 @@ class Worker:
             return
         self._arm_grace(flight)
 
-    def _arm_grace(self, flight: InFlight, stop_at: datetime | None = None) -> None:
+    def _arm_grace(self, flight: InFlight) -> None:
         """Stop the turn when its grace ends, unless a client follows it again."""
-        control = self.book.turn(flight.prompt.request_id)
-        since = control.abandoned_since
-        if since is None or flight.prompt.background:
+        deadline = stop_at(self.book, flight.prompt)
+        if deadline is None:
             if flight.grace is not None:
                 flight.grace.cancel()
                 flight.grace = None
-            return
-        if flight.grace is None:
-            left = control.grace_s - (datetime.now(UTC) - since).total_seconds()
+        elif flight.grace is None:
+            left = (deadline - datetime.now(UTC)).total_seconds()
             flight.grace = asyncio.create_task(self._cancel(flight, after_s=max(left, 0.0)))
 
     def _start_waiting(self) -> None:
@@ -483,23 +466,22 @@ class Worker:
     def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> None:
         assert self.writer is not None
         rid = prompt.request_id
-        rec = self.recovered.pop(rid, None)
-        if (rec is not None and rec.ended) or rid in self.ended or rid in self.in_flight:
-            # It ended before its offset was committed, or it is a re-submission of a
-            # turn that ended or is running here: either way, not run twice.
+        plan = plan_start(prompt, self.recovered.pop(rid, None),
+                          rid in self.ended or rid in self.in_flight, self.book,
+                          datetime.now(UTC))
+        epoch = self.writer.epoch
+        if plan.action is Action.SKIP:  # never run twice
             self._done(tp, offset)
             return
-        progress = Progress.resumed(rec) if rec is not None else Progress()
-        decision = self.book.decide(prompt, datetime.now(UTC))
-        epoch = self.writer.epoch
-        if not decision.start:
-            log.info("not starting %s: %s", rid, decision.reason)
+        if plan.action is Action.END:
+            log.info("not starting %s: %s", rid, plan.reason)
             self.metrics.unstarted.inc()
-            task = asyncio.create_task(self._end_unstarted(prompt, tp, offset, progress, epoch))
+            task = asyncio.create_task(self._end_unstarted(prompt, tp, offset, plan.progress,
+                                                           epoch))
         else:
-            task = asyncio.create_task(self._generate(prompt, tp, offset, progress, epoch))
+            task = asyncio.create_task(self._generate(prompt, tp, offset, plan.progress, epoch))
         flight = self.in_flight[rid] = InFlight(tp, task, prompt)
-        if decision.start:
+        if plan.action is Action.RUN:
             self._arm_grace(flight)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
         self.metrics.in_flight_peak.set(self.peak_in_flight)
