@@ -100,7 +100,7 @@ def start_service(stack: Stack, name: str, *args: str, **env: str) -> Service:
     with open(log, "wb") as out:
         # Its own process group: a crash test kills the service with all its children,
         # as a container runtime or systemd does.
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "launch", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=stack.env(**env),
                                 start_new_session=True)
     return Service(name, proc, log)

@@ -44,6 +44,7 @@ from projections.migrate import migrate
 from projections.projector import caused_by_event
 from schemas import (
     ChatMessage,
+    ClientDetached,
     GenerationCancelled,
     GenerationFinished,
     GenerationStarted,
@@ -233,7 +234,8 @@ def test_the_projector_waits_out_a_database_restart(acc: Accepting, tmp_path: Pa
         own.stop()
         sessions = [httpx.post(f"{acc.url}/v1/chat/completions", json=acc.chat(f"down {i}"),
                                timeout=60).headers["x-session-id"] for i in range(3)]
-        time.sleep(3)  # the projector meets the missing database meanwhile
+        wait_for(lambda: scrape(f"http://127.0.0.1:{metrics}/metrics").get(
+            "projector_retries_total", 0) >= 2, 30, "the projector to meet the missing database")
         assert projector.proc.poll() is None, projector.tail()
         own.start()
         own_pipeline.wait_projected(timeout=60)
@@ -243,7 +245,7 @@ def test_the_projector_waits_out_a_database_restart(acc: Accepting, tmp_path: Pa
         for i, session in enumerate(sessions):
             assert stored(own.url, session) == [("user", f"down {i}"), ("assistant", expected(3))]
         schema = f"replay_{uuid.uuid4().hex[:8]}"
-        replayed = subprocess.run([sys.executable, "-m", "pipeline", "replay",
+        replayed = subprocess.run([sys.executable, "-m", "launch", "replay",
                                    "--from-beginning", "--schema", schema], env=stack.env(),
                                   capture_output=True, text=True, timeout=300)
         assert replayed.returncode == 0, replayed.stderr
@@ -387,7 +389,12 @@ def test_a_full_worker_hears_cancels_and_queued_turns_never_start(acc: Accepting
     wait_for(lambda: running() == SEQS, 10, "the worker to fill up")
     with ThreadPoolExecutor(8) as pool:
         queued = list(pool.map(lambda i: open_and_leave(i, i % 2 == 0), range(SEQS, 40)))
-    time.sleep(GRACE_S + 0.5)  # every hung-up client's grace is over
+    # Every hung-up client's grace is over (their leaving is in the log, with its time).
+    def left_at() -> list[float]:
+        return [e.occurred_at.timestamp() for _, e in read_events(acc.stack.bootstrap, CONTROL)
+                if isinstance(e, ClientDetached) and e.request_id in queued[1::2]]
+    wait_for(lambda: len(left_at()) == len(queued[1::2]), 10, "the clients' leaving")
+    time.sleep(max(max(left_at()) + GRACE_S + 0.2 - time.time(), 0))
     assert running() == SEQS  # still full: nothing queued got a slot
     for rid in queued[::2] + first:  # the queued first: a slot freed would start them
         r = httpx.post(f"{acc.second}/v1/chat/completions/{rid}/cancel", timeout=30)
@@ -438,7 +445,7 @@ def test_an_event_with_an_unknown_field_is_served_stored_and_audited(acc: Accept
     acc.wait_projected()
     assert stored(acc.stack.database_url, str(conversation)) == [
         ("user", "from the future"), ("assistant", expected(3))]
-    audit = subprocess.run([sys.executable, "-m", "pipeline", "audit", str(conversation),
+    audit = subprocess.run([sys.executable, "-m", "launch", "audit", str(conversation),
                             "--json"], capture_output=True, text=True, env=acc.stack.env(),
                            timeout=120)
     assert audit.returncode == 0, audit.stderr

@@ -12,7 +12,7 @@ from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import GenerationFinished, GenerationStarted, PromptSubmitted, TokenDelta
 from tests.conftest import MODEL, Pipeline
 from tests.logread import read_events
-from tests.sse import resume_chat, stream_chat
+from tests.sse import resume_chat, scrape, stream_chat
 
 pytestmark = pytest.mark.integration
 
@@ -137,6 +137,12 @@ def test_metrics_and_health(pipeline: Pipeline) -> None:
     accepted = next(line for line in body.splitlines()
                     if line.startswith("gateway_turns_accepted_total"))
     assert float(accepted.split()[1]) >= 1
+    worker = scrape(pipeline.worker_metrics)  # the vLLM worker's own
+    assert worker["worker_generated_tokens_total"] > 0
+    assert 'worker_model_info{model="tiny-random-llama"}' in worker
+    for gauge in ("worker_kv_cache_usage", "worker_batch_utilisation", "worker_transactions",
+                  "worker_in_flight_peak", "worker_assigned_partitions"):
+        assert gauge in worker, gauge
 
 
 def test_vllm_stream_resumes_after_a_disconnect(pipeline: Pipeline) -> None:

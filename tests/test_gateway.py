@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +25,15 @@ import pytest
 
 from gateway.view import ConversationView
 from infra.process import free_port
-from pipeline.topics import CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, PROMPTS
-from schemas import GenerationFinished, GenerationStarted, PromptSubmitted
+from pipeline.codec import Position
+from pipeline.topics import CONTROL, CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, PROMPTS
+from schemas import (
+    ClientDetached,
+    Event,
+    GenerationFinished,
+    GenerationStarted,
+    PromptSubmitted,
+)
 from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
 from tests.logread import end_offsets, read_events, read_records
 from tests.sse import resume_chat, scrape, stream_chat
@@ -94,6 +101,15 @@ def wait_status(url: str, completion_id: str, wanted: set[str], timeout: float) 
     return status
 
 
+def wait_logged(g: Gateways, topic: str, found: Callable[[Position, Event], bool], what: str,
+                timeout: float = 10) -> None:
+    """Until the log holds an event ``found`` accepts."""
+    deadline = time.monotonic() + timeout
+    while not any(found(pos, e) for pos, e in read_events(g.stack.bootstrap, topic)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
 def positions(ids: list[str]) -> list[tuple[int, int]]:
     return [(int(p), int(o)) for p, o in (i.split("-") for i in ids)]
 
@@ -103,7 +119,10 @@ def test_stream_resumes_on_another_gateway_exactly(gw: Gateways) -> None:
     first = stream_chat(gw.url, chat("resume me", 60), stop_after=10)
     # (a chunk may hold several tokens: the gateway merges deltas while a reader lags)
     assert not first.done and first.text and expected(60).startswith(first.text)
-    time.sleep(0.5)  # the turn goes on meanwhile; the client comes back within the grace
+    # The turn goes on meanwhile (the client comes back within the grace).
+    last = positions([first.last_id])[0][1]
+    wait_logged(gw, GENERATIONS, lambda pos, e: e.request_id == first.request_id
+                and pos.offset > last, "the turn to go on without its client")
     rest = resume_chat(gw.second, first.request_id, first.last_id)
     assert rest.done and rest.finish_reason == "length", rest.error
     assert first.text + rest.text == expected(60)  # no gap, no duplicate
@@ -167,7 +186,8 @@ def test_bad_last_event_ids_are_400s(gw: Gateways) -> None:
 # -- cancellation: grace period, re-attach, background ----------------------------
 def test_client_gone_past_the_grace_period_stops_the_turn(gw: Gateways) -> None:
     gone = stream_chat(gw.url, chat("leave", 400), stop_after=3)
-    time.sleep(GRACE_S / 2)
+    wait_logged(gw, CONTROL, lambda _, e: isinstance(e, ClientDetached)
+                and e.request_id == gone.request_id, "the client's leaving to be logged")
     assert turn_status(gw.second, gone.request_id) == "running"  # still within the grace
     assert wait_status(gw.second, gone.request_id, {"cancelled", "finished"},
                        GRACE_S + 10) == "cancelled"
@@ -175,7 +195,8 @@ def test_client_gone_past_the_grace_period_stops_the_turn(gw: Gateways) -> None:
 
 def test_reattaching_within_the_grace_period_keeps_the_turn(gw: Gateways) -> None:
     first = stream_chat(gw.url, chat("come back", 4 * GRACE_S * RATE), stop_after=3)
-    time.sleep(GRACE_S / 2)
+    wait_logged(gw, CONTROL, lambda _, e: isinstance(e, ClientDetached)
+                and e.request_id == first.request_id, "the client's leaving to be logged")
     rest = resume_chat(gw.second, first.request_id, first.last_id)
     assert rest.done and first.text + rest.text == expected(4 * GRACE_S * RATE)
     assert turn_status(gw.url, first.request_id) == "finished"

@@ -21,7 +21,7 @@ from infra.process import free_port
 from pipeline.codec import encode
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
 from schemas import GenerationFinished, Usage
-from tests.conftest import MODEL, Pipeline, Service, start_service
+from tests.conftest import MODEL, Pipeline, Service, Stack, start_service
 from tests.logread import read_records
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def snapshot(database_url: str, schema: str) -> dict[str, list[tuple]]:
 
 
 def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True,
                           text=True, env=pipeline.stack.env(), timeout=300)
 
 
@@ -226,3 +226,97 @@ def test_projection_lag_is_exposed_as_metrics(pipeline: Pipeline) -> None:
         assert "projector_batch_seconds_count" in body
     finally:
         extra.stop()
+
+
+def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None:
+    """The same events, fed to the gateway's read model and to the projection (into an
+    empty schema of the real PostgreSQL): titles, stored text, turn statuses, void
+    prompts, deletion and another tenant's event come out the same."""
+    import asyncio
+
+    from gateway.view import ConversationView
+    from pipeline.codec import Position
+    from pipeline.kafka import Record
+    from projections.migrate import in_schema, migrate
+    from projections.projector import apply_batch
+    from schemas import (
+        ChatMessage,
+        GenerationFailed,
+        GenerationStarted,
+        PromptSubmitted,
+        SessionCreated,
+        SessionDeleted,
+    )
+
+    a, b, c, gone = uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+
+    def prompt(conv: uuid.UUID, rid: str, texts: list[str], history_end: int | None,
+               history: int = 0, tenant: str = "default") -> PromptSubmitted:
+        return PromptSubmitted(conversation_id=conv, request_id=rid, model=MODEL,
+                               tenant=tenant, history_len=history, history_end=history_end,
+                               messages=tuple(ChatMessage(role="user", content=t)
+                                              for t in texts))
+
+    def finished(conv: uuid.UUID, rid: str, reply_seq: int, text: str,
+                 reason: str = "stop") -> GenerationFinished:
+        return GenerationFinished(conversation_id=conv, request_id=rid, model=MODEL,
+                                  reply_seq=reply_seq, finish_reason=reason, text=text,  # type: ignore[arg-type]
+                                  usage=Usage(prompt_tokens=1, completion_tokens=1),
+                                  deltas=1, duration_ms=1)
+
+    prompts = [  # chat.prompts, offsets 0..
+        prompt(a, "a1", ["  first\x00  message  "], None),
+        prompt(a, "a2", ["first\x00  message", "racing"], 1, history=1),
+        prompt(a, "a3", ["first\x00  message", "too late"], 1, history=1),  # void
+        prompt(a, "a9", ["intruder"], None, tenant="mallory"),
+        prompt(b, "b1", ["b's"], None),
+        prompt(gone, "g1", ["to go"], None),
+    ]
+    control = [SessionCreated(conversation_id=b, request_id="sb", title="  b\x00 title  "),
+               SessionCreated(conversation_id=c, request_id="sc", title="  c\x00   title  "),
+               SessionDeleted(conversation_id=gone, request_id="dg")]
+    generations = [
+        GenerationStarted(conversation_id=a, request_id="a1", model=MODEL, worker="w",
+                          reply_seq=1, prompt_tokens=1),
+        finished(a, "a1", 1, "reply\x00 one"),
+        finished(a, "a2", 3, "", reason="abort"),
+        GenerationFailed(conversation_id=b, request_id="b1", code="engine_dead", message="x"),
+        finished(gone, "g1", 1, "lost"),
+    ]
+    logs = {PROMPTS: prompts, "chat.control": control, GENERATIONS: generations}
+    views = {conv: ConversationView(conv) for conv in (a, b, c, gone)}
+    records = []
+    for topic, events in logs.items():
+        for offset, event in enumerate(events):
+            views[event.conversation_id].apply(event, offset)
+            records.append(Record(Position(topic, 0, offset), None, encode(event), 0))
+
+    schema = f"rules_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    url = in_schema(stack.database_url, schema)
+    migrate(stack.database_url, schema=schema)
+
+    async def project_all() -> None:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await apply_batch(conn, records)
+
+    asyncio.run(project_all())
+    with psycopg.connect(url) as conn:
+        stored_titles = dict(conn.execute("SELECT id, title FROM conversations").fetchall())
+        stored_messages = conn.execute("SELECT conversation_id, seq, role, content FROM messages"
+                                       " ORDER BY 1, 2").fetchall()
+        stored_statuses = dict(conn.execute("SELECT request_id, status FROM generations"))
+        deleted = {c for (c,) in conn.execute("SELECT id FROM conversations WHERE deleted")}
+    assert {conv: v.title for conv, v in views.items()} == stored_titles
+    assert sorted((conv, seq, m.role, m.content) for conv, v in views.items()
+                  for seq, m in v.messages.items()) == stored_messages
+    assert {r: t.status for v in views.values() for r, t in v.turns.items()} == stored_statuses
+    assert {conv for conv, v in views.items() if v.deleted} == deleted == {gone}
+    # What the rules say, spelled out (the first title a session gets is kept):
+    assert stored_titles[a] == "first\ufffd message" and stored_titles[b] == "b's"
+    assert stored_titles[c] == "c\ufffd title"
+    assert "a3" not in stored_statuses and views[a].void == {"a3": "a2"}  # void: no trace
+    assert "a9" not in stored_statuses  # another tenant's turn changes nothing
+    assert stored_statuses == {"a1": "finished", "a2": "cancelled", "b1": "failed",
+                               "g1": "finished"}

@@ -44,7 +44,7 @@ class Secured:
         return self.stack.env()
 
     def key(self, tenant: str, *limits: str) -> str:
-        made = subprocess.run([sys.executable, "-m", "pipeline", "keys", "create",
+        made = subprocess.run([sys.executable, "-m", "launch", "keys", "create",
                                "--tenant", tenant, *limits], env=self.env(),
                               capture_output=True, text=True, timeout=60)
         assert made.returncode == 0, made.stderr
@@ -89,7 +89,11 @@ def secured(sim_stack: Stack) -> Iterator[Secured]:
 def test_requests_without_a_valid_key_are_refused(secured: Secured) -> None:
     alice = secured.key("alice", "--name", "alice's laptop")
     key_id = alice[3:].split(".")[0]
-    time.sleep(2.5)  # the gateway notices within its cache period that a key exists
+    # The gateway notices within its cache period that a key exists.
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{secured.url}/v1/models", timeout=30).status_code != 401:
+        assert time.monotonic() < deadline, "the gateway never required the key"
+        time.sleep(0.1)
     before = end_offsets(secured.stack.bootstrap, PROMPTS)
     wrong_secret = alice[:-4] + ("AAAA" if not alice.endswith("AAAA") else "BBBB")
     for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Basic YWxpY2U6eA=="},
@@ -107,7 +111,7 @@ def test_requests_without_a_valid_key_are_refused(secured: Secured) -> None:
     assert httpx.get(f"{secured.url}/health").status_code == 200
     ok = httpx.get(f"{secured.url}/v1/models", headers=bearer(alice), timeout=30)
     assert ok.status_code == 200
-    listed = subprocess.run([sys.executable, "-m", "pipeline", "keys", "list"],
+    listed = subprocess.run([sys.executable, "-m", "launch", "keys", "list"],
                             env=secured.env(), capture_output=True, text=True, timeout=60)
     assert key_id in listed.stdout and alice.split(".")[1] not in listed.stdout
 
@@ -176,7 +180,7 @@ def test_a_revoked_key_is_refused(secured: Secured) -> None:
     assert httpx.get(f"{secured.url}/v1/sessions", headers=bearer(carol),
                      timeout=30).status_code == 200
     key_id = carol[3:].split(".")[0]
-    revoked = subprocess.run([sys.executable, "-m", "pipeline", "keys", "revoke", key_id],
+    revoked = subprocess.run([sys.executable, "-m", "launch", "keys", "revoke", key_id],
                              env=secured.env(), capture_output=True, text=True, timeout=60)
     assert revoked.returncode == 0, revoked.stderr
     deadline = time.monotonic() + 10

@@ -1,0 +1,58 @@
+"""The import rules, checked on every module (imports inside functions too):
+
+    schemas <- pipeline <- {gateway, workers, projections}      the apps never import each other
+    infra: starting Kafka and PostgreSQL, imports nothing else of ours
+    bench: may import anything; only the command (launch) imports it
+    launch: the composition root; nothing imports it
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from pipeline.settings import REPO_ROOT
+
+PACKAGES = ("schemas", "pipeline", "gateway", "workers", "projections", "infra", "bench",
+            "launch")
+ALLOWED = {
+    "schemas": {"schemas"},
+    "pipeline": {"schemas", "pipeline"},
+    "gateway": {"schemas", "pipeline", "gateway"},
+    "workers": {"schemas", "pipeline", "workers"},
+    "projections": {"schemas", "pipeline", "projections"},
+    "infra": {"infra"},
+    "bench": set(PACKAGES) - {"launch"},
+    "launch": set(PACKAGES),
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found & set(PACKAGES)
+
+
+def test_every_module_keeps_to_its_layer() -> None:
+    broken = []
+    for package in PACKAGES:
+        modules = sorted((REPO_ROOT / package).rglob("*.py"))
+        assert modules, package
+        for module in modules:
+            for imported in sorted(imported_packages(module) - ALLOWED[package]):
+                broken.append(f"{module.relative_to(REPO_ROOT)} imports {imported}")
+    assert broken == []
+
+
+def test_the_tree_is_the_readmes_layout_table() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    table = readme.split("## Layout", 1)[1]
+    listed = {line.split("`")[1].rstrip("/") for line in table.splitlines()
+              if line.startswith("| `")}
+    folders = {p.name for p in REPO_ROOT.iterdir()
+               if (p.is_dir() and (p / "__init__.py").exists()) or p.name == "tests"}
+    assert listed == folders | {"docs"}
