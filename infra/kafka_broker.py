@@ -1,7 +1,9 @@
-"""A real Apache Kafka broker in KRaft mode (one combined broker+controller node) on 127.0.0.1.
+"""Real Apache Kafka brokers in KRaft mode on 127.0.0.1: one combined broker+controller
+node (``KafkaBroker``), or a cluster of them (``KafkaCluster``), each node both broker
+and controller, with a static quorum of all nodes.
 
-The jars come from Maven Central through ``infra/kafka/pom.xml``; the broker runs on
-the JDK. Data, logs and the pid file live under ``home``.
+The jars come from Maven Central through ``infra/kafka/pom.xml``; brokers run on the
+JDK. A node's data, log and pid file live under its ``home``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class KafkaBroker:
     port: int = 9092
     controller_port: int = 9093
     heap: str = "768m"
+    node_id: int = 1
+    # A cluster's static quorum ("1@127.0.0.1:9093,2@..."); None: a standalone node.
+    voters: str | None = None
+    # Replicas of the broker's own topics (offsets, transactions) and the default for
+    # new topics; min.insync.replicas follows (2 with 3 or more replicas).
+    replication: int = 1
+    cluster_id: str | None = None  # a cluster's nodes are formatted with one id
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -67,21 +76,29 @@ class KafkaBroker:
 
     def _write_config(self) -> Path:
         data = self.home / "data"
+        replicas, min_isr = str(self.replication), str(2 if self.replication >= 3 else 1)
+        quorum = ({"controller.quorum.voters": self.voters} if self.voters else
+                  {"controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}"})
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
+            "node.id": str(self.node_id),
+            **quorum,
             "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "log.dirs": str(data),
-            "offsets.topic.replication.factor": "1",
+            "offsets.topic.replication.factor": replicas,
             "offsets.topic.num.partitions": "6",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "transaction.state.log.replication.factor": replicas,
+            "transaction.state.log.min.isr": min_isr,
+            "share.coordinator.state.topic.replication.factor": replicas,
+            "share.coordinator.state.topic.min.isr": min_isr,
+            "default.replication.factor": replicas,
+            "min.insync.replicas": min_isr,
+            # A replica that was not in sync never becomes leader: no acknowledged
+            # record is lost to a failover.
+            "unclean.leader.election.enable": "false",
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
@@ -100,19 +117,35 @@ class KafkaBroker:
         self.home.mkdir(parents=True, exist_ok=True)
         config = self._write_config()
         if not (self.home / "data" / "meta.properties").exists():
-            cluster_id = subprocess.run(
-                self._java("kafka.tools.StorageTool", "random-uuid"),
-                check=True, capture_output=True, text=True,
-            ).stdout.strip().splitlines()[-1]
+            cluster_id = self.cluster_id or self.new_cluster_id()
+            mode = [] if self.voters else ["--standalone"]
             subprocess.run(
-                self._java("kafka.tools.StorageTool", "format", "--standalone",
+                self._java("kafka.tools.StorageTool", "format", *mode,
                            "-t", cluster_id, "-c", str(config)),
                 check=True, capture_output=True, text=True,
             )
+        self.launch()
+        self.wait_ready(timeout)
+
+    def new_cluster_id(self) -> str:
+        return subprocess.run(
+            self._java("kafka.tools.StorageTool", "random-uuid"),
+            check=True, capture_output=True, text=True,
+        ).stdout.strip().splitlines()[-1]
+
+    def launch(self) -> None:
+        """Start the broker process (formatted already); ``wait_ready`` waits for it."""
+        config = self._write_config()
         self._proc = spawn_daemon(self._java("kafka.Kafka", str(config)), self.log_file,
                                   self.pid_file)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
         wait_until(lambda: self.running() and port_open(self.port), timeout,
                    f"Kafka broker on {self.bootstrap}", self.log_file)
+
+    @property
+    def pid(self) -> int | None:
+        return read_pid(self.pid_file)
 
     def stop(self) -> None:
         pid = read_pid(self.pid_file)
@@ -122,3 +155,64 @@ class KafkaBroker:
             self._proc.wait()  # reap our child
             self._proc = None
         self.pid_file.unlink(missing_ok=True)
+
+
+@dataclass
+class KafkaCluster:
+    """``size`` nodes on 127.0.0.1, node i (from 1) on ports ``port + 2(i-1)`` (clients)
+    and the next (controller). One node keeps the standalone layout."""
+
+    home: Path
+    libs: Path
+    port: int = 9092
+    size: int = 1
+    heap: str = "768m"
+    ports: list[tuple[int, int]] | None = None  # (client, controller) per node, if not derived
+
+    def __post_init__(self) -> None:
+        ports = self.ports or [(self.port + 2 * i, self.port + 2 * i + 1)
+                               for i in range(self.size)]
+        if self.size == 1:
+            self.nodes = [KafkaBroker(home=self.home, libs=self.libs, port=ports[0][0],
+                                      controller_port=ports[0][1], heap=self.heap)]
+            return
+        voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
+        self.nodes = [KafkaBroker(home=self.home / f"node-{i + 1}", libs=self.libs,
+                                  port=p, controller_port=c, heap=self.heap, node_id=i + 1,
+                                  voters=voters, replication=min(3, self.size))
+                      for i, (p, c) in enumerate(ports)]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(node.bootstrap for node in self.nodes)
+
+    def start(self, timeout: float = 120.0) -> None:
+        if self.size == 1:
+            self.nodes[0].start(timeout)
+            return
+        gather_jars(self.libs)
+        id_file = self.home / "cluster.id"
+        self.home.mkdir(parents=True, exist_ok=True)
+        if not id_file.exists():
+            id_file.write_text(self.nodes[0].new_cluster_id())
+        for node in self.nodes:
+            node.cluster_id = id_file.read_text().strip()
+        # The quorum needs a majority up: start every node, then wait for them all.
+        for node in self.nodes:
+            if not node.running():
+                node.home.mkdir(parents=True, exist_ok=True)
+                if not (node.home / "data" / "meta.properties").exists():
+                    subprocess.run(
+                        node._java("kafka.tools.StorageTool", "format", "-t",
+                                   node.cluster_id or "", "-c", str(node._write_config())),
+                        check=True, capture_output=True, text=True)
+                node.launch()
+        for node in self.nodes:
+            node.wait_ready(timeout)
+
+    def running(self) -> list[bool]:
+        return [node.running() for node in self.nodes]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway.settings import GatewaySettings
 from launch.services import resolve_model, run_gateway, run_projector, run_worker
+from pipeline.retry import RepeatFilter
 from pipeline.settings import CommonSettings
 from projections.settings import ProjectorSettings
 from workers.settings import WorkerSettings
@@ -41,6 +42,9 @@ def _setup_logging() -> None:
         level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The connection pool logs each failed attempt to reach a database that is away:
+    # once per 30 s per kind of failure is enough.
+    logging.getLogger("psycopg.pool").addFilter(RepeatFilter(every_s=30.0))
 
 
 # -- argument parsing -----------------------------------------------------------
@@ -50,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     infra = sub.add_parser("infra", help="local Kafka and PostgreSQL")
     infra.add_argument("action", choices=["up", "down", "status"])
+    infra.add_argument("--brokers", type=_positive,
+                       help="up: Kafka nodes in the local cluster (default PIPELINE_BROKERS, 1)")
     sub.add_parser("migrate", help="apply database migrations")
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.local import infra_down, infra_status, infra_up
 
         if args.action == "up":
-            infra_up(common, external_db)
+            infra_up(common, external_db, args.brokers)
         elif args.action == "down":
             infra_down(common)
         else:

@@ -1,45 +1,66 @@
-"""The local stack: a Kafka broker and a PostgreSQL server on 127.0.0.1, with the topics
-and migrations the pipeline needs (``pipeline infra up|down|status``)."""
+"""The local stack: Kafka (one node, or a cluster) and a PostgreSQL server on 127.0.0.1,
+with the topics and migrations the pipeline needs (``pipeline infra up|down|status``).
+
+The cluster's size is remembered in its state directory, so ``status`` and ``down``
+need no flag; ``up --brokers N`` on a state made with another size refuses.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline.settings import CommonSettings
 
 
 def _kafka_port(bootstrap: str) -> int:
-    return int(bootstrap.rsplit(":", 1)[1])
+    return int(bootstrap.split(",")[0].rsplit(":", 1)[1])
 
 
-def _local_stack(common: CommonSettings) -> tuple[Any, Any]:
+def _size(common: CommonSettings, asked: int | None) -> int:
+    marker = common.state_dir / "kafka" / "cluster.json"
+    known = json.loads(marker.read_text())["brokers"] if marker.exists() else None
+    if asked is not None and known is not None and asked != known:
+        raise SystemExit(f"the Kafka state under {marker.parent} is a {known}-node cluster; "
+                         f"`pipeline infra down` and remove it (make clean-state) to "
+                         f"start {asked} nodes")
+    return asked or known or common.brokers
+
+
+def _local_stack(common: CommonSettings, brokers: int | None = None) -> tuple[Any, Any]:
     from urllib.parse import urlparse
 
-    from infra.kafka_broker import KafkaBroker
+    from infra.kafka_broker import KafkaCluster
     from infra.postgres import PostgresServer
 
     state = common.state_dir
-    port = _kafka_port(common.kafka_bootstrap)
-    broker = KafkaBroker(home=state / "kafka", libs=state / "kafka-libs", port=port,
-                         controller_port=port + 1)
+    cluster = KafkaCluster(home=state / "kafka", libs=state / "kafka-libs",
+                           port=_kafka_port(common.kafka_bootstrap),
+                           size=_size(common, brokers))
     url = urlparse(common.database_url)
     postgres = PostgresServer(home=state / "postgres", port=url.port or 5432,
                               database=(url.path or "/pipeline").lstrip("/") or "pipeline")
-    return broker, postgres
+    return cluster, postgres
 
 
-def infra_up(common: CommonSettings, external_db: bool) -> None:
-    from pipeline.kafka import ensure_topics, wait_for_broker
+def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = None) -> None:
+    from pipeline.kafka import broker_count, ensure_topics, wait_for_broker
     from pipeline.topics import topic_specs
     from projections.migrate import migrate
 
-    broker, postgres = _local_stack(common)
-    print(f"Kafka      {common.kafka_bootstrap}  (data in {broker.home})", flush=True)
-    broker.start()
-    wait_for_broker(common.kafka_bootstrap)
-    created = ensure_topics(common.kafka_bootstrap, topic_specs(common.partitions))
+    cluster, postgres = _local_stack(common, brokers)
+    print(f"Kafka      {cluster.bootstrap}  ({cluster.size} node{'s' * (cluster.size > 1)},"
+          f" data in {cluster.home})", flush=True)
+    cluster.start()
+    (cluster.home / "cluster.json").write_text(json.dumps({"brokers": cluster.size}))
+    wait_for_broker(cluster.bootstrap)
+    specs = topic_specs(common.topic_policy(), broker_count(cluster.bootstrap))
+    created = ensure_topics(cluster.bootstrap, specs)
     if created:
-        print(f"topics     created {', '.join(created)}", flush=True)
+        print(f"topics     created {', '.join(created)} (replication {specs[0].replication}, "
+              f"{specs[0].config['min.insync.replicas']} in sync)", flush=True)
+    if cluster.size > 1:
+        print(f"           clients: PIPELINE_KAFKA_BOOTSTRAP={cluster.bootstrap}", flush=True)
     if external_db:
         print("PostgreSQL using DATABASE_URL", flush=True)
     else:
@@ -51,17 +72,20 @@ def infra_up(common: CommonSettings, external_db: bool) -> None:
 
 
 def infra_down(common: CommonSettings) -> None:
-    broker, postgres = _local_stack(common)
-    broker.stop()
+    cluster, postgres = _local_stack(common)
+    cluster.stop()
     postgres.stop()
     print("stopped Kafka and PostgreSQL (data kept under .state/)")
 
 
 def infra_status(common: CommonSettings, external_db: bool) -> int:
-    broker, postgres = _local_stack(common)
-    kafka_up = broker.running()
+    cluster, postgres = _local_stack(common)
+    up = cluster.running()
+    for node, running in zip(cluster.nodes, up, strict=True):
+        label = f"kafka {node.node_id}" if cluster.size > 1 else "kafka"
+        print(f"{label:<10} {'running' if running else 'stopped'}  {node.bootstrap}"
+              + (f"  pid {node.pid}" if running else ""))
     pg_up = True if external_db else postgres.running()
-    print(f"kafka      {'running' if kafka_up else 'stopped'}  {common.kafka_bootstrap}")
     print(f"postgres   {'running' if pg_up else 'stopped'}  "
           f"{'DATABASE_URL' if external_db else f'127.0.0.1:{postgres.port}'}")
-    return 0 if kafka_up and pg_up else 1
+    return 0 if all(up) and pg_up else 1

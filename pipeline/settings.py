@@ -10,6 +10,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from pipeline.topics import TopicPolicy
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,7 +26,22 @@ class CommonSettings(BaseSettings):
         validation_alias="DATABASE_URL",
     )
     partitions: int = Field(default=6, ge=1)
+    # The local cluster's size (``pipeline infra up --brokers N``).
+    brokers: int = Field(default=1, ge=1, le=9)
+    # Topic settings: replication (default min(3, brokers)), min.insync.replicas
+    # (default 2 with 3 or more replicas), retention of the chat topics (forever by
+    # default: they are the system of record) and of the dead-letter topic (14 days).
+    replication_factor: int | None = Field(default=None, ge=1)
+    min_insync_replicas: int | None = Field(default=None, ge=1)
+    retention_ms: int = Field(default=-1, ge=-1)
+    retention_bytes: int = Field(default=-1, ge=-1)
+    deadletter_retention_ms: int = Field(default=14 * 24 * 3600 * 1000, ge=60_000)
     state_dir: Path = REPO_ROOT / ".state"
+
+    def topic_policy(self) -> TopicPolicy:
+        return TopicPolicy(self.partitions, self.replication_factor, self.min_insync_replicas,
+                           self.retention_ms, self.retention_bytes,
+                           self.deadletter_retention_ms)
 
 
 def _split_commas(value: Any) -> Any:

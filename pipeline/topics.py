@@ -8,6 +8,7 @@ of ``chat.control`` (range assignment).
   attached, a session created or deleted). A full worker stops fetching prompts but
   never control, so a cancel reaches a turn however busy its worker is.
 * ``chat.generations``: what the workers generate.
+* ``chat.workers``: the workers' heartbeats (compacted; ``pipeline.roster``).
 """
 
 from __future__ import annotations
@@ -20,18 +21,14 @@ GENERATIONS = "chat.generations"
 # Every topic a conversation's events live in, in the order readers fold them.
 CONVERSATION_TOPICS = (PROMPTS, CONTROL, GENERATIONS)
 DEADLETTER = "chat.deadletter"
-# The workers' consumer group. Each worker's client id names the model it serves, so
-# anyone can tell from the group's live members which models are served.
+WORKERS = "chat.workers"
+# The workers' consumer group.
 WORKERS_GROUP = "workers"
-_WORKER_CLIENT = "chat-worker/"
 
 
 def worker_client_id(model: str) -> str:
-    return _WORKER_CLIENT + model
-
-
-def served_model(client_id: str) -> str | None:
-    return client_id[len(_WORKER_CLIENT):] if client_id.startswith(_WORKER_CLIENT) else None
+    """A worker's Kafka client id: the model it serves, for the broker's logs and quotas."""
+    return "chat-worker/" + model
 
 
 @dataclass(frozen=True)
@@ -39,14 +36,41 @@ class TopicSpec:
     name: str
     partitions: int
     config: dict[str, str]
+    replication: int | None = None  # None: the cluster's default.replication.factor
 
 
-def topic_specs(partitions: int) -> list[TopicSpec]:
-    """The topics the pipeline needs. The log is the system of record: keep it forever."""
-    forever = {"retention.ms": "-1", "min.insync.replicas": "1"}
+@dataclass(frozen=True)
+class TopicPolicy:
+    """How the pipeline's topics are created (``PIPELINE_*`` settings, see README)."""
+
+    partitions: int = 6
+    replication: int | None = None  # None: min(3, brokers)
+    min_insync_replicas: int | None = None  # None: 2 with 3 or more replicas, else 1
+    retention_ms: int = -1  # the log is the system of record: forever by default
+    retention_bytes: int = -1
+    deadletter_retention_ms: int = 14 * 24 * 3600 * 1000
+
+
+def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
+    """The topics the pipeline needs, on a cluster of ``brokers`` nodes. An
+    acknowledged record is on ``min.insync.replicas`` brokers (``acks=all``), and only a
+    replica that was in sync may become leader, so no acknowledged record is lost to a
+    failover."""
+    replication = policy.replication or min(3, brokers)
+    if replication > brokers:
+        raise ValueError(f"replication factor {replication} needs at least that many "
+                         f"brokers; the cluster has {brokers}")
+    min_isr = policy.min_insync_replicas or (2 if replication >= 3 else 1)
+    base = {"min.insync.replicas": str(min_isr), "unclean.leader.election.enable": "false"}
+    log = {**base, "retention.ms": str(policy.retention_ms),
+           "retention.bytes": str(policy.retention_bytes)}
+    parked = {**base, "retention.ms": str(policy.deadletter_retention_ms)}
     return [
-        TopicSpec(PROMPTS, partitions, forever),
-        TopicSpec(CONTROL, partitions, forever),
-        TopicSpec(GENERATIONS, partitions, forever),
-        TopicSpec(DEADLETTER, 1, forever),
+        TopicSpec(PROMPTS, policy.partitions, log, replication),
+        TopicSpec(CONTROL, policy.partitions, log, replication),
+        TopicSpec(GENERATIONS, policy.partitions, log, replication),
+        TopicSpec(DEADLETTER, 1, parked, replication),
+        # Heartbeats: only each worker's latest matters, and only for seconds.
+        TopicSpec(WORKERS, 1, {**base, "cleanup.policy": "compact,delete",
+                               "retention.ms": str(3600 * 1000)}, replication),
     ]

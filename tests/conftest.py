@@ -24,7 +24,7 @@ from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.settings import REPO_ROOT
-from pipeline.topics import CONVERSATION_TOPICS, topic_specs
+from pipeline.topics import CONVERSATION_TOPICS, TopicPolicy, topic_specs
 from projections.migrate import migrate
 from tests.logread import end_offsets
 
@@ -62,7 +62,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         postgres.start()
         wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, topic_specs(PARTITIONS))
+        ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(postgres.url)
         yield Stack(broker.bootstrap, postgres.url, tmp_path_factory.mktemp("logs"))
     finally:
@@ -165,7 +165,7 @@ def sim_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     try:
         database_url = new_database(stack.database_url, "sim")
         wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, topic_specs(PARTITIONS))
+        ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(database_url)
         yield Stack(broker.bootstrap, database_url, stack.logs)
     finally:
