@@ -6,7 +6,7 @@ gateway needs state shared with another.
   turns count until they end). ``admit()`` refuses new turns with 429 past the bound;
   ``Retry-After`` is how long the workers take, at the rate they have been finishing
   prompts, to bring the backlog back under it.
-* **Models**: each live worker's client id names the model it serves.
+* **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import time
 
 from gateway.problems import BacklogFull
 from pipeline.kafka import GroupStatus
-from pipeline.topics import PROMPTS, WORKERS_GROUP, served_model
+from pipeline.retry import QuietLog
+from pipeline.roster import Roster
+from pipeline.topics import PROMPTS, WORKERS_GROUP
 
 log = logging.getLogger(__name__)
-MODELS_EVERY_S = 2.0
 
 
 class Fleet:
@@ -33,7 +34,9 @@ class Fleet:
         self.drain_per_s = 0.0  # prompts finished per second, smoothed
         self.models: set[str] = set()  # served by live workers
         self._group = GroupStatus(bootstrap, WORKERS_GROUP)
+        self._roster = Roster(bootstrap)
         self._task: asyncio.Task[None] | None = None
+        self._quiet = QuietLog(log)
 
     def admit(self) -> None:
         """Refuse (``BacklogFull``) while the workers' backlog is over the bound."""
@@ -47,13 +50,13 @@ class Fleet:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="fleet")
 
-    def _refresh_models(self) -> None:
-        self.models = {m for c in self._group.client_ids() if (m := served_model(c))}
-
     async def _run(self) -> None:
         last: tuple[float, int] | None = None
-        models_at = 0.0
         while True:
+            try:
+                self.models = await asyncio.to_thread(self._roster.refresh)
+            except Exception as exc:
+                self._quiet.warning("could not read the workers' heartbeats: %s", exc)
             try:
                 lag = await asyncio.to_thread(self._group.per_partition, PROMPTS)
                 self.backlog = sum(max(end - committed, 0) for committed, end in lag.values())
@@ -62,13 +65,8 @@ class Fleet:
                     rate = max(done - last[1], 0) / (now - last[0])
                     self.drain_per_s = 0.8 * self.drain_per_s + 0.2 * rate
                 last = (now, done)
-                if now - models_at > MODELS_EVERY_S:
-                    await asyncio.to_thread(self._refresh_models)
-                    models_at = now
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
-                log.warning("could not read the workers' group: %s", exc)
+                self._quiet.warning("could not read the workers' group: %s", exc)
             await asyncio.sleep(self.interval_s)
 
     async def stop(self) -> None:
@@ -77,3 +75,4 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await asyncio.to_thread(self._group.close)
+        await asyncio.to_thread(self._roster.close)

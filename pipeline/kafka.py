@@ -39,6 +39,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from pipeline.codec import TP, Position, encode, key_of
+from pipeline.retry import QuietLog, RepeatFilter
 from pipeline.topics import TopicSpec
 from schemas import Event
 
@@ -70,42 +71,53 @@ class Fenced(ProduceError):
 NO_NAGLE = {"socket.nagle.disable": True}
 
 
-def _producer_config(bootstrap: str, linger_ms: float) -> dict[str, Any]:
+def _producer_config(bootstrap: str, linger_ms: float, timeout_ms: int) -> dict[str, Any]:
     return {
         "bootstrap.servers": bootstrap,
         "acks": "all",
         "enable.idempotence": True,
-        # A record that fails for good makes the producer fail every later one (a fatal
-        # error) rather than leave a gap: a record not awaited (send_nowait) can only be
-        # lost if the awaited ones after it are refused too.
-        "enable.gapless.guarantee": True,
         "linger.ms": linger_ms,
         # The Java client's partitioner, so every client agrees where a key lives.
         "partitioner": "murmur2_random",
-        "message.timeout.ms": 30_000,
+        # How long a record may take to be acknowledged before its send fails.
+        "message.timeout.ms": timeout_ms,
         **NO_NAGLE,
     }
 
 
+_client_errors = QuietLog(log, every_s=30.0)
+_consumer_errors = QuietLog(log, every_s=30.0)
+
+
 def _log_client_error(err: KafkaError) -> None:
     if err.fatal():
-        log.error("the Kafka producer failed for good: %s", err)
+        log.error("a Kafka client failed for good: %s", err)
     else:
-        log.warning("Kafka client error (retried): %s", err)
+        _client_errors.warning("Kafka client error (retried): %s", err)
+
+
+def client_logging(name: str) -> dict[str, Any]:
+    """librdkafka's own log lines through Python logging, each shape of message at most
+    once per 30 s (a broker away logged a line per connection attempt: 10,644 in 2.5
+    minutes), and its client errors likewise."""
+    logger = logging.getLogger(f"librdkafka.{name}")
+    if not any(isinstance(f, RepeatFilter) for f in logger.filters):
+        logger.addFilter(RepeatFilter(every_s=30.0))
+    return {"logger": logger, "error_cb": _log_client_error, "log.connection.close": False}
 
 
 class EventProducer:
-    """Produces events; ``send`` resolves once the record is durable in Kafka;
-    ``send_nowait`` is for records nobody waits for (token deltas): no future, no
-    wake-up of the event loop per acknowledgement."""
+    """Produces events, idempotently with ``acks=all``; ``send`` resolves once the record
+    is durable in Kafka, or fails within ``timeout_ms`` (the record may still land: this
+    producer is for facts that may arrive late, not for turns, which the gateway writes
+    in transactions). A producer that failed for good is replaced."""
 
-    def __init__(self, bootstrap: str, *, linger_ms: float = 1.0) -> None:
-        # No delivery callback for records nobody awaits: each would take the GIL from
-        # the event loop on the poll thread (measured: a vLLM worker's inter-token
-        # latency at 1 client went from 2.8 to 1.9 ms without them). A refused one stops
-        # the producer (gapless guarantee), so the turn's awaited end fails visibly.
-        self._producer = Producer({**_producer_config(bootstrap, linger_ms),
-                                   "error_cb": _log_client_error})
+    def __init__(self, bootstrap: str, *, linger_ms: float = 1.0,
+                 timeout_ms: int = 30_000) -> None:
+        self._config = {**_producer_config(bootstrap, linger_ms, timeout_ms),
+                        **client_logging("producer"), "error_cb": self._on_error}
+        self._failed = False
+        self._producer = Producer(self._config)
         self._stop = threading.Event()
         # Records the local queue had no room for, in order; the poll thread produces them
         # as deliveries make room, so no caller (an event loop) ever waits for it.
@@ -132,14 +144,22 @@ class EventProducer:
     def send(self, topic: str, event: Event) -> asyncio.Future[Position]:
         return self.send_raw(topic, key_of(event), encode(event))
 
-    def send_nowait(self, topic: str, event: Event) -> None:
-        """Produce ``event`` with no acknowledgement to wait for."""
-        self._produce(topic, value=encode(event), key=key_of(event))
+    def _on_error(self, err: KafkaError) -> None:
+        _log_client_error(err)
+        if err.fatal():
+            self._failed = True
 
     def _produce(self, topic: str, **record: Any) -> None:
         """Hand the record to librdkafka; if its queue is full, to the overflow (never
         dropped, never waited for here)."""
         with self._overflow_lock:
+            if self._failed:  # e.g. the idempotent producer's epoch was lost for good
+                log.warning("replacing a Kafka producer that failed for good")
+                self._failed = False
+                old, self._producer = self._producer, Producer(self._config)
+                with contextlib.suppress(KafkaException):  # fail what it still held
+                    old.purge(in_queue=True, in_flight=True, blocking=False)
+                    old.poll(0)
             if not self._overflow:
                 try:
                     self._producer.produce(topic, **record)
@@ -200,9 +220,11 @@ def _poll(consumer: Consumer, max_records: int, timeout: float) -> list[Record]:
         if err is not None:
             if err.code() == KafkaError._PARTITION_EOF:
                 continue
-            if err.fatal() or not err.retriable():
+            if err.fatal():
                 raise KafkaException(err)
-            log.warning("transient consumer error: %s", err)
+            # Anything else librdkafka recovers from by itself (a broker restarting, a
+            # leader moving): said, at most once per 30 s for each kind.
+            _consumer_errors.warning("consumer error (it recovers by itself): %s", err)
             continue
         _, ts = msg.timestamp()
         records.append(Record(
@@ -241,34 +263,59 @@ class _Queued:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, str | bytes | None]]
-    future: asyncio.Future[None] | None
+    future: asyncio.Future[Position] | None
+    deadline: float | None = None  # time.monotonic(): answered NotAccepted after this
+    position: Position | None = None  # where it landed (set by its delivery report)
+    settled: bool = False  # its sender has had the answer
+
+    def late(self, now: float) -> bool:
+        return self.deadline is not None and self.deadline < now and not self.settled
+
+
+class NotAccepted(ProduceError):
+    """A record whose deadline passed before its transaction asked to commit: that
+    transaction is aborted, never committed, so the record is never visible."""
 
 
 class TransactionalProducer:
-    """Produces in transactions that commit a consumer group's offsets too, so the broker
-    refuses the writes of a member that has left the group (KIP-447): a worker that was
-    paused or cut off while its partitions moved on writes nothing a read_committed
-    reader ever sees.
+    """Produces in Kafka transactions; a record is visible to read_committed readers only
+    once its transaction commits, and never if it aborts.
 
     One thread commits transactions back to back. Each takes everything queued, produces
-    it, waits until the broker holds all of it, then sends ``offsets()`` with the
-    consumer's group metadata (the generation check), then commits. Records reach the
-    log before the check, so a transaction that passes it and commits later (its
+    it, waits until the broker holds all of it, then (for a consumer's output: ``offsets``
+    given) sends the consumer's offsets with its group metadata, and commits. The group
+    check (KIP-447) refuses a member that has left the group: a worker that was paused or
+    cut off while its partitions moved on writes nothing a reader sees. Records reach the
+    log before that check, so a transaction that passes it and commits later (its
     process paused in between) holds nothing a new owner's scan up to the high
-    watermark misses. ``send`` resolves when its transaction commits; deltas are
-    ``send_nowait``. A transaction that fails for a passing reason is aborted and its
-    records sent again; one refused for ownership (``Fenced``) is dropped and
-    ``on_fenced`` is called.
+    watermark misses.
+
+    Every answer is definite. ``send`` resolves with the record's position once its
+    transaction committed, or fails once it is certain the record never will be: its
+    transaction aborted, or its ``deadline`` passed before that transaction asked to
+    commit (``NotAccepted``, answered within 50 ms of the deadline however the brokers
+    behave: the transaction is then doomed, and whichever ends it, this producer's
+    abort, a new producer under the id, or the coordinator's transaction timeout, ends
+    it in an abort). Once a commit was asked for, the answer waits for the broker's: a
+    commit whose answer was lost is asked again until the broker says; a transaction
+    that failed for a passing reason is aborted and its records sent again (aborted
+    records are never visible, so each is written once); one refused for ownership is
+    dropped (``Fenced``) and ``on_fenced`` is called. A producer fenced by its epoch (Kafka
+    4 bumps it when it ends a transaction itself) is replaced, and its records are sent
+    again: if that transaction was a commit whose answer was lost, which had happened,
+    the log holds a copy, which every reader drops.
 
     Records carry the ``epoch`` they were queued in: ``new_epoch`` (on revocation or
-    fencing) makes every record of older epochs be dropped, so nothing written for turns
-    this process gave up can reach the log after it gave them up.
+    fencing) drops every record of older epochs, so nothing written for turns this
+    process gave up can reach the log after it gave them up.
     """
 
     def __init__(
         self, bootstrap: str, transactional_id: str,
-        offsets: Callable[[], dict[TP, int]], *, on_committed: Callable[[dict[TP, int]], None],
-        on_fenced: Callable[[], None], timeout_ms: int = 10_000, own_id: bool = True,
+        offsets: Callable[[], dict[TP, int]] | None = None, *,
+        on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
+        on_fenced: Callable[[], None] = lambda: None, timeout_ms: int = 10_000,
+        own_id: bool = True,
     ) -> None:
         self._config = {
             "bootstrap.servers": bootstrap,
@@ -278,11 +325,12 @@ class TransactionalProducer:
             "partitioner": "murmur2_random",
             # A transaction begun right after the previous one's commit is refused with
             # CONCURRENT_TRANSACTIONS until the broker has written that one's markers; the
-            # client retries after retry.backoff.ms (100 ms by default: measured, every
-            # transaction took 104 ms; 2 ms: 8 ms).
+            # client retries after retry.backoff.ms, growing to retry.backoff.max.ms
+            # (measured: every transaction took 104 ms at the default 100 ms, 8 ms at 2 ms;
+            # under load a 500 ms cap let retries grow to tens of ms).
             "retry.backoff.ms": 2,
             "retry.backoff.max.ms": 10,
-            "error_cb": _log_client_error,
+            **client_logging("transactions"),
             **NO_NAGLE,
         }
         self._producer = Producer(self._config)
@@ -298,49 +346,63 @@ class TransactionalProducer:
         self._step_s = self._timeout_s / 4
         self._cond = threading.Condition()
         self._queue: list[_Queued] = []
+        self._current: list[_Queued] = []  # the open transaction's records
+        self._committing = False  # its commit was asked for: it may have happened
+        self._doomed = False  # a record of it was answered NotAccepted: it must abort
         self._busy = False
         self._commit_wanted = False
         self._epoch = 0
         self._group: Any = None  # the consumer's group metadata as of its last assignment
         self._stop = False
+        self._quiet = QuietLog(log)
         self.failed: BaseException | None = None
+        self.ready = threading.Event()  # the transactional id is registered
         self.transactions = 0
         self._thread = threading.Thread(target=self._run, name="kafka-transactions", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="kafka-deadlines",
+                                          daemon=True)
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
     def start(self) -> None:
-        """Register the transactional id (fencing an earlier process that used it)."""
-        self._producer.init_transactions(self._timeout_s * 3)
+        """Start the thread, which registers the transactional id (fencing an earlier
+        process that used it; retried until the broker answers) and then commits."""
         self._thread.start()
+        self._watchdog.start()
 
-    def send(self, topic: str, event: Event, epoch: int) -> asyncio.Future[None]:
-        """Queue ``event``; the future resolves once its transaction committed."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._enqueue(_Queued(epoch, topic, key_of(event), encode(event), [], future))
-        return future
+    def send(self, topic: str, event: Event, epoch: int = 0,
+             deadline: float | None = None) -> asyncio.Future[Position]:
+        """Queue ``event``; the future resolves with its position once its transaction
+        committed (see the class)."""
+        return self.send_raw(topic, key_of(event), encode(event), (), epoch, deadline)
 
-    def send_nowait(self, topic: str, event: Event, epoch: int) -> None:
+    def send_nowait(self, topic: str, event: Event, epoch: int = 0) -> None:
         self._enqueue(_Queued(epoch, topic, key_of(event), encode(event), [], None))
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None,
-                 headers: Sequence[tuple[str, bytes]], epoch: int) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._enqueue(_Queued(epoch, topic, key, value, list(headers), future))
+                 headers: Sequence[tuple[str, bytes]], epoch: int = 0,
+                 deadline: float | None = None) -> asyncio.Future[Position]:
+        future: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
+        self._enqueue(_Queued(epoch, topic, key, value, list(headers), future, deadline))
         return future
 
     def _enqueue(self, item: _Queued) -> None:
         with self._cond:
             if self.failed is not None:
-                _settle(item.future, ProduceError(f"the producer failed: {self.failed}"))
+                _settle(item, ProduceError(f"the producer failed: {self.failed}"))
                 return
             if item.epoch < self._epoch:
-                _settle(item.future, Fenced("written for turns this worker gave up"))
+                _settle(item, Fenced("written for turns this worker gave up"))
                 return
             self._queue.append(item)
             self._cond.notify_all()
+
+    def set_group(self, metadata: Any) -> None:
+        """The consumer's group metadata, as read after its latest assignment: what each
+        transaction shows the broker (a stale one is refused)."""
+        self._group = metadata
 
     def commit_offsets(self) -> None:
         """Commit the offsets now even if nothing is queued (turns that ended since the
@@ -349,18 +411,13 @@ class TransactionalProducer:
             self._commit_wanted = True
             self._cond.notify_all()
 
-    def set_group(self, metadata: Any) -> None:
-        """The consumer's group metadata, as read after its latest assignment: what each
-        transaction shows the broker (a stale one is refused)."""
-        self._group = metadata
-
     def new_epoch(self) -> int:
         """Drop every record not yet in a transaction; later ones need the new epoch."""
         with self._cond:
             self._epoch += 1
             dropped, self._queue = self._queue, []
         for item in dropped:
-            _settle(item.future, Fenced("written for turns this worker gave up"))
+            _settle(item, Fenced("written for turns this worker gave up"))
         return self._epoch
 
     def flush_sync(self, timeout: float) -> bool:
@@ -373,6 +430,8 @@ class TransactionalProducer:
         return True
 
     def _run(self) -> None:
+        self._register()
+        self.ready.set()
         backoff = 0.0
         while True:
             with self._cond:
@@ -380,15 +439,20 @@ class TransactionalProducer:
                     self._cond.wait()
                 if not self._queue and not self._commit_wanted:
                     return
-                batch = [q for q in self._queue if q.epoch == self._epoch]
+                now = time.monotonic()
                 stale = [q for q in self._queue if q.epoch != self._epoch]
+                batch = [q for q in self._queue if q.epoch == self._epoch and not q.late(now)]
+                late = [q for q in self._queue if q.late(now)]
                 self._queue, self._busy, self._commit_wanted = [], True, False
             for item in stale:
-                _settle(item.future, Fenced("written for turns this worker gave up"))
+                _settle(item, Fenced("written for turns this worker gave up"))
+            for item in late:
+                _settle(item, NotAccepted("the log did not take it in time"))
             retry = self._transact(batch)
             with self._cond:
                 if retry:  # before anything queued since, in the order it was sent
-                    self._queue[:0] = [q for q in batch if q.epoch == self._epoch]
+                    self._queue[:0] = [q for q in batch
+                                       if q.epoch == self._epoch and not q.settled]
                 self._busy = False
                 self._cond.notify_all()
             if retry:
@@ -397,38 +461,108 @@ class TransactionalProducer:
             else:
                 backoff = 0.0
 
+    def _watch(self) -> None:
+        """Answer ``NotAccepted`` for records past their deadline that are certain never
+        to be written: queued ones (in no transaction), and those of an open transaction
+        that has not asked to commit, which is then doomed to abort."""
+        while True:
+            with self._cond:
+                if self._stop and not self._busy and not self._queue:
+                    return
+                now = time.monotonic()
+                late = [q for q in self._queue if q.late(now)]
+                if not self._committing:
+                    doomed = [q for q in self._current if q.late(now)]
+                    late += doomed
+                    self._doomed = self._doomed or bool(doomed)
+                if late:
+                    self._queue = [q for q in self._queue if not q.late(now)]
+                    for item in late:
+                        _settle(item, NotAccepted("the log did not take it in time"))
+            time.sleep(0.05)
+
+    def _register(self) -> None:
+        """init_transactions, retried until the broker answers."""
+        delay = 0.2
+        while not self._stop:
+            try:
+                self._producer.init_transactions(self._timeout_s * 3)
+                return
+            except KafkaException as exc:
+                if exc.args[0].fatal():
+                    self._producer = Producer(self._config)
+                self._quiet.warning("could not register the transactional producer, "
+                                    "retrying: %s", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     def _transact(self, batch: list[_Queued]) -> bool:
         """One transaction; True if its records must be sent again."""
         p = self._producer
-        offsets = self._offsets()
-        if not batch and not offsets:
+        if not batch and not (self._offsets and self._offsets()):
             return False
+        offsets: dict[TP, int] = {}
+        with self._cond:
+            self._current, self._committing, self._doomed = batch, False, False
         try:
             p.begin_transaction()
             for item in batch:
                 self._produce(item)
             if p.flush(self._step_s):
                 raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "records not delivered"))
-            offsets = self._offsets()
-            if not offsets or self._group is None:
-                raise KafkaException(KafkaError(KafkaError._STATE, "no partition to fence with"))
-            p.send_offsets_to_transaction(
-                [TopicPartition(t, part, o) for (t, part), o in offsets.items()],
-                self._group, self._step_s)
-            p.commit_transaction(self._step_s)
+            if self._offsets is not None:
+                offsets = self._offsets()
+                if not offsets or self._group is None:
+                    raise KafkaException(KafkaError(KafkaError._STATE,
+                                                    "no partition to fence with"))
+                p.send_offsets_to_transaction(
+                    [TopicPartition(t, part, o) for (t, part), o in offsets.items()],
+                    self._group, self._step_s)
+            with self._cond:
+                if self._doomed:
+                    raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
+                                                    "a record's deadline passed"))
+                self._committing = True
+            self._commit()
         except KafkaException as exc:
             return self._failed(exc.args[0], batch)
+        finally:
+            with self._cond:
+                self._current, self._committing = [], False
         self.transactions += 1
         for item in batch:
-            _settle(item.future, None)
-        self._on_committed(offsets)
+            _settle(item, None)
+        if offsets:
+            self._on_committed(offsets)
         return False
 
+    def _commit(self) -> None:
+        """commit_transaction, asked again while the answer is lost (retriable errors):
+        once sent, a commit may have happened, so it is never given up for an abort."""
+        delay = 0.05
+        while True:
+            try:
+                self._producer.commit_transaction(self._step_s)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if not err.retriable() or err.txn_requires_abort() or err.fatal():
+                    raise
+                self._quiet.warning("a commit's answer was lost, asking again: %s", err)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     def _produce(self, item: _Queued) -> None:
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            if err is None:
+                item.position = Position(msg.topic() or item.topic, msg.partition() or 0,
+                                         msg.offset() or 0)
+
         while True:
             try:
                 self._producer.produce(item.topic, value=item.value, key=item.key,
-                                       headers=item.headers)
+                                       headers=item.headers,
+                                       on_delivery=delivered if item.future else None)
                 return
             except BufferError:  # the local queue is full: let deliveries drain it
                 self._producer.poll(0.01)
@@ -441,19 +575,23 @@ class TransactionalProducer:
             # A shared, stable transactional id: a newer process took it over.
             return self._give_up(err, batch)
         if err.fatal() or code in _PRODUCER_FENCING:
+            # The coordinator refused this producer's epoch. With an id of our own, it did
+            # so because it ended the transaction itself: aborted for outliving its
+            # timeout, or, when a commit was asked and its answer lost (a coordinator
+            # failing over), possibly committed. Its records are sent again: at worst a
+            # committed copy precedes them, and every reader drops copies (a prompt's
+            # request id, a delta's seq; seen in the outage suite).
             log.warning("transactional producer fenced (%s); starting a new one", err)
-            if not self._renew():
-                return self._give_up(err, batch)
+            self._renew()
             return True  # whether this worker still owns its partitions, the group decides
         try:
             self._producer.abort_transaction(self._step_s)
         except KafkaException as exc:
             log.warning("could not abort a transaction (%s); starting a new producer", exc)
-            if not self._renew():
-                return self._give_up(err, batch)
+            self._renew()  # a new producer under the id aborts the old one's transaction
         if code in _GROUP_FENCING or (code == KafkaError._STATE and "no partition" in err.str()):
             for item in batch:
-                _settle(item.future, Fenced(str(err)))
+                _settle(item, Fenced(str(err)))
             if any(item.epoch == self._epoch for item in batch):
                 # News: this process still thought it owned its partitions.
                 log.warning("transaction refused, this worker no longer owns its partitions: "
@@ -461,26 +599,21 @@ class TransactionalProducer:
                 self.new_epoch()
                 self._on_fenced()
             return False  # (else: records of turns already given up at a revocation)
-        log.warning("transaction aborted, sending its %d records again: %s", len(batch), err)
+        self._quiet.warning("transaction aborted, sending its %d records again: %s",
+                            len(batch), err)
         return True
 
-    def _renew(self) -> bool:
-        """Replace a producer that failed for good with a new one under the same id."""
-        for attempt in range(5):
-            try:
-                self._producer = Producer(self._config)
-                self._producer.init_transactions(self._timeout_s * 3)
-                return True
-            except KafkaException as exc:
-                log.warning("could not start a new transactional producer: %s", exc)
-                time.sleep(min(0.5 * 2**attempt, 5))
-        return False
+    def _renew(self) -> None:
+        """Replace a producer that failed for good with a new one under the same id (which
+        fences the old one and aborts its open transaction)."""
+        self._producer = Producer(self._config)
+        self._register()
 
     def _give_up(self, err: KafkaError, batch: list[_Queued]) -> bool:
         log.error("the transactional producer failed for good: %s", err)
         self.failed = KafkaException(err)
         for item in batch:
-            _settle(item.future, ProduceError(str(err)))
+            _settle(item, ProduceError(str(err)))
         return False
 
     def close(self, timeout: float = 30.0) -> None:
@@ -492,22 +625,19 @@ class TransactionalProducer:
             self._thread.join(timeout)
 
 
-def _settle(future: asyncio.Future[None] | None, error: BaseException | None) -> None:
+def _settle(item: _Queued, error: BaseException | None) -> None:
+    """Answer the sender, once."""
+    if item.settled:
+        return
+    item.settled = True
+    future = item.future
     if future is None:
         return
     loop = future.get_loop()
     if loop.is_closed():
         return
-    loop.call_soon_threadsafe(_resolve_none, future, error)
-
-
-def _resolve_none(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+    loop.call_soon_threadsafe(_resolve, future,
+                              error if error is not None else item.position or Position("", 0, 0))
 
 
 # librdkafka adds a newly assigned partition to its fetches only once the long poll in
@@ -537,6 +667,7 @@ class AsyncConsumer:
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
             **NO_NAGLE,
+            **client_logging("consumer"),
         }
         config.update(extra)
         self._consumer = Consumer(config)
@@ -732,17 +863,12 @@ class AsyncConsumer:
 
 class GroupStatus:
     """A consumer group seen from outside, without joining it: how far it is behind the
-    end of a topic (its committed offsets), and its live members' client ids."""
+    end of a topic (its committed offsets)."""
 
     def __init__(self, bootstrap: str, group: str) -> None:
-        self._group = group
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                                   **client_logging("group-status"),
                                    "enable.auto.commit": False})
-        self._admin = AdminClient({"bootstrap.servers": bootstrap})
-
-    def client_ids(self, timeout: float = 5.0) -> list[str]:
-        futures = self._admin.describe_consumer_groups([self._group], request_timeout=timeout)
-        return [m.client_id for m in futures[self._group].result().members]
 
     def per_partition(self, topic: str, timeout: float = 5.0) -> dict[int, tuple[int, int]]:
         """Per partition: (committed offset, end offset); a partition the group never
@@ -765,6 +891,7 @@ def high_watermarks(bootstrap: str, topic: str, partitions: list[int],
     """The true end of each partition, open transactions' records included (a
     read_committed client's watermark is the last stable offset instead)."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks",
+                         **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
     try:
         return {p: int(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
@@ -783,6 +910,7 @@ def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
     if not todo:
         return []
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+                         **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_committed",
                          **NO_NAGLE})
     try:
@@ -819,6 +947,7 @@ def scan_partitions(
         ends = high_watermarks(bootstrap, topic, partitions)
     since = since_ms if isinstance(since_ms, dict) else dict.fromkeys(partitions, since_ms)
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+                         **client_logging("scan"),
                          "enable.auto.commit": False})
     try:
         starts = consumer.offsets_for_times(
@@ -831,7 +960,7 @@ def scan_partitions(
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -844,17 +973,24 @@ def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
 
 
 def delete_topics(bootstrap: str, names: list[str]) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
     for fut in admin.delete_topics(names, operation_timeout=30).values():
         fut.result()
 
 
+def broker_count(bootstrap: str, timeout: float = 10.0) -> int:
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    return len(admin.list_topics(timeout=timeout).brokers)
+
+
 def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> list[str]:
     """Create missing topics; return the names created. Existing ones are left as they are."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
     existing = set(admin.list_topics(timeout=10).topics)
     new = [
-        NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config)
+        NewTopic(s.name, num_partitions=s.partitions,
+                 replication_factor=s.replication if s.replication is not None else -1,
+                 config=s.config)
         for s in specs
         if s.name not in existing
     ]

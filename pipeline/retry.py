@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 
 
@@ -30,20 +31,47 @@ class Backoff:
 
 
 class QuietLog:
-    """Logs a recurring failure at most once per ``every_s``, with how many were held back."""
+    """Logs each recurring failure (by its message template) at most once per
+    ``every_s``, with how many were held back."""
 
     def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
         self.logger = logger
         self.every_s = every_s
-        self._last = -float("inf")
-        self._held = 0
+        self._last: dict[str, tuple[float, int]] = {}
 
     def warning(self, message: str, *args: object) -> None:
         now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._held += 1
+        last, held = self._last.get(message, (-float("inf"), 0))
+        if now - last < self.every_s:
+            self._last[message] = (last, held + 1)
             return
-        if self._held:
-            message += f" ({self._held} more like this in the last {self.every_s:.0f} s)"
-        self.logger.warning(message, *args)
-        self._last, self._held = now, 0
+        self._last[message] = (now, 0)
+        suffix = f" ({held} more like this in the last {self.every_s:.0f} s)" if held else ""
+        self.logger.warning(message + suffix, *args)
+
+
+class RepeatFilter(logging.Filter):
+    """Lets a log record through at most once per ``every_s`` for each shape of message
+    (its text with numbers blanked: one broker's "connection refused" is one shape, at
+    whatever time and port), and says how many were held back in between."""
+
+    _NUMBERS = re.compile(r"\d+")
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self._seen: dict[tuple[str, int, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, self._NUMBERS.sub("#", record.getMessage()))
+        now = time.monotonic()
+        last, held = self._seen.get(key, (-float("inf"), 0))
+        if now - last < self.every_s:
+            self._seen[key] = (last, held + 1)
+            return False
+        if len(self._seen) > 1000:
+            self._seen.clear()
+        self._seen[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like this in the last {self.every_s:.0f} s)"
+        return True

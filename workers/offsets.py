@@ -36,6 +36,14 @@ class OffsetTracker:
         with self._lock:
             self._in_flight.get(tp, set()).discard(offset)
 
+    def advance(self, positions: dict[TP, int]) -> None:
+        """The consumer's positions: past records it never delivers (transaction markers,
+        aborted records), which a commit may pass too."""
+        with self._lock:
+            for tp, position in positions.items():
+                if tp in self._next and position > self._next[tp]:
+                    self._next[tp] = position
+
     def committable(self) -> dict[TP, int]:
         """Safe positions that moved since the last ``mark_committed``."""
         out = {}

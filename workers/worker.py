@@ -48,7 +48,8 @@ from pipeline.kafka import (
     read_spans,
     scan_partitions,
 )
-from pipeline.retry import Backoff
+from pipeline.retry import Backoff, QuietLog
+from pipeline.roster import Heartbeat
 from pipeline.topics import (
     CONTROL,
     DEADLETTER,
@@ -196,12 +197,26 @@ class Worker:
         self.metrics = WorkerMetrics(registry, self)
         self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
+        self._quiet = QuietLog(log)
         self._fatal: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumer: AsyncConsumer | None = None
 
     # -- rebalances (these run on the consumer's thread, inside a poll) -------
     def _on_assign(self, assigned: list[TP]) -> dict[TP, int]:
+        """Take partitions over: retried (with backoff) while Kafka does not answer, as a
+        broker restarting makes it; the worker never exits for that."""
+        backoff = Backoff(0.5, 10.0)
+        while True:
+            try:
+                return self._take_over(assigned)
+            except (KafkaException, TimeoutError) as exc:
+                delay = backoff.next()
+                self._quiet.warning("could not take partitions over (retrying in %.1f s): %s",
+                                    delay, exc)
+                time.sleep(delay)
+
+    def _take_over(self, assigned: list[TP]) -> dict[TP, int]:
         assert self._consumer is not None
         prompts = [p for t, p in assigned if t == PROMPTS]
         controls = [p for t, p in assigned if t == CONTROL]
@@ -297,6 +312,7 @@ class Worker:
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
             timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id)
         await asyncio.to_thread(self.writer.start)
+        heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=self._on_assign,
                            on_revoke=self._on_revoke)
         paused: bool | None = None  # as applied to the assignment of version `applied`
@@ -318,9 +334,14 @@ class Worker:
                 for record in await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05):
                     await self._take(record)
                 self._start_waiting()
+                heartbeat.beat()
                 if self.writer.failed is not None:
                     self._fatal = self.writer.failed
                 if time.monotonic() - last_commit > COMMIT_INTERVAL_S:
+                    # Every record polled so far is taken: the consumer's position may pass
+                    # transaction markers, so the group's lag reaches 0 when all is done.
+                    self.tracker.advance({tp: o for tp, o in (await consumer.call(
+                        consumer.positions_sync)).items() if tp[0] == PROMPTS})
                     if self.tracker.committable():  # offsets moved with nothing to write
                         self.writer.commit_offsets()
                     last_commit = time.monotonic()
@@ -330,6 +351,7 @@ class Worker:
                     last_lag = time.monotonic()
             await self._drain()
         finally:
+            await asyncio.to_thread(heartbeat.leave)
             await asyncio.to_thread(self.writer.close)
             await consumer.close()
         if self._fatal is not None:

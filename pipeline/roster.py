@@ -1,0 +1,107 @@
+"""Which workers are alive, and the model each serves: every worker writes a heartbeat to
+``chat.workers`` (compacted, keyed by worker) every ``HEARTBEAT_S`` and a tombstone when
+it stops; a gateway reads the topic from ``EXPIRY_S`` ago on and counts a worker alive
+while its heartbeats keep coming.
+
+This replaces asking the group coordinator for the workers group's members: librdkafka's
+coordinator-bound Admin requests (DescribeConsumerGroups and kin) abort the process
+(``rd_kafka_enq_once_del_source_return: Assertion 'eonce->refcnt > 0'``) when the
+connection to the coordinator drops mid-request, a known bug (librdkafka #4605, fix
+proposed in #5397) that a broker restart set off in the gateway. No Admin API call is
+made on a request's path or in a loop any more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+
+from pipeline.kafka import client_logging
+from pipeline.retry import QuietLog
+from pipeline.topics import WORKERS
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 2.0
+EXPIRY_S = 10.0  # a worker not heard from for this long is taken for gone
+
+
+class Heartbeat:
+    """A worker's side: ``beat()`` every ``HEARTBEAT_S``, ``leave()`` when stopping."""
+
+    def __init__(self, bootstrap: str, worker: str, model: str) -> None:
+        self.worker = worker
+        self.model = model
+        self._last = 0.0
+        self._quiet = QuietLog(log)
+        self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0,
+                                   "message.timeout.ms": int(EXPIRY_S * 1000),
+                                   **client_logging("heartbeat")})
+
+    def beat(self) -> None:
+        """Write a heartbeat if one is due; never blocks (a lost one is harmless)."""
+        now = time.monotonic()
+        if now - self._last >= HEARTBEAT_S:
+            self._last = now
+            self._send(json.dumps({"model": self.model, "at": time.time()}).encode())
+        self._producer.poll(0)
+
+    def leave(self) -> None:
+        self._send(None)
+        self._producer.flush(5)
+
+    def _send(self, value: bytes | None) -> None:
+        try:
+            self._producer.produce(WORKERS, key=self.worker.encode(), value=value,
+                                   on_delivery=self._delivered)
+        except (BufferError, KafkaException) as exc:
+            self._quiet.warning("heartbeat not sent: %s", exc)
+
+    def _delivered(self, err: object, _msg: object) -> None:
+        if err is not None:
+            self._quiet.warning("heartbeat not delivered: %s", err)
+
+
+class Roster:
+    """A gateway's side: the models live workers serve, from the heartbeats read so far.
+    ``refresh()`` reads what arrived (call it from one thread)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "roster",
+                                   "enable.auto.commit": False,
+                                   **client_logging("roster")})
+        self._assigned = False
+        self._seen: dict[str, tuple[str, float]] = {}  # worker -> (model, last heard)
+
+    def _assign(self, timeout: float) -> None:
+        since = int((time.time() - EXPIRY_S) * 1000)
+        found = self._consumer.offsets_for_times([TopicPartition(WORKERS, 0, since)],
+                                                 timeout=timeout)[0]
+        start = found.offset if found.offset >= 0 else OFFSET_END
+        self._consumer.assign([TopicPartition(WORKERS, 0, start)])
+        self._assigned = True
+
+    def refresh(self, timeout: float = 5.0) -> set[str]:
+        if not self._assigned:
+            self._assign(timeout)
+        for msg in self._consumer.consume(1000, 0):
+            if msg.error():
+                continue
+            worker = (msg.key() or b"").decode(errors="replace")
+            value = msg.value()
+            if value is None:
+                self._seen.pop(worker, None)
+                continue
+            try:
+                model = str(json.loads(value)["model"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            self._seen[worker] = (model, time.monotonic())
+        now = time.monotonic()
+        self._seen = {w: (m, at) for w, (m, at) in self._seen.items() if now - at < EXPIRY_S}
+        return {m for m, _ in self._seen.values()}
+
+    def close(self) -> None:
+        self._consumer.close()
