@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
+import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,11 +18,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import completions, sessions
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
+from gateway.dependencies import Health
 from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, JsonOnly
 from gateway.errors import (
     APIError,
@@ -30,13 +34,21 @@ from gateway.errors import (
 from gateway.fleet import Fleet
 from gateway.http import Resources, resources
 from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestIds, RequestMetrics
 from gateway.openapi import openapi_spec
-from gateway.problems import Problem
+from gateway.problems import Problem, StoreUnavailable
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.tail import GenerationTail
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
+from pipeline.kafka import (
+    QUICK_ASSIGN,
+    AsyncConsumer,
+    EventProducer,
+    KafkaException,
+    TransactionalProducer,
+)
 from pipeline.metrics import serve_metrics
+from pipeline.retry import Backoff
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONVERSATION_TOPICS, GENERATIONS, PROMPTS
 
@@ -50,7 +62,18 @@ async def list_models(request: Request) -> Response:
     ]})
 
 
-async def health(request: Request) -> Response:
+async def livez(request: Request) -> Response:
+    """The process runs (a supervisor restarts it if this fails)."""
+    return JSONResponse({"status": "alive"})
+
+
+async def readyz(request: Request) -> Response:
+    """Whether requests can be served: 503, naming what is down, while Kafka or
+    PostgreSQL does not answer (as last checked, every 2 s)."""
+    down = resources(request).health.down
+    if down:
+        return JSONResponse({"status": "unavailable", "down": down}, status_code=503,
+                            headers={"Retry-After": "2"})
     return JSONResponse({"status": "ok"})
 
 
@@ -61,30 +84,6 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     return JSONResponse(openapi_spec())
-
-
-class RequestMetrics:
-    """Counts responses by route template and status, and refusals by error code."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                route = scope.get("route")
-                path = getattr(route, "path", "unmatched")
-                self.metrics.requests.labels(path, str(message["status"])).inc()
-                if message["status"] in (400, 401, 409, 413, 415, 429, 503):
-                    self.metrics.rejected.labels(str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 def served_hosts(settings: GatewaySettings) -> list[str]:
@@ -100,47 +99,63 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         label = uuid.uuid4().hex[:12]
-        producer = EventProducer(common.kafka_bootstrap, linger_ms=0)
+        timeout_s = settings.dependency_timeout_s
+        producer = EventProducer(common.kafka_bootstrap, linger_ms=0,
+                                 timeout_ms=int(timeout_s * 1000))
+        prompts = TransactionalProducer(
+            common.kafka_bootstrap, f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
+            timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000))
+        prompts.start()
         meta = AsyncConsumer(common.kafka_bootstrap, f"gateway-meta-{label}")
         reader = AsyncConsumer(common.kafka_bootstrap, f"gateway-reader-{label}",
                                **QUICK_ASSIGN)
         fleet = Fleet(common.kafka_bootstrap, settings.max_backlog)
-        pool = AsyncConnectionPool(common.database_url, min_size=1, max_size=10, open=False)
-        await pool.open(wait=True, timeout=30)
+        # Opened without waiting: a gateway starts while PostgreSQL is away (its requests
+        # that need the store are refused meanwhile), and a connection broken by a
+        # restart of the database is found and replaced when it is taken from the pool.
+        pool = AsyncConnectionPool(common.database_url, min_size=1, max_size=10,
+                                   timeout=timeout_s, check=AsyncConnectionPool.check_connection,
+                                   kwargs={"connect_timeout": max(int(timeout_s), 1)},
+                                   open=False)
+        await pool.open(wait=False)
+        health = Health(meta, pool, timeout_s)
         tail: GenerationTail | None = None
         # On an address of their own if asked (one only Prometheus reaches, say).
         stop_metrics = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
         try:
-            partitions = len(await meta.call(meta.partitions_sync, PROMPTS))
+            partitions = await _partitions(meta, settings.startup_timeout_s)
             for consumer in (meta, reader):  # so a client's first call waits for no lookup
                 for topic in CONVERSATION_TOPICS:
                     await consumer.call(consumer.partitions_sync, topic)
-            store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s)
+            store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,
+                                      timeout_s=timeout_s)
 
             async def end_of(partition: int) -> int:
                 return await store.end_of(GENERATIONS, partition)
 
             tail = GenerationTail(common.kafka_bootstrap, end_of, settings.tail_linger_s,
-                                  settings.stream_max_items, settings.stream_max_bytes)
+                                  settings.stream_max_items, settings.stream_max_bytes,
+                                  timeout_s=timeout_s)
             await tail.start()
             fleet.start()
+            health.start()
             gateway_metrics.backlog.set_function(lambda: fleet.backlog)
             gateway_metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
-            guard = Guard(pool, settings.require_auth)
-            log.info("API keys %s", "required" if await guard.enabled() else
-                     "not required: no key exists (pipeline keys create), serving tenant "
-                     "'default' to anyone who can reach this address")
-            chat = ChatService(settings, producer, tail, store, fleet, guard, gateway_metrics,
-                               settings.models)
-            app.state.resources = Resources(chat, producer, guard, registry, settings)
+            guard = Guard(pool, settings.require_auth, timeout_s=timeout_s)
+            await _say_whether_keys_are_required(guard)
+            chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,
+                               gateway_metrics, settings.models)
+            app.state.resources = Resources(chat, producer, guard, registry, settings, health)
             yield
         finally:
             stop_metrics()
+            await health.stop()
             if tail is not None:
                 await tail.stop()
             await fleet.stop()
             await reader.close()
             await meta.close()
+            await asyncio.to_thread(prompts.close, 10)
             producer.close()
             await pool.close()
 
@@ -158,7 +173,9 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         Route("/v1/sessions/{session_id}/messages", sessions.messages, methods=["GET"]),
         Route("/v1/sessions/{session_id}/messages", sessions.append, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/livez", livez, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/health", readyz, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if not settings.metrics_port:
@@ -178,5 +195,32 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
     app.add_middleware(Authenticate)
     app.add_middleware(JsonOnly)
     app.add_middleware(AllowedHosts, allowed=served_hosts(settings))
+    app.add_middleware(RequestIds)
     app.add_middleware(RequestMetrics, metrics=gateway_metrics)
     return app
+
+
+async def _partitions(meta: AsyncConsumer, timeout_s: float) -> int:
+    """The chat topics' partition count, waiting (with backoff) for Kafka to answer."""
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(0.5, 5.0)
+    while True:
+        try:
+            return len(await meta.call(meta.partitions_sync, PROMPTS, 5.0))
+        except KafkaException as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("waiting for Kafka to start the gateway: %s", exc)
+            await asyncio.sleep(backoff.next())
+
+
+async def _say_whether_keys_are_required(guard: Guard) -> None:
+    try:
+        required = await guard.enabled()
+    except StoreUnavailable:
+        log.warning("PostgreSQL is away: whether API keys are required is decided once it "
+                    "answers (requests are refused meanwhile)")
+        return
+    log.info("API keys %s", "required" if required else
+             "not required: no key exists (pipeline keys create), serving tenant "
+             "'default' to anyone who can reach this address")

@@ -24,7 +24,9 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import keys
-from gateway.errors import APIError
+from gateway.dependencies import from_store
+from gateway.errors import APIError, api_error
+from gateway.problems import Problem
 
 DEFAULT_TENANT = "default"
 DEFAULT_COMPLETION_TOKENS = 512
@@ -56,8 +58,10 @@ def _reset(limit: float, left: float) -> str:
 
 
 class Guard:
-    def __init__(self, pool: AsyncConnectionPool, require: bool, cache_s: float = 2.0) -> None:
+    def __init__(self, pool: AsyncConnectionPool, require: bool, cache_s: float = 2.0,
+                 timeout_s: float = 5.0) -> None:
         self.pool = pool
+        self.timeout_s = timeout_s  # auth and limits need the store: 503 when it is away
         self.require = require
         self.cache_s = cache_s
         self._enabled: tuple[float, bool] = (0.0, require)
@@ -67,7 +71,7 @@ class Guard:
         checked, on = self._enabled
         if self.require or time.monotonic() - checked < self.cache_s:
             return on
-        async with self.pool.connection() as conn:
+        async with from_store(self.pool, self.timeout_s) as conn:
             row = await (await conn.execute("SELECT EXISTS (SELECT 1 FROM api_keys)")).fetchone()
         on = bool(row and row[0])
         self._enabled = (time.monotonic(), on)
@@ -98,7 +102,7 @@ class Guard:
         return caller
 
     async def _lookup(self, key_id: str, secret: str) -> Caller | None:
-        async with self.pool.connection() as conn:
+        async with from_store(self.pool, self.timeout_s) as conn:
             row = await (await conn.execute(
                 "SELECT tenant, salt, hash, rpm, tpm, revoked_at FROM api_keys WHERE id = %s",
                 (key_id,))).fetchone()
@@ -115,7 +119,7 @@ class Guard:
             return {}
         rpm = float(caller.rpm) if caller.rpm is not None else UNLIMITED
         tpm = float(caller.tpm) if caller.tpm is not None else UNLIMITED
-        async with self.pool.connection() as conn:
+        async with from_store(self.pool, self.timeout_s) as conn:
             row = await (await conn.execute(
                 "SELECT granted, requests_left, tokens_left, wait_s"
                 " FROM take_from_buckets(%s, %s, %s, %s, %s)",
@@ -164,6 +168,9 @@ class Authenticate:
             limits = await guard.charge(caller, requests=1, tokens=0)
         except APIError as exc:
             await exc.response()(scope, receive, send)
+            return
+        except Problem as exc:  # the store is away: who calls cannot be told
+            await api_error(exc).response()(scope, receive, send)
             return
         scope.setdefault("state", {})["caller"] = caller
         extra = [(k.encode(), v.encode()) for k, v in limits.items()]

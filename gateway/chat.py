@@ -21,6 +21,7 @@ from typing import Any
 from gateway import openai_api
 from gateway.auth import Caller, Guard, estimate_tokens
 from gateway.cursor import Cursor, failure, sse
+from gateway.dependencies import from_log
 from gateway.errors import api_error
 from gateway.fleet import Fleet
 from gateway.ids import completion_id, conversation_of, idempotent_conversation
@@ -35,6 +36,7 @@ from gateway.problems import (
     OverLimit,
     Problem,
     SessionNotFound,
+    StoreUnavailable,
     StreamLagging,
     TurnInProgress,
 )
@@ -43,7 +45,7 @@ from gateway.store import ConversationStore
 from gateway.tail import Delivered, GenerationTail, Overflow, Subscription
 from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key
-from pipeline.kafka import EventProducer
+from pipeline.kafka import EventProducer, ProduceError, TransactionalProducer
 from pipeline.topics import CONTROL, GENERATIONS, PROMPTS
 from schemas import (
     ClientAttached,
@@ -61,8 +63,6 @@ log = logging.getLogger(__name__)
 # Worker and gateway clocks may differ: read a turn's events from this long before
 # its prompt's time when replaying it from the start.
 CLOCK_SKEW_MS = 5_000
-# How long a request whose prompt is in the log may wait to learn whether it counts.
-JUDGE_TIMEOUT_S = 30
 
 
 @dataclass
@@ -83,12 +83,13 @@ class Following:
 
 class ChatService:
     def __init__(
-        self, settings: GatewaySettings, producer: EventProducer, tail: GenerationTail,
-        store: ConversationStore, fleet: Fleet, guard: Guard, metrics: GatewayMetrics,
-        configured_models: list[str],
+        self, settings: GatewaySettings, producer: EventProducer,
+        prompts: TransactionalProducer, tail: GenerationTail, store: ConversationStore,
+        fleet: Fleet, guard: Guard, metrics: GatewayMetrics, configured_models: list[str],
     ) -> None:
         self.settings = settings
-        self.producer = producer
+        self.producer = producer  # control events: facts that may arrive late
+        self.prompts = prompts  # turns: committed, or certainly never written
         self.tail = tail
         self.store = store
         self.fleet = fleet
@@ -126,6 +127,9 @@ class ChatService:
         """Write the turn's PromptSubmitted; return once Kafka acknowledged it. With an
         idempotency key that was used before, follow the original turn instead."""
         self.check_limits(request)
+        # The whole acceptance is bounded: past this, a prompt not yet asked to commit is
+        # refused (503), and certainly never written.
+        deadline = time.monotonic() + self.settings.accept_timeout_s
         tenant = caller.tenant
         key = idempotency_key
         conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
@@ -160,12 +164,11 @@ class ChatService:
         sub = await self.tail.follow(request_id, conversation_key(conversation),
                                      self.store.partition_of(conversation))
         try:
-            try:
-                written = await asyncio.wait_for(self.producer.send(PROMPTS, prompt),
-                                                 timeout=15)
-            except Exception as exc:
-                log.error("could not write prompt %s: %s", request_id, exc)
-                raise LogUnavailable() from exc
+            try:  # answered definitely: committed, or never to be written
+                written = await self.prompts.send(PROMPTS, prompt, deadline=deadline)
+            except ProduceError as exc:
+                log.warning("prompt %s not accepted: %s", request_id, exc)
+                raise LogUnavailable(request_id) from exc
             if view is not None:
                 await self._judge(view, prompt, written.offset)
         except BaseException:
@@ -181,16 +184,17 @@ class ChatService:
         was accepted after its history was read (``schemas.conversation``). Every
         reader of the log reaches the same verdict, so a void prompt is never run."""
         assert view.prompts_end is not None
-        deadline = time.monotonic() + JUDGE_TIMEOUT_S
+        delay = 0.2
         while True:
             try:  # the turns appended between the history's read and this prompt
                 await self.store.fold(view, PROMPTS, view.prompts_end, offset)
                 break
-            except Exception as exc:
-                # The prompt is in the log; what it means must be known before answering.
-                if time.monotonic() > deadline:
-                    raise LogUnavailable() from exc
-                await asyncio.sleep(0.2)
+            except LogUnavailable:
+                # The prompt is committed: it runs unless void, so no refusal may be given
+                # until the log says which. (A client that leaves meanwhile learns it by
+                # retrying with its Idempotency-Key.)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
         view.apply(prompt, offset)
         rival = view.void.get(prompt.request_id)
         if rival is not None:
@@ -238,9 +242,9 @@ class ChatService:
             ended = any(isinstance(d.event, (GenerationFinished, GenerationFailed))
                         for d in history)
             if not ended:
-                await self.producer.send(CONTROL, ClientAttached(
+                await from_log(self.producer.send(CONTROL, ClientAttached(
                     conversation_id=conversation, request_id=turn.request_id, tenant=tenant,
-                    attachment=attachment))
+                    attachment=attachment)), self.settings.dependency_timeout_s)
         except BaseException:
             self.tail.unfollow(sub)
             raise
@@ -253,9 +257,9 @@ class ChatService:
         """Ask the worker to stop a turn now; return the turn's status before that."""
         view, turn = await self.find_turn(completion, tenant)
         if turn.status in ("pending", "running"):
-            await self.producer.send(CONTROL, GenerationCancelled(
+            await from_log(self.producer.send(CONTROL, GenerationCancelled(
                 conversation_id=uuid.UUID(str(view.id)), request_id=completion, tenant=tenant,
-                reason="client request"))
+                reason="client request")), self.settings.dependency_timeout_s)
         return turn.status
 
     # -- following ----------------------------------------------------------------
@@ -316,7 +320,33 @@ class ChatService:
             yield {"data": "[DONE]"}
 
     async def collect(self, f: Following) -> dict[str, Any]:
-        """Wait for the whole reply (non-streaming)."""
+        """Wait for the whole reply (non-streaming). The answer's status is written only
+        then, so after acceptance it is never a refusal: a reader that fell behind reads
+        the turn again from the log, and a turn past ``generation_timeout_s`` is
+        cancelled before the 504 goes out."""
+        while True:
+            try:
+                return await self._collect(f)
+            except Overflow:  # only a reader stalled for a very long time gets here
+                log.warning("collecting %s again from the log", f.completion_id)
+                f = await self._reattach(f)
+            except GenerationTimeout:
+                try:
+                    await self.cancel(f.completion_id, f.tenant)
+                except Problem as exc:  # the answer stays the 504
+                    log.warning("could not cancel %s: %s", f.completion_id, exc)
+                raise
+
+    async def _reattach(self, f: Following) -> Following:
+        delay = 0.2
+        while True:
+            try:
+                return await self.attach(f.completion_id, f.tenant, None)
+            except (LogUnavailable, StoreUnavailable):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _collect(self, f: Following) -> dict[str, Any]:
         try:
             async for item in self._events(f):
                 self._observe(f, item)
@@ -326,9 +356,6 @@ class ChatService:
                                                  event.text, event.finish_reason, event.usage)
                 if isinstance(event, GenerationFailed):
                     raise failure(event)
-        except Overflow:  # only a reader stalled for a very long time gets here
-            raise StreamLagging("The reply could not be collected; retry with the same "
-                                "Idempotency-Key.") from None
         finally:
             self.tail.unfollow(f.sub)
         raise AssertionError("unreachable")

@@ -19,6 +19,7 @@ from gateway.problems import (
     Problem,
     SessionNotFound,
     StoreLagging,
+    StoreUnavailable,
     StreamLagging,
     TurnInProgress,
 )
@@ -82,7 +83,12 @@ def api_error(problem: Problem) -> APIError:
         case TurnInProgress():
             return APIError(409, message, code="turn_in_progress")
         case LogUnavailable():
-            return APIError(503, message, code="log_unavailable", headers={"Retry-After": "2"})
+            ids = {"X-Request-Id": problem.request_id} if problem.request_id else {}
+            return APIError(503, message, code="log_unavailable",
+                            headers={"Retry-After": "2", **ids})
+        case StoreUnavailable():
+            return APIError(503, message, code="store_unavailable",
+                            headers={"Retry-After": "2"})
         case StoreLagging():
             return APIError(503, message, code="projection_lagging",
                             headers={"Retry-After": "2"})

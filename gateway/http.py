@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from gateway.auth import OPEN, Caller, Guard
 from gateway.chat import ChatService
+from gateway.dependencies import Health
 from gateway.errors import APIError
 from gateway.settings import GatewaySettings
 from pipeline.kafka import EventProducer
@@ -22,6 +23,7 @@ class Resources:
     guard: Guard
     registry: CollectorRegistry
     settings: GatewaySettings
+    health: Health
 
 
 def resources(request: Request) -> Resources:

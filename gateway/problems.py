@@ -45,8 +45,17 @@ class TurnInProgress(Problem):
 
 
 class LogUnavailable(Problem):
-    def __init__(self) -> None:
+    """Kafka did not answer in time. For a new turn, ``request_id`` names it: it was not
+    accepted and will never run (a retry with the same Idempotency-Key is safe)."""
+
+    def __init__(self, request_id: str | None = None) -> None:
         super().__init__("The log is unavailable; the request was not accepted.")
+        self.request_id = request_id
+
+
+class StoreUnavailable(Problem):
+    def __init__(self) -> None:
+        super().__init__("The conversation store is unavailable; retry shortly.")
 
 
 class StoreLagging(Problem):
@@ -63,7 +72,7 @@ class BacklogFull(Problem):
 
 class GenerationTimeout(Problem):
     def __init__(self) -> None:
-        super().__init__("The generation did not finish in time.")
+        super().__init__("The generation did not finish in time; it was cancelled.")
 
 
 class StreamLagging(Problem):

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.completions import parse_session_id, respond
+from gateway.dependencies import from_log
 from gateway.edge import load_json
 from gateway.errors import APIError
 from gateway.http import read_body, resources, tenant_of
@@ -42,7 +43,7 @@ async def create(request: Request) -> Response:
     new = validate(NewSession, load_json(body) if body.strip() else {})
     event = SessionCreated(conversation_id=uuid.uuid4(), request_id=f"session-{uuid.uuid4().hex}",
                            tenant=tenant_of(request), title=new.title)
-    await res.producer.send(CONTROL, event)
+    await from_log(res.producer.send(CONTROL, event), res.settings.dependency_timeout_s)
     created = session_json(event.conversation_id, new.title, event.occurred_at,
                            event.occurred_at)
     return JSONResponse(created, status_code=201)
@@ -76,8 +77,9 @@ async def delete(request: Request) -> Response:
     session = parse_session_id(request.path_params["session_id"])
     tenant = tenant_of(request)
     await res.chat.visible_view(session, tenant)
-    await res.producer.send(CONTROL, SessionDeleted(
-        conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}", tenant=tenant))
+    await from_log(res.producer.send(CONTROL, SessionDeleted(
+        conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}", tenant=tenant)),
+        res.settings.dependency_timeout_s)
     return JSONResponse({"id": str(session), "object": "session.deleted", "deleted": True})
 
 

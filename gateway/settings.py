@@ -16,6 +16,15 @@ class GatewaySettings(BaseSettings):
     # How long a request waits for the projection to reach the log's end for its
     # conversation before answering 503 (read-your-writes barrier).
     projection_wait_s: float = Field(default=10.0, gt=0)
+    # How long any one call to Kafka or PostgreSQL may take before the request is refused
+    # (503 with Retry-After): the gateway answers within bounded time when either is away.
+    dependency_timeout_s: float = Field(default=5.0, gt=0)
+    # How long a starting gateway waits for Kafka to answer before it gives up.
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+    # How long a new turn may wait for the log to take its prompt. A prompt not in a
+    # committed transaction by then is never written: the answer is 503, and the turn
+    # never runs.
+    accept_timeout_s: float = Field(default=10.0, gt=0)
     # How long a request waits for its generation to finish, all told.
     generation_timeout_s: float = Field(default=300.0, gt=0)
     max_body_bytes: int = Field(default=1_000_000, ge=1024)

@@ -18,6 +18,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
+from gateway.dependencies import from_log, from_store
 from gateway.problems import StoreLagging
 from gateway.view import ConversationView, Message, TurnState
 from pipeline.codec import DecodeError, conversation_key, decode
@@ -33,6 +34,7 @@ class ConversationStore:
     def __init__(
         self, pool: AsyncConnectionPool, meta: AsyncConsumer, reader: AsyncConsumer,
         partitions: int, wait_s: float, max_unprojected: int = 50_000,
+        timeout_s: float = 5.0,
     ) -> None:
         self.pool = pool
         self.meta = meta  # quick metadata calls (watermarks)
@@ -40,23 +42,29 @@ class ConversationStore:
         self.partitions = partitions
         self.wait_s = wait_s
         self.max_unprojected = max_unprojected
+        # Each call to Kafka or PostgreSQL waits at most this long (range reads twice).
+        self.timeout_s = timeout_s
 
     def partition_of(self, conversation_id: uuid.UUID) -> int:
         return partition_for(conversation_key(conversation_id), self.partitions)
 
     async def end_of(self, topic: str, partition: int) -> int:
-        return (await self.meta.call(self.meta.watermarks_sync, topic, partition))[1]
+        ends = await from_log(self.meta.call(self.meta.watermarks_sync, topic, partition,
+                                             self.timeout_s), self.timeout_s)
+        return ends[1]
 
     async def offset_at(self, topic: str, partition: int, ms: int) -> int:
-        return await self.reader.call(self.reader.offset_for_time_sync, topic, partition, ms)
+        return await from_log(self.reader.call(self.reader.offset_for_time_sync, topic,
+                                               partition, ms, self.timeout_s), self.timeout_s)
 
     async def events(self, topic: str, conversation_id: uuid.UUID, start: int,
                      end: int) -> list[tuple[Record, Event]]:
         """The conversation's events in ``[start, end)`` of its partition of ``topic``
         (records that do not decode are the projector's to dead-letter)."""
         key = conversation_key(conversation_id)
-        records = await self.reader.call(self.reader.read_range_sync, topic,
-                                         self.partition_of(conversation_id), start, end)
+        records = await from_log(self.reader.call(
+            self.reader.read_range_sync, topic, self.partition_of(conversation_id), start, end,
+            2 * self.timeout_s), 2 * self.timeout_s)
         out = []
         for record in records:
             if record.key == key:
@@ -84,7 +92,7 @@ class ConversationStore:
     async def _stored(self, conversation_id: uuid.UUID,
                       partition: int) -> tuple[ConversationView, dict[str, int]]:
         view = ConversationView(conversation_id)
-        async with self.pool.connection() as conn, conn.transaction():
+        async with from_store(self.pool, self.timeout_s) as conn, conn.transaction():
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             positions: dict[str, int] = dict(await (await conn.execute(
                 "SELECT topic, next_offset FROM projector_positions"
@@ -113,7 +121,7 @@ class ConversationStore:
         deadline = time.monotonic() + self.wait_s
         delay = 0.005
         while True:
-            async with self.pool.connection() as conn:
+            async with from_store(self.pool, self.timeout_s) as conn:
                 rows = await (await conn.execute(
                     "SELECT topic, partition, next_offset FROM projector_positions"
                     " WHERE topic = %s", (topic,))).fetchall()
@@ -133,7 +141,7 @@ class ConversationStore:
         cursor = "" if after is None else (
             " AND (created_at, id) < (SELECT created_at, id FROM conversations"
             " WHERE id = %(after)s AND tenant = %(tenant)s)")
-        async with self.pool.connection() as conn:
+        async with from_store(self.pool, self.timeout_s) as conn:
             rows = await (await conn.execute(
                 "SELECT id, title, created_at, updated_at FROM conversations"
                 " WHERE tenant = %(tenant)s AND NOT deleted" + cursor +

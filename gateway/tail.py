@@ -22,8 +22,10 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from gateway.dependencies import from_log
 from pipeline.codec import DecodeError, Position, decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, Record
+from pipeline.retry import QuietLog
 from pipeline.topics import GENERATIONS
 from schemas import GenerationEvent, TokenDelta
 
@@ -53,6 +55,7 @@ class Subscription:
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.overflowed = False
+        self._next_seq = 0  # after the highest token pushed
         self._items: deque[Delivered] = deque()
         self._bytes = 0
         self._ready = asyncio.Event()
@@ -61,10 +64,17 @@ class Subscription:
         return len(self._items)
 
     def push(self, item: Delivered) -> None:
+        """Queue ``item``; consecutive deltas merge while the reader is behind. A delta
+        already pushed (a worker that wrote it again) is dropped here: merged into
+        a run with new ones, it would hide them from the reader's duplicate check."""
         if self.overflowed:
             return
         last = self._items[-1] if self._items else None
         new = item.event
+        if isinstance(new, TokenDelta):
+            if new.seq < self._next_seq:
+                return
+            self._next_seq = new.seq + 1
         if (last is not None and isinstance(last.event, TokenDelta)
                 and isinstance(new, TokenDelta) and new.seq == last.event.seq + last.span):
             merged = last.event.model_copy(update={"text": last.event.text + new.text,
@@ -96,8 +106,10 @@ class Subscription:
 class GenerationTail:
     def __init__(
         self, bootstrap: str, end_of: Callable[[int], Awaitable[int]], linger_s: float = 60.0,
-        max_items: int = 1000, max_bytes: int = 4_000_000,
+        max_items: int = 1000, max_bytes: int = 4_000_000, timeout_s: float = 5.0,
     ) -> None:
+        self._timeout_s = timeout_s
+        self._quiet = QuietLog(log)
         # Partitions are assigned, not subscribed: the group id is only a label.
         self._consumer = AsyncConsumer(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}",
                                        **QUICK_ASSIGN)
@@ -154,8 +166,9 @@ class GenerationTail:
             end = await self._end_of(partition)
             self._next[partition] = end
             try:
-                await self._consumer.call(self._consumer.add_partitions_sync,
-                                          {(GENERATIONS, partition): end})
+                await from_log(self._consumer.call(self._consumer.add_partitions_sync,
+                                                   {(GENERATIONS, partition): end}),
+                               self._timeout_s)
             except BaseException:
                 del self._next[partition]
                 raise
@@ -201,8 +214,9 @@ class GenerationTail:
                     await self._drop_idle()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("generation tail failed; retrying")
+            except Exception as exc:
+                self._quiet.warning("the generation tail could not read Kafka; retrying: %r",
+                                    exc)
                 await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
