@@ -88,6 +88,9 @@ POLL_RECORDS = 200
 # How often offsets that moved without anything to write (skipped prompts, turns whose
 # end was in the last transaction) are committed on their own.
 COMMIT_INTERVAL_S = 0.2
+# A prompt partition with records waiting that has not moved for this long while
+# fetching gets its fetch restarted (``_unstall``).
+STALL_S = 10.0
 # Worker and gateway clocks may differ: a takeover scan starts this long before the oldest
 # unfinished prompt's time.
 CLOCK_SKEW_MS = 60_000
@@ -198,6 +201,7 @@ class Worker:
         self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
         self._quiet = QuietLog(log)
+        self._progress: dict[TP, tuple[int | None, float]] = {}  # position, since when
         self._fatal: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumer: AsyncConsumer | None = None
@@ -346,8 +350,10 @@ class Worker:
                         self.writer.commit_offsets()
                     last_commit = time.monotonic()
                 if time.monotonic() - last_lag > 1.0:
-                    self.metrics.lag.set(sum(n for (t, _), n in (
-                        await consumer.call(consumer.lag_sync)).items() if t == PROMPTS))
+                    lag = {tp: n for tp, n in (await consumer.call(consumer.lag_sync)).items()
+                           if tp[0] == PROMPTS}
+                    self.metrics.lag.set(sum(lag.values()))
+                    await self._unstall(consumer, lag, bool(paused))
                     last_lag = time.monotonic()
             await self._drain()
         finally:
@@ -356,6 +362,26 @@ class Worker:
             await consumer.close()
         if self._fatal is not None:
             raise self._fatal
+
+    async def _unstall(self, consumer: AsyncConsumer, lag: dict[TP, int],
+                       paused: bool) -> None:
+        """Restart the fetch of a prompt partition that has records waiting but has not
+        moved for ``STALL_S`` while fetching (a fetcher stuck after a leader change)."""
+        now = time.monotonic()
+        positions = await consumer.call(consumer.positions_sync, list(lag))
+        stalled = []
+        for tp, behind in lag.items():
+            position = positions.get(tp)
+            last = self._progress.get(tp)
+            if paused or behind == 0 or last is None or last[0] != position:
+                self._progress[tp] = (position, now)
+            elif now - last[1] > STALL_S:
+                stalled.append(tp)
+                self._progress[tp] = (position, now)
+        if stalled:
+            log.warning("prompt partitions %s have records waiting but did not move for "
+                        "%.0f s: restarting their fetch", [p for _, p in stalled], STALL_S)
+            await consumer.call(consumer.restart_fetch_sync, stalled)
 
     async def _drain(self, grace_s: float = 30.0) -> None:
         tasks = [f.task for f in self.in_flight.values()]
