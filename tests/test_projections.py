@@ -4,8 +4,6 @@ killed mid-load and sharing a group, and events the store refuses (real Kafka, P
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,15 +21,9 @@ from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
 from schemas import GenerationFinished, Usage
 from tests.conftest import MODEL, Pipeline, Service, Stack, start_service
 from tests.logread import read_records
+from tests.replaying import TABLES, cli, replay_into_new_schema, snapshot
 
 pytestmark = pytest.mark.integration
-
-TABLES = {
-    "conversations": "id",
-    "messages": "conversation_id, seq",
-    "generations": "request_id",
-    "projector_positions": "topic, partition",
-}
 
 
 def turn(pipeline: Pipeline, text: str, session: str | None = None, max_tokens: int = 6) -> str:
@@ -43,28 +35,6 @@ def turn(pipeline: Pipeline, text: str, session: str | None = None, max_tokens: 
     return r.headers["x-session-id"]
 
 
-def snapshot(database_url: str, schema: str) -> dict[str, list[tuple]]:
-    with psycopg.connect(database_url) as conn:
-        return {
-            table: conn.execute(sql.SQL("SELECT * FROM {}.{} ORDER BY " + order).format(
-                sql.Identifier(schema), sql.Identifier(table))).fetchall()
-            for table, order in TABLES.items()
-        }
-
-
-def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True,
-                          text=True, env=pipeline.stack.env(), timeout=300)
-
-
-def replay_into_new_schema(pipeline: Pipeline, *extra: str) -> str:
-    schema = f"replay_{uuid.uuid4().hex[:10]}"
-    done = cli(pipeline, "replay", "--from-beginning", "--schema", schema, *extra)
-    assert done.returncode == 0, done.stderr
-    assert "events/s" in done.stdout
-    return schema
-
-
 def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
     session = turn(pipeline, "replay me")
     turn(pipeline, "and again", session)
@@ -72,7 +42,7 @@ def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
     deleted = httpx.delete(f"{pipeline.url}/v1/sessions/{forgotten}", timeout=30)
     assert deleted.status_code == 200, deleted.text
     pipeline.wait_projected()
-    schema = replay_into_new_schema(pipeline)
+    schema = replay_into_new_schema(pipeline.stack)
     live = snapshot(pipeline.stack.database_url, "public")
     rebuilt = snapshot(pipeline.stack.database_url, schema)
     for table in TABLES:
@@ -84,7 +54,7 @@ def test_replay_rebuilds_an_identical_store(pipeline: Pipeline) -> None:
     assert not [m for m in rebuilt["messages"] if str(m[0]) == forgotten]
 
     # A replay never writes over a store that holds data.
-    again = cli(pipeline, "replay", "--from-beginning", "--schema", schema)
+    again = cli(pipeline.stack, "replay", "--from-beginning", "--schema", schema)
     assert again.returncode == 2 and "already holds" in again.stderr
 
 
@@ -95,7 +65,7 @@ def test_point_in_time_replay(pipeline: Pipeline) -> None:
     time.sleep(0.05)
     after = turn(pipeline, "after the moment")
     pipeline.wait_projected()
-    schema = replay_into_new_schema(pipeline, "--until", moment.isoformat())
+    schema = replay_into_new_schema(pipeline.stack, "--until", moment.isoformat())
     rebuilt = snapshot(pipeline.stack.database_url, schema)
     ids = {str(row[0]) for row in rebuilt["conversations"]}
     assert before in ids and after not in ids
@@ -106,7 +76,7 @@ def test_point_in_time_replay(pipeline: Pipeline) -> None:
 def test_audit_prints_a_sessions_history_from_the_log(pipeline: Pipeline) -> None:
     session = turn(pipeline, "audit me")
     turn(pipeline, "second turn", session)
-    done = cli(pipeline, "audit", session, "--json")
+    done = cli(pipeline.stack, "audit", session, "--json")
     assert done.returncode == 0, done.stderr
     entries = [json.loads(line) for line in done.stdout.splitlines()]
     kinds = [e["event"]["type"] for e in entries]
@@ -116,10 +86,10 @@ def test_audit_prints_a_sessions_history_from_the_log(pipeline: Pipeline) -> Non
     assert {e["topic"] for e in entries} == {PROMPTS, GENERATIONS}
     assert all(isinstance(e["offset"], int) for e in entries)
 
-    text = cli(pipeline, "audit", session)
+    text = cli(pipeline.stack, "audit", session)
     assert text.returncode == 0
     assert "PromptSubmitted" in text.stdout and "TokenDelta x" in text.stdout
-    assert cli(pipeline, "audit", str(uuid.uuid4())).returncode == 1
+    assert cli(pipeline.stack, "audit", str(uuid.uuid4())).returncode == 1
 
 
 def test_event_the_store_refuses_is_dead_lettered_and_projection_goes_on(
@@ -190,7 +160,7 @@ def test_projectors_killed_under_load_and_sharing_a_group_leave_an_exact_store(
             s.stop()
     assert kills >= 4 and len(sessions) == 48
 
-    schema = replay_into_new_schema(pipeline)
+    schema = replay_into_new_schema(pipeline.stack)
     live = snapshot(pipeline.stack.database_url, "public")
     rebuilt = snapshot(pipeline.stack.database_url, schema)
     for table in TABLES:
