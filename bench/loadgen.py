@@ -104,7 +104,6 @@ async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, A
                       keep_ids: bool = False) -> Request:
     """One streaming chat request, timed."""
     request = Request(time.perf_counter())
-    event_id = ""
     try:
         async with client.post(f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
@@ -112,12 +111,10 @@ async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, A
                 request.error = f"HTTP {resp.status}"
                 return request
             async for raw in resp.content:
-                if raw.startswith(b"id: "):
-                    event_id = raw[4:].decode().rstrip()
-                elif raw.startswith(b"data: "):
+                if raw.startswith(b"data: "):
                     now = time.perf_counter()
-                    if keep_ids and event_id:
-                        request.arrivals.append((event_id, now))
+                    if keep_ids and b'"event_id":"' in raw:
+                        request.arrivals.append((json.loads(raw[6:])["event_id"], now))
                     if request.first is None and b'"content":"' in raw and \
                             b'"content":""' not in raw:
                         request.first = now
@@ -127,7 +124,6 @@ async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, A
                         request.ended = now
                     elif b'"error":' in raw and b'"error":null' not in raw:
                         request.error = json.loads(raw[6:])["error"].get("code", "error")
-                    event_id = ""
     except (aiohttp.ClientError, TimeoutError) as exc:
         request.error = type(exc).__name__
     if request.ended is None and request.error is None:

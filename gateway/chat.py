@@ -285,9 +285,12 @@ class ChatService:
         elif isinstance(event, GenerationFinished) and f.accepted_at:
             self.metrics.latency.observe(time.monotonic() - f.accepted_at)
 
-    async def stream(self, f: Following, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """The turn as SSE events of OpenAI chunks, ending with ``[DONE]``."""
-        cursor = Cursor(f.completion_id, f.created, f.model, include_usage, f.resume_after)
+    async def stream(self, f: Following, include_usage: bool,
+                     id_lines: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """The turn as SSE events of OpenAI chunks, ending with ``[DONE]``; with
+        ``id_lines``, each event that stands for a log event has an ``id`` line."""
+        cursor = Cursor(f.completion_id, f.created, f.model, include_usage, f.resume_after,
+                        id_lines)
         self.metrics.active_streams.inc()
         self._open[f.conversation_id] += 1
         self.metrics.active_sessions.set(len(self._open))

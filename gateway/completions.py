@@ -17,6 +17,9 @@ from gateway.openai_api import ChatRequest, parse_chat_request
 from gateway.problems import SessionNotFound
 
 SESSION_HEADER = "X-Session-Id"
+# Where a broken stream continues: GET it with the last chunk's ``event_id`` as
+# ``Last-Event-ID`` (without one, the stream starts over).
+RESUME_HEADER = "X-Resume-Url"
 # Seconds a stream may stay blocked on a client that reads nothing before it is dropped.
 SEND_TIMEOUT_S = 30
 
@@ -29,7 +32,16 @@ def parse_session_id(raw: str) -> uuid.UUID:
 
 
 def sse_response(events: Any, headers: dict[str, str]) -> EventSourceResponse:
-    return EventSourceResponse(events, headers=headers, ping=15, send_timeout=SEND_TIMEOUT_S)
+    """Framed as ``vllm serve`` frames it (LF line ends), which clients that split
+    messages on ``"\n\n"`` (vLLM's benchmark client) need; EventSource takes it too."""
+    return EventSourceResponse(events, headers=headers, ping=15, send_timeout=SEND_TIMEOUT_S,
+                               sep="\n")
+
+
+def stream_headers(following: Following) -> dict[str, str]:
+    completion = following.completion_id
+    return {SESSION_HEADER: str(following.conversation_id), "X-Request-Id": completion,
+            RESUME_HEADER: f"/v1/chat/completions/{completion}/stream"}
 
 
 async def respond(request: Request, chat_request: ChatRequest,
@@ -38,10 +50,10 @@ async def respond(request: Request, chat_request: ChatRequest,
     res = resources(request)
     following = await res.chat.accept(chat_request, session, caller_of(request),
                                       idempotency_key(request.headers.get("Idempotency-Key")))
-    headers = {SESSION_HEADER: str(following.conversation_id),
-               "X-Request-Id": following.completion_id}
-    if chat_request.stream:
+    headers = stream_headers(following)
+    if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
         return sse_response(res.chat.stream(following, chat_request.include_usage()), headers)
+    del headers[RESUME_HEADER]
     return JSONResponse(await res.chat.collect(following), headers=headers)
 
 
@@ -66,8 +78,9 @@ async def stream(request: Request) -> Response:
     following: Following = await res.chat.attach(
         completion, tenant_of(request), parse_event_id(raw) if raw else None)
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
-    headers = {SESSION_HEADER: str(following.conversation_id), "X-Request-Id": completion}
-    return sse_response(res.chat.stream(following, include_usage), headers)
+    # With id lines, so that an EventSource sends the last one back when it reconnects.
+    return sse_response(res.chat.stream(following, include_usage, id_lines=True),
+                        stream_headers(following))
 
 
 async def retrieve(request: Request) -> Response:

@@ -60,7 +60,10 @@ def openapi_spec() -> dict[str, Any]:
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}
     chat = _schema(ChatRequest, components)
-    stream = {"description": "A chat completion, or SSE chunks when stream is true",
+    stream = {"description": "A chat completion, or SSE chunks when stream is true: "
+                             "data lines only, each chunk standing for a log event with "
+                             "its position as event_id (send it back as Last-Event-ID to "
+                             "the X-Resume-Url header's address to continue)",
               "content": {"application/json": {"schema": {"type": "object"}},
                           "text/event-stream": {"schema": {"type": "string"}}}}
     completion = _path("completion_id", "A chat completion id (chatcmpl-...)")
@@ -86,8 +89,8 @@ def openapi_spec() -> dict[str, Any]:
             "getChatCompletion", "A turn's status and reply", _json("The completion"), 404,
             503, params=[completion])},
         "/v1/chat/completions/{completion_id}/stream": {"get": _op(
-            "streamChatCompletion", "Re-attach to a turn's stream, after Last-Event-ID if given",
-            stream, 400, 404, 503, params=[
+            "streamChatCompletion", "Re-attach to a turn's stream, after Last-Event-ID if given "
+            "(the same chunks, with id lines for EventSource)", stream, 400, 404, 503, params=[
                 completion,
                 {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
                 {"name": "starting_after", "in": "query", "schema": {"type": "string"}}])},

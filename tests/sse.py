@@ -1,4 +1,5 @@
-"""A raw SSE client for tests: what a browser or curl would see, event ids included."""
+"""A raw SSE client for tests: what a browser or curl would see, event ids included
+(from ``id:`` lines on a re-attached stream, from each chunk's ``event_id`` on a POST)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ class Streamed:
     done: bool = False
     broken: bool = False  # the connection died under the client
     chunks: list[dict[str, Any]] = field(default_factory=list)
-    ids: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)  # the events' positions, in order
+    id_lines: list[str] = field(default_factory=list)  # the SSE ``id:`` lines
 
     @property
     def request_id(self) -> str:
@@ -39,17 +41,19 @@ def _read(resp: httpx.Response, out: Streamed, stop_after: int | None) -> None:
     for line in resp.iter_lines():
         if line.startswith("id: "):
             event_id = line[len("id: "):]
+            out.id_lines.append(event_id)
             continue
         if not line.startswith("data: "):
             continue
         data = line[len("data: "):]
-        if event_id is not None:
-            out.ids.append(event_id)
-            event_id = None
         if data == "[DONE]":
             out.done = True
             return
         payload = json.loads(data)
+        if "event_id" in payload:
+            assert event_id in (None, payload["event_id"]), "id line and event_id differ"
+            out.ids.append(payload["event_id"])
+        event_id = None
         if "error" in payload:
             out.error = payload["error"]
             continue

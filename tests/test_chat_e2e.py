@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import httpx
 import psycopg
 import pytest
@@ -154,3 +157,29 @@ def test_vllm_stream_resumes_after_a_disconnect(pipeline: Pipeline) -> None:
     final = next(e for e in generation_events(pipeline, first.request_id)
                  if isinstance(e, GenerationFinished))
     assert first.text + rest.text == final.text and final.usage.completion_tokens == 300
+
+
+def test_vllms_own_benchmark_client_measures_the_gateway(pipeline: Pipeline) -> None:
+    """``vllm bench serve --backend openai-chat``'s request function, imported unchanged
+    from the installed vllm: it splits messages on blank lines and reads only ``data:``."""
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncInput,
+        async_request_openai_chat_completions,
+    )
+
+    async def run() -> list:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(async_request_openai_chat_completions(
+                RequestFuncInput(prompt=f"Count to {i}.", api_url=f"{pipeline.url}/v1/chat/"
+                                 "completions", prompt_len=0, output_len=24, model=MODEL,
+                                 ignore_eos=True), session) for i in range(4)))
+
+    outputs = asyncio.run(run())
+    assert [o.error for o in outputs] == [""] * 4 and all(o.success for o in outputs)
+    finished = {e.text for _, e in read_events(pipeline.stack.bootstrap, GENERATIONS)
+                if isinstance(e, GenerationFinished)}
+    for out in outputs:
+        assert out.ttft > 0 and out.latency >= out.ttft
+        assert len(out.itl) >= 1 and all(t >= 0 for t in out.itl)
+        assert out.output_tokens == 24 and out.prompt_len > 0  # from the usage chunk
+        assert out.generated_text in finished

@@ -8,6 +8,7 @@ streams are slow enough to interrupt and their text is known in advance.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -130,6 +131,26 @@ def test_stream_resumes_on_another_gateway_exactly(gw: Gateways) -> None:
     assert seen == sorted(set(seen))  # every event once, in log order
     assert rest.chunks[0]["id"] == first.request_id and "role" not in rest.chunks[0][
         "choices"][0]["delta"]
+
+
+def test_streams_are_framed_as_vllm_serve_frames_them(gw: Gateways) -> None:
+    """A POST stream is ``data: ...\\n\\n`` messages only (clients that split on blank
+    lines need it), its resume position in each chunk's JSON and its resume address in a
+    header; the re-attach stream adds the ``id:`` lines an EventSource resends."""
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", timeout=60,
+                      json={**chat("framing", 6), "stream": True}) as resp:
+        raw = resp.read()
+    assert resp.status_code == 200 and b"\r" not in raw and raw.endswith(b"\n\n")
+    messages = [m for m in raw.decode().split("\n\n") if m and not m.startswith(":")]
+    assert all(m.startswith("data: ") and "\n" not in m for m in messages), messages
+    assert messages[-1] == "data: [DONE]"
+    chunks = [json.loads(m[len("data: "):]) for m in messages[:-1]]
+    ids = [c["event_id"] for c in chunks]
+    assert positions(ids) == sorted(set(positions(ids)))
+    resume = resp.headers["x-resume-url"]
+    assert resume == f"/v1/chat/completions/{chunks[0]['id']}/stream"
+    again = resume_chat(gw.second, chunks[0]["id"])
+    assert again.id_lines == again.ids == ids and again.text == expected(6)
 
 
 def test_finished_stream_replays_from_the_log(gw: Gateways) -> None:

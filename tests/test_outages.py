@@ -289,15 +289,12 @@ class Clients:
 
     @staticmethod
     def _read(resp: httpx.Response, turn: Turn, deadline: float) -> None:
-        """SSE as EventSource reads it: remember the last id; stop at [DONE]."""
-        event_id = None
+        """Remember the last chunk's position; stop at [DONE]."""
         try:
             for line in resp.iter_lines():
                 if time.monotonic() > deadline:
                     return
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("data: "):
+                if line.startswith("data: "):
                     data = line[6:]
                     if data == "[DONE]":
                         turn.done = True
@@ -307,8 +304,7 @@ class Clients:
                         return
                     for choice in payload.get("choices", []):
                         turn.text += choice["delta"].get("content") or ""
-                    if event_id is not None:
-                        turn.last_event_id, event_id = event_id, None
+                    turn.last_event_id = payload.get("event_id", turn.last_event_id)
         except httpx.TransportError:
             return
 

@@ -103,18 +103,29 @@ LOG = [at(0, started()), at(1, delta(0, "a")), at(2, delta(1, "b")),
        at(5, delta(2, "c")), at(6, finished("abc"))]
 
 
+def positions(events: list[dict]) -> list[str | None]:
+    return [json.loads(e["data"]).get("event_id") for e in events]
+
+
 def test_a_stream_sends_each_seq_once_and_one_role_chunk() -> None:
     events = sent(Cursor("chatcmpl-x", 1, "m", include_usage=True), LOG)
     assert contents(events) == "abc"
     roles = [e for e in events if '"role"' in e["data"]]
-    assert len(roles) == 1 and roles[0]["id"] == "0-0"
-    assert [e.get("id") for e in events] == ["0-0", "0-1", "0-2", "0-5", "0-6", None]
+    assert len(roles) == 1 and json.loads(roles[0]["data"])["event_id"] == "0-0"
+    assert positions(events) == ["0-0", "0-1", "0-2", "0-5", "0-6", None]
+    assert all("id" not in e for e in events)  # data lines only, as vllm serve sends
+
+
+def test_an_eventsource_stream_has_id_lines_equal_to_the_positions() -> None:
+    events = sent(Cursor("chatcmpl-x", 1, "m", include_usage=True, id_lines=True), LOG)
+    assert [e.get("id") for e in events] == positions(events)
 
 
 @pytest.mark.parametrize("last", [0, 1, 2, 5, 6])  # the offsets whose chunks carry an id
 def test_a_resumed_stream_continues_exactly_after_its_last_event(last: int) -> None:
     whole = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False), LOG)
-    received = [e for e in whole if e.get("id") and int(e["id"].split("-")[1]) <= last]
+    received = [e for e, p in zip(whole, positions(whole), strict=True)
+                if p and int(p.split("-")[1]) <= last]
     resumed = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=last), LOG)
     assert received + resumed == whole
 
