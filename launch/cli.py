@@ -217,6 +217,47 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     common = CommonSettings()
     external_db = "DATABASE_URL" in os.environ
+    if args.command in ONE_SHOT:
+        # A one-shot command ends with its answer or one line saying which service did
+        # not answer; the Kafka client's log of each retry until then says no more.
+        for name in ("librdkafka", "pipeline.kafka"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        return _run(args, common, external_db)
+    except Exception as exc:
+        down = service_down(exc, common, external_db)
+        if down is None:
+            raise
+        print(f"pipeline {args.command}: {down}", file=sys.stderr)
+        return 3
+
+
+ONE_SHOT = {"migrate", "keys", "replay", "audit"}
+
+
+def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> str | None:
+    """One line for a command that needed a service that does not answer, or None."""
+    import psycopg
+    from confluent_kafka import KafkaError, KafkaException
+
+    if isinstance(exc, psycopg.OperationalError):
+        if external_db:
+            return ("PostgreSQL does not answer at DATABASE_URL "
+                    f"({str(exc).splitlines()[0]}); start that server, or unset "
+                    "DATABASE_URL and run `pipeline infra up`")
+        info = psycopg.conninfo.conninfo_to_dict(common.database_url)
+        return (f"PostgreSQL does not answer at {info.get('host')}:{info.get('port', 5432)}; "
+                "`pipeline infra up` starts it")
+    unreachable = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
+                   KafkaError._TIMED_OUT, KafkaError._RESOLVE}
+    if isinstance(exc, KafkaException) and exc.args and isinstance(
+            exc.args[0], KafkaError) and exc.args[0].code() in unreachable:
+        return (f"Kafka does not answer at {common.kafka_bootstrap}; "
+                "`pipeline infra up` starts it")
+    return None
+
+
+def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
     if args.command == "infra":
         from launch.local import infra_down, infra_status, infra_up
 

@@ -4,16 +4,22 @@ simulated engine, the engine's scheduling priority."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from gateway.errors import APIError
 from gateway.openai_api import parse_chat_request
+from infra.process import free_port
+from launch.cli import service_down
 from pipeline.codec import DecodeError, decode, encode
+from pipeline.settings import CommonSettings
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -207,3 +213,29 @@ def test_session_priority_changes_only_a_session_of_its_own() -> None:
         shared.kill()
         own.wait()
         shared.wait()
+
+
+@pytest.mark.parametrize(("argv", "down"), [
+    (["keys", "list"], "PostgreSQL does not answer at DATABASE_URL"),
+    (["migrate"], "PostgreSQL does not answer at DATABASE_URL"),
+    (["audit", str(uuid.UUID(int=0))], "Kafka does not answer at 127.0.0.1:"),
+])
+def test_a_command_whose_service_is_down_says_so_in_one_line(argv: list[str],
+                                                            down: str) -> None:
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    env = {**os.environ, "DATABASE_URL": f"postgresql://u:secret@{closed}/db",
+           "PIPELINE_KAFKA_BOOTSTRAP": closed}
+    done = subprocess.run([sys.executable, "-m", "launch", *argv], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 3 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and down in done.stderr, done.stderr
+    assert "secret" not in done.stderr
+
+
+def test_the_local_database_being_down_points_at_infra_up() -> None:
+    settings = CommonSettings(database_url=f"postgresql://postgres@127.0.0.1:{free_port()}/x")
+    with pytest.raises(psycopg.OperationalError) as err:
+        psycopg.connect(settings.database_url, connect_timeout=5)
+    said = service_down(err.value, settings, external_db=False)
+    assert said is not None and said.endswith("`pipeline infra up` starts it")
+    assert service_down(ValueError("not a service"), settings, external_db=False) is None
