@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import completions, sessions
+from gateway import completions, page, sessions
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
 from gateway.dependencies import Health
@@ -177,6 +177,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/health", readyz, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/", page.index, methods=["GET"]),
+        Route("/static/{name}", page.asset, methods=["GET"]),
     ]
     if not settings.metrics_port:
         routes.append(Route("/metrics", metrics, methods=["GET"]))
