@@ -22,10 +22,17 @@ $(STAMP): pyproject.toml infra/python-overrides.txt | $(UV)
 
 venv: $(STAMP)
 
+# The chat page's tests drive Debian's chromium through its chromedriver (a test tool
+# cannot download a browser here).
+CHROMEDRIVER := /usr/bin/chromedriver
+$(CHROMEDRIVER):
+	$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get update -q
+	$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get install -y -q chromium chromium-driver
+
 demo: venv
 	$(VENV)/bin/pipeline demo
 
-test: venv
+test: venv $(CHROMEDRIVER)
 	$(VENV)/bin/pytest
 
 lint: venv
