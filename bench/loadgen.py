@@ -29,6 +29,9 @@ class Request:
     tokens: int = 0
     error: str | None = None
     arrivals: list[tuple[str, float]] = field(default_factory=list)  # (SSE id, time)
+    # Gaps between content chunks, as vLLM's benchmark client measures its ITL (only a
+    # request made through that client has them).
+    chunk_gaps: list[float] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
@@ -65,6 +68,7 @@ class Summary:
     itl_ms: dict[str, float]
     latency_ms: dict[str, float]
     client_cpu: float  # the generator's CPU time / wall time (1.0 = one core)
+    chunk_itl_ms: dict[str, float]  # over every gap between chunks (vLLM's client's ITL)
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,7 +95,7 @@ def summarise(concurrency: int, requests: list[Request], seconds: float,
     return Summary(concurrency, len(requests), len(requests) - len(ok), seconds,
                    sum(r.tokens for r in ok), ms([r.ttft for r in ok], 50, 90, 99),
                    ms([r.itl for r in ok], 50, 99), ms([r.latency for r in ok], 50, 99),
-                   cpu / seconds)
+                   cpu / seconds, ms([g for r in ok for g in r.chunk_gaps], 50, 99))
 
 
 def chat_body(model: str, prompt: str, max_tokens: int, seed: int) -> dict[str, Any]:

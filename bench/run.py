@@ -58,7 +58,10 @@ def serving(common: CommonSettings, quick: bool, out: Path,
           "running it), both up, their measured rounds alternating: one runs while the "
           "other idles. The ratios are the medians of adjacent rounds' ratios. The "
           "simulated engine uses no CPU, as a GPU's compute does not: its pair is the "
-          "worker's own cost. Measured with `pipeline bench serving"
+          "worker's own cost. The last table is vLLM's own benchmark client "
+          "(`vllm.benchmarks.lib.endpoint_request_func.async_request_openai_chat_completions`"
+          ", unchanged) against vllm serve and the pipeline, paired the same way, 2 requests "
+          "per client a round. Measured with `pipeline bench serving"
           f"{' --quick' if quick else ''}`.")
     return table
 

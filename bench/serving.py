@@ -8,7 +8,10 @@
 3. **vllm-serve**: vLLM's own OpenAI server from the same install, over HTTP/SSE.
 4. **pipeline**: gateway, Kafka, worker and projector as processes, over HTTP/SSE:
    what the whole pipeline costs next to (3).
-5. **sim-engine** and **sim-worker**: (1) and (2) again with the SIMULATED engine
+5. **vLLM's benchmark client** (``vllm bench serve --backend openai-chat``'s request
+   function, imported unchanged) against (3) and (4), paired the same way: the figures
+   that client reports (its TTFT, its ITL between chunks, its failures) for both servers.
+6. **sim-engine** and **sim-worker**: (1) and (2) again with the SIMULATED engine
    (``workers.sim_engine``, ``SIM_TOKENS_PER_S`` per sequence), which uses no CPU:
    the worker's own cost when the model does not compete with the broker and the
    worker for this machine's cores, as on a GPU host.
@@ -34,10 +37,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm.benchmarks.lib.endpoint_request_func import (
+    RequestFuncInput,
+    async_request_openai_chat_completions,
+)
 
 from bench.loadgen import (
     Load,
@@ -152,6 +160,28 @@ async def http_client_for(url: str, name: str, max_tokens: int,
     async with http_client(connections) as client:
         async def one(seed: int) -> Request:
             return await stream_once(client, url, chat_body(name, PROMPT, max_tokens, seed))
+
+        yield one
+
+
+@contextlib.asynccontextmanager
+async def vllm_bench_client(url: str, name: str, max_tokens: int,
+                            connections: int) -> AsyncIterator[MakeRequest]:
+    """Requests made by vLLM's own benchmark client, its results as it measured them."""
+    async with http_client(connections) as client:
+        async def one(seed: int) -> Request:
+            out = await async_request_openai_chat_completions(RequestFuncInput(
+                prompt=PROMPT, api_url=f"{url}/v1/chat/completions", prompt_len=0,
+                output_len=max_tokens, model=name, ignore_eos=True,
+                extra_body={"seed": seed}), client)
+            request = Request(out.start_time)
+            if not out.success:
+                request.error = (out.error.strip().splitlines() or ["failed"])[-1][:200]
+                return request
+            request.first, request.ended = out.start_time + out.ttft, \
+                out.start_time + out.latency
+            request.tokens, request.chunk_gaps = out.output_tokens, list(out.itl)
+            return request
 
         yield one
 
@@ -295,6 +325,11 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
                 http_client_for(f"http://127.0.0.1:{port}", name, max_tokens,
                                 connections) as pipeline:
             second = await paired(vllm_serve, pipeline, levels, quick)
+        async with vllm_bench_client(f"http://127.0.0.1:{serve_port}", name, max_tokens,
+                                     connections) as vllm_serve, \
+                vllm_bench_client(f"http://127.0.0.1:{port}", name, max_tokens,
+                                  connections) as pipeline:
+            clients = await paired(vllm_serve, pipeline, levels, quick, per_client=2)
     finally:
         _stop(procs)
     third = await _paired_simulated(bootstrap, levels, max_tokens, quick, log_dir)
@@ -304,9 +339,12 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
                 ("engine", first.a), ("worker", first.b),
                 ("vllm-serve", second.a), ("pipeline", second.b),
                 ("sim-engine", third.a), ("sim-worker", third.b))},
+            "vllm_client": {"vllm-serve": [s.to_json() for s in clients.a],
+                            "pipeline": [s.to_json() for s in clients.b]},
             "sim_tokens_per_s": SIM_TOKENS_PER_S,
             "ratios": {"worker / engine": first.ratios,
                        "pipeline / vllm-serve": second.ratios,
+                       "pipeline / vllm-serve, vLLM's client": clients.ratios,
                        "sim-worker / sim-engine": third.ratios}}
 
 
@@ -378,4 +416,26 @@ def tables(figures: dict[str, Any]) -> str:
                    f"{ttft_gap(v, modes['pipeline'][i])} | "
                    f"{spread(ratios['sim-worker / sim-engine'][i], 1)} | "
                    f"{ttft_gap(modes['sim-engine'][i], modes['sim-worker'][i])} |")
+    if "vllm_client" in figures:
+        out += ["", *client_table(figures["vllm_client"],
+                                  ratios["pipeline / vllm-serve, vLLM's client"], spread)]
     return "\n".join(out)
+
+
+def client_table(sides: dict[str, list[dict[str, Any]]], ratios: list[list[float]],
+                 spread: Callable[[list[float]], str]) -> list[str]:
+    """What vLLM's benchmark client reports against vllm serve and against the pipeline."""
+    out = ["**vLLM's benchmark client** (`vllm bench serve --backend openai-chat`'s request "
+           "function), the same load against both servers", "",
+           "| concurrency | server | TTFT p50 / p99 (ms) | ITL between chunks p50 / p99 (ms) |"
+           " output tok/s | failures | tok/s, pipeline / vllm-serve (range) |",
+           "|---|---|---|---|---|---|---|"]
+    for i, (serve, ours) in enumerate(zip(sides["vllm-serve"], sides["pipeline"],
+                                          strict=True)):
+        for label, s in (("vllm serve", serve), ("pipeline", ours)):
+            t, itl = s["ttft_ms"], s["chunk_itl_ms"]
+            out.append(f"| {s['concurrency']} | {label} | {t['p50']:.1f} / {t['p99']:.1f} | "
+                       f"{itl['p50']:.2f} / {itl['p99']:.2f} | {s['tokens_per_s']:,.0f} | "
+                       f"{s['failures']} of {s['requests']} | "
+                       + (spread(ratios[i]) if label == "pipeline" else "") + " |")
+    return out
