@@ -308,6 +308,15 @@ class TransactionalProducer:
     Records carry the ``epoch`` they were queued in: ``new_epoch`` (on revocation or
     fencing) drops every record of older epochs, so nothing written for turns this
     process gave up can reach the log after it gave them up.
+
+    A step before the commit that has not returned within the transaction timeout is
+    stuck, not slow: librdkafka's ``send_offsets_to_transaction`` ignores its timeout
+    and can wait forever for a group coordinator that left the metadata (librdkafka
+    #5456 and #5511, open in 2.16; seen here after every broker was restarted). No call
+    can interrupt it, so the watchdog replaces the producer: a new one under the same id
+    fences the stuck one and aborts its transaction (the coordinator has aborted it by
+    then anyway), the transaction's records are sent again on a new thread, and the
+    stuck thread, if its call ever returns, touches nothing.
     """
 
     def __init__(
@@ -350,6 +359,8 @@ class TransactionalProducer:
         self._committing = False  # its commit was asked for: it may have happened
         self._doomed = False  # a record of it was answered NotAccepted: it must abort
         self._busy = False
+        self._began: float | None = None  # when the open transaction began (monotonic)
+        self._generation = 0  # bumped when a stuck transaction thread is abandoned
         self._commit_wanted = False
         self._epoch = 0
         self._group: Any = None  # the consumer's group metadata as of its last assignment
@@ -429,7 +440,7 @@ class TransactionalProducer:
                     return False
         return True
 
-    def _run(self) -> None:
+    def _run(self, generation: int = 0) -> None:
         self._register()
         self.ready.set()
         backoff = 0.0
@@ -437,6 +448,8 @@ class TransactionalProducer:
             with self._cond:
                 while not self._queue and not self._commit_wanted and not self._stop:
                     self._cond.wait()
+                if generation != self._generation:
+                    return  # abandoned while registering: a newer thread runs
                 if not self._queue and not self._commit_wanted:
                     return
                 now = time.monotonic()
@@ -448,8 +461,10 @@ class TransactionalProducer:
                 _settle(item, Fenced("written for turns this worker gave up"))
             for item in late:
                 _settle(item, NotAccepted("the log did not take it in time"))
-            retry = self._transact(batch)
+            retry = self._transact(batch, generation)
             with self._cond:
+                if generation != self._generation:
+                    return  # abandoned: the watchdog queued the batch again
                 if retry:  # before anything queued since, in the order it was sent
                     self._queue[:0] = [q for q in batch
                                        if q.epoch == self._epoch and not q.settled]
@@ -470,6 +485,9 @@ class TransactionalProducer:
                 if self._stop and not self._busy and not self._queue:
                     return
                 now = time.monotonic()
+                if (self._busy and not self._committing and self._began is not None
+                        and now - self._began > self._timeout_s):
+                    self._abandon_stuck(now - self._began)
                 late = [q for q in self._queue if q.late(now)]
                 if not self._committing:
                     doomed = [q for q in self._current if q.late(now)]
@@ -481,6 +499,21 @@ class TransactionalProducer:
                         _settle(item, NotAccepted("the log did not take it in time"))
             time.sleep(0.05)
 
+    def _abandon_stuck(self, waited_s: float) -> None:
+        """(Holding the lock.) Leave the stuck transaction thread behind; a new producer
+        and thread send its transaction's records again (see the class)."""
+        log.error("a Kafka transaction has not reached its commit in %.0f s (a librdkafka "
+                  "call that ignores its timeout: librdkafka #5456, #5511); replacing the "
+                  "producer and sending its %d records again", waited_s, len(self._current))
+        self._generation += 1
+        self._queue[:0] = [q for q in self._current if q.epoch == self._epoch and not q.settled]
+        self._current, self._busy, self._began = [], False, None
+        self._producer = Producer(self._config)  # its registration fences the stuck one
+        self._thread = threading.Thread(target=self._run, args=(self._generation,),
+                                        name="kafka-transactions", daemon=True)
+        self._thread.start()
+        self._cond.notify_all()
+
     def _register(self) -> None:
         """init_transactions, retried until the broker answers."""
         delay = 0.2
@@ -489,21 +522,26 @@ class TransactionalProducer:
                 self._producer.init_transactions(self._timeout_s * 3)
                 return
             except KafkaException as exc:
-                if exc.args[0].fatal():
+                err = exc.args[0]
+                if err.code() == KafkaError._STATE and "state Ready" in err.str():
+                    return  # a call that timed out here went on and registered it
+                if err.fatal():
                     self._producer = Producer(self._config)
                 self._quiet.warning("could not register the transactional producer, "
                                     "retrying: %s", exc)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def _transact(self, batch: list[_Queued]) -> bool:
-        """One transaction; True if its records must be sent again."""
+    def _transact(self, batch: list[_Queued], generation: int = 0) -> bool:
+        """One transaction; True if its records must be sent again. A thread the watchdog
+        abandoned (``generation`` old) does nothing more once its call returns."""
         p = self._producer
         if not batch and not (self._offsets and self._offsets()):
             return False
         offsets: dict[TP, int] = {}
         with self._cond:
             self._current, self._committing, self._doomed = batch, False, False
+            self._began = time.monotonic()
         try:
             p.begin_transaction()
             for item in batch:
@@ -519,16 +557,21 @@ class TransactionalProducer:
                     [TopicPartition(t, part, o) for (t, part), o in offsets.items()],
                     self._group, self._step_s)
             with self._cond:
+                if generation != self._generation:
+                    return False  # abandoned: never commit on a replaced producer
                 if self._doomed:
                     raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
                                                     "a record's deadline passed"))
                 self._committing = True
             self._commit()
         except KafkaException as exc:
+            if generation != self._generation:
+                return False
             return self._failed(exc.args[0], batch)
         finally:
             with self._cond:
-                self._current, self._committing = [], False
+                if generation == self._generation:
+                    self._current, self._committing, self._began = [], False, None
         self.transactions += 1
         for item in batch:
             _settle(item, None)

@@ -67,7 +67,10 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
     parked = {**base, "retention.ms": str(policy.deadletter_retention_ms)}
     return [
         TopicSpec(PROMPTS, policy.partitions, log, replication),
-        TopicSpec(CONTROL, policy.partitions, log, replication),
+        # Stamped by the broker: a client's departure counts from when it is in the log
+        # (workers.control), which during an outage is later than it was written.
+        TopicSpec(CONTROL, policy.partitions, {**log, "message.timestamp.type":
+                                               "LogAppendTime"}, replication),
         TopicSpec(GENERATIONS, policy.partitions, log, replication),
         TopicSpec(DEADLETTER, 1, parked, replication),
         # Heartbeats: only each worker's latest matters, and only for seconds.

@@ -372,9 +372,10 @@ def check(fleet: Fleet, clients: Clients, fault: str) -> dict[str, int | float |
                                    2),
     }
     print(json.dumps(report))
-    with open(fleet.stack.logs / "outages.json", "a") as out:
-        out.write(json.dumps(report) + "\n")
     problems = [t for t in turns if t.problem is not None]
+    with open(fleet.stack.logs / "outages.json", "a") as out:  # with what failed, whole
+        out.write(json.dumps({**report, "failed turns": [
+            asdict(t) for t in [*problems, *lost, *ghosts][:10]]}) + "\n")
     assert not problems, [asdict(t) for t in problems[:5]]
     assert not lost, [(asdict(t), stored.get(t.session or "")) for t in lost[:5]]
     assert not duplicated, duplicated
@@ -547,9 +548,6 @@ def test_every_route_while_kafka_is_down(fleet: Fleet) -> None:
     fleet.wait_fully_replicated()
 
 
-@pytest.mark.xfail(reason="open: after the whole cluster was lost, turns accepted around its "
-                   "restart can be stopped by their worker as if their client had left "
-                   "(see README, Outages)", strict=False)
 def test_kafka_lost_under_load(fleet: Fleet) -> None:
     """Beyond (a) to (d): two brokers SIGKILLed, so no write meets min.insync.replicas
     (and the controller quorum is gone), then the third: the log takes no prompt at all.
@@ -572,7 +570,8 @@ def test_kafka_lost_under_load(fleet: Fleet) -> None:
             for node in nodes:
                 node.wait_ready()
 
-    report = under_load(fleet, "kafka-lost", lose_kafka)
+    under_load(fleet, "kafka-lost", lose_kafka)
+    # Every probe sent while no broker ran was refused (chat requests included); the
+    # clients' own requests may all have fallen outside that window.
     check_probes(probes, "kafka")
-    assert int(report["refused answers"]) > 0  # the checks on refusals had refusals to check
     fleet.wait_fully_replicated()

@@ -25,6 +25,7 @@ from schemas import (
 from schemas.conversation import TurnLedger, Verdict, storable, title
 from workers.coalescer import Coalescer
 from workers.control import ControlBook
+from workers.plan import stop_at
 
 CONV = uuid.uuid4()
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
@@ -118,6 +119,25 @@ def test_a_cancelled_or_abandoned_turn_never_starts() -> None:
     assert not book.decide(p, NOW).start
 
 
+def test_the_grace_counts_from_when_the_log_had_the_departure() -> None:
+    """Found by the outage suite: a client's departure written while every broker was
+    down reached the log 30 s later, and its worker stopped the turn at once ("no client
+    came back"), though no client could have come back before the log did."""
+    p = prompt("r", None)
+    book = ControlBook()
+    book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
+                              grace_s=10, occurred_at=NOW),
+               logged_at=NOW + timedelta(seconds=30))
+    later = book.decide(p, NOW + timedelta(seconds=31))
+    assert later.start and later.stop_at == NOW + timedelta(seconds=40)
+    assert stop_at(book, p) == NOW + timedelta(seconds=40)
+    assert not book.decide(p, NOW + timedelta(seconds=41)).start
+    book = ControlBook()  # a broker clock behind the gateway's never shortens the grace
+    book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
+                              grace_s=10, occurred_at=NOW), logged_at=NOW - timedelta(seconds=5))
+    assert stop_at(book, p) == NOW + timedelta(seconds=10)
+
+
 # -- coalescing ---------------------------------------------------------------------------
 def test_the_first_tokens_go_at_once_then_one_delta_per_window() -> None:
     c = Coalescer(0.010)
@@ -192,7 +212,7 @@ def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
 # -- what a worker does with a prompt -------------------------------------------------------
 def test_a_prompt_is_skipped_ended_or_run_and_a_resumed_turn_carries_on() -> None:
     from schemas import TokenDelta
-    from workers.plan import Action, plan_start, stop_at
+    from workers.plan import Action, plan_start
     from workers.recovery import Recovered
 
     p = prompt("r", None)

@@ -8,6 +8,11 @@ remembers those facts; when a prompt comes up, ``decide`` says whether it may st
 * cancelled, or its session deleted: never started;
 * abandoned (not ``background``, every client gone for longer than the grace period):
   never started;
+
+The grace counts from when a client's leaving was in the log (the broker's append
+time of its ``ClientDetached``, ``chat.control`` being a ``LogAppendTime`` topic), not
+from when the gateway wrote it: while the log is away no client can come back either,
+so a departure written during an outage gets its whole grace once the log returns.
 * every client gone, grace not yet over: started, to be stopped when the grace ends
   unless a client comes back (``stop_at``);
 * otherwise started.
@@ -48,11 +53,13 @@ class TurnControl:
         if not self.attached and self.request_id not in self.gone:
             self.attached.add(self.request_id)
 
-    def detach(self, event: ClientDetached) -> None:
+    def detach(self, event: ClientDetached, logged_at: datetime | None = None) -> None:
         self.attached.discard(event.attachment)
         self.gone.add(event.attachment)
         if not self.attached:
-            self.left_at, self.grace_s = event.occurred_at, event.grace_s
+            left = event.occurred_at if logged_at is None else max(event.occurred_at,
+                                                                    logged_at)
+            self.left_at, self.grace_s = left, event.grace_s
 
     def attach(self, event: ClientAttached) -> None:
         if event.attachment not in self.gone:
@@ -86,12 +93,13 @@ class ControlBook:
                 self._turns.popitem(last=False)
         return control
 
-    def apply(self, event: Event) -> None:
-        """Record a control event (others are ignored)."""
+    def apply(self, event: Event, logged_at: datetime | None = None) -> None:
+        """Record a control event (others are ignored); ``logged_at``: when the log
+        appended it."""
         if isinstance(event, GenerationCancelled):
             self.turn(event.request_id).cancelled = True
         elif isinstance(event, ClientDetached):
-            self.turn(event.request_id).detach(event)
+            self.turn(event.request_id).detach(event, logged_at)
         elif isinstance(event, ClientAttached):
             self.turn(event.request_id).attach(event)
         elif isinstance(event, SessionDeleted):

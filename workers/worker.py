@@ -244,7 +244,7 @@ class Worker:
                                       since, wait_s, ends=control_ends):
             event = _decoded(record)
             if event is not None:
-                self.book.apply(event)
+                self.book.apply(event, logged_at(record))
         self.ledgers = {p: _Ledger(known_from=committed[(PROMPTS, p)]) for p in prompts}
         assert self.writer is not None  # the new generation, for every transaction from now
         self.writer.set_group(self._consumer.group_metadata_sync())
@@ -406,7 +406,7 @@ class Worker:
         if not isinstance(event, PromptSubmitted):
             # Control events; also found in chat.prompts when written by gateways from
             # before chat.control existed.
-            await self._control(event)
+            await self._control(event, logged_at(record))
             self._done((topic, partition), offset)
             return
         verdict = await self._judge(event, partition, offset)
@@ -480,8 +480,8 @@ class Worker:
                             "%.1f s): %s", start, end, partition, delay, exc)
                 await asyncio.sleep(delay)
 
-    async def _control(self, event: Event) -> None:
-        self.book.apply(event)
+    async def _control(self, event: Event, logged: datetime | None) -> None:
+        self.book.apply(event, logged)
         if isinstance(event, SessionDeleted):
             for other in list(self.in_flight.values()):
                 if other.prompt.conversation_id == event.conversation_id:
@@ -676,3 +676,9 @@ def _decoded(record: Record) -> Event | None:
         return decode(record.value)
     except DecodeError:
         return None
+
+
+def logged_at(record: Record) -> datetime | None:
+    """When the log appended ``record`` (its timestamp on a ``LogAppendTime`` topic)."""
+    return datetime.fromtimestamp(record.timestamp_ms / 1000, UTC) \
+        if record.timestamp_ms > 0 else None
