@@ -38,10 +38,14 @@ def sse_response(events: Any, headers: dict[str, str]) -> EventSourceResponse:
                                sep="\n")
 
 
+def turn_headers(following: Following) -> dict[str, str]:
+    return {SESSION_HEADER: str(following.conversation_id),
+            "X-Request-Id": following.completion_id}
+
+
 def stream_headers(following: Following) -> dict[str, str]:
-    completion = following.completion_id
-    return {SESSION_HEADER: str(following.conversation_id), "X-Request-Id": completion,
-            RESUME_HEADER: f"/v1/chat/completions/{completion}/stream"}
+    return {**turn_headers(following),
+            RESUME_HEADER: f"/v1/chat/completions/{following.completion_id}/stream"}
 
 
 async def respond(request: Request, chat_request: ChatRequest,
@@ -50,11 +54,10 @@ async def respond(request: Request, chat_request: ChatRequest,
     res = resources(request)
     following = await res.chat.accept(chat_request, session, caller_of(request),
                                       idempotency_key(request.headers.get("Idempotency-Key")))
-    headers = stream_headers(following)
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
-        return sse_response(res.chat.stream(following, chat_request.include_usage()), headers)
-    del headers[RESUME_HEADER]
-    return JSONResponse(await res.chat.collect(following), headers=headers)
+        return sse_response(res.chat.stream(following, chat_request.include_usage()),
+                            stream_headers(following))
+    return JSONResponse(await res.chat.collect(following), headers=turn_headers(following))
 
 
 async def create(request: Request) -> Response:
