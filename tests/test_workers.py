@@ -323,10 +323,11 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
         futures = [pool.submit(stream_chat, pipeline.url, {
             **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
             for i in range(16)]
-        # Kill it once its output is in the log (a new producer may take a moment to
-        # deliver anything; turns with nothing in the log are simply run afresh).
-        wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid), 60,
-                 "the extra worker's deltas to reach the log")
+        # Kill it mid-turn: frozen (SIGSTOP) while the log is read, so a turn it has
+        # started and not finished stays so until the SIGKILL (a tiny model can finish
+        # every turn between a check and a kill).
+        wait_for(lambda: _frozen_mid_turn(pipeline.stack, extra.proc.pid), 60,
+                 "the extra worker to be caught with a turn half written")
         extra.kill()
         results = [f.result() for f in futures]
     assert all(r.done and r.error is None for r in results), [r.error for r in results]
@@ -385,6 +386,20 @@ def _has_written(stack: Stack, pid: int) -> bool:
     started = {e.request_id for e in events
                if isinstance(e, GenerationStarted) and e.worker.endswith(f"-{pid}")}
     return any(isinstance(e, TokenDelta) and e.request_id in started for e in events)
+
+
+def _frozen_mid_turn(stack: Stack, pid: int) -> bool:
+    """Freezes the worker ``pid``; True, leaving it frozen, if it has a turn in the log
+    with deltas and no end; else it runs on."""
+    os.kill(pid, signal.SIGSTOP)
+    events = [e for _, e in read_events(stack.bootstrap, GENERATIONS)]
+    started = {e.request_id for e in events
+               if isinstance(e, GenerationStarted) and e.worker.endswith(f"-{pid}")}
+    ended = {e.request_id for e in events if isinstance(e, GenerationFinished)}
+    if any(isinstance(e, TokenDelta) and e.request_id in started - ended for e in events):
+        return True
+    os.kill(pid, signal.SIGCONT)
+    return False
 
 
 def _scrapes(url: str) -> bool:
