@@ -47,7 +47,7 @@ from pipeline.kafka import (
     KafkaException,
     TransactionalProducer,
 )
-from pipeline.metrics import serve_metrics
+from pipeline.metrics import LoopWatch, serve_metrics
 from pipeline.retry import Backoff
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONVERSATION_TOPICS, GENERATIONS, PROMPTS
@@ -119,6 +119,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
                                    open=False)
         await pool.open(wait=False)
         health = Health(meta, pool, timeout_s)
+        loop_watch = LoopWatch(registry, "gateway")
+        loop_watch.start()
         tail: GenerationTail | None = None
         # On an address of their own if asked (one only Prometheus reaches, say).
         stop_metrics = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
@@ -149,6 +151,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             yield
         finally:
             stop_metrics()
+            await loop_watch.stop()
             await health.stop()
             if tail is not None:
                 await tail.stop()

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+log = logging.getLogger(__name__)
 
 
 def serve_metrics(registry: CollectorRegistry, port: int,
@@ -20,3 +29,50 @@ def serve_metrics(registry: CollectorRegistry, port: int,
         thread.join()
 
     return stop
+
+
+class LoopWatch:
+    """Notices an asyncio loop that has stopped running (a call that blocks it: every
+    request it serves, ``/readyz`` included, waits meanwhile) and logs, once per stall,
+    how long it has been stuck and the loop thread's stack, counting the stalls."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str,
+                 threshold_s: float = 2.0) -> None:
+        self.threshold_s = threshold_s
+        self.stalls = Counter(f"{prefix}_event_loop_stalls",
+                              f"Times the event loop did not run for {threshold_s:g} s or more",
+                              registry=registry)
+        self._beat = time.monotonic()
+        self._thread_id = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self._thread_id = threading.get_ident()
+        self._task = asyncio.create_task(self._beating(), name="loop-watch")
+        threading.Thread(target=self._watch, name="loop-watch", daemon=True).start()
+
+    async def _beating(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(self.threshold_s / 10)
+
+    def _watch(self) -> None:
+        reported = 0.0  # the beat of the stall already reported
+        while not self._stop.wait(self.threshold_s / 4):
+            beat = self._beat
+            stuck = time.monotonic() - beat
+            if stuck < self.threshold_s or beat == reported:
+                continue
+            reported = beat
+            self.stalls.inc()
+            frame = sys._current_frames().get(self._thread_id)
+            where = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+            log.error("the event loop has not run for %.1f s; it is at:\n%s", stuck, where)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

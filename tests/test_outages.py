@@ -423,7 +423,17 @@ def probe_every_route(fleet: Fleet, down: str) -> list[Probe]:
     """Once ``/readyz`` says ``down`` is down: every route at once, as clients would."""
     url = fleet.urls[0]
     deadline = time.monotonic() + 30
-    while down not in httpx.get(f"{url}/readyz", timeout=10).text:
+    while True:
+        try:
+            if down in httpx.get(f"{url}/readyz", timeout=10).text:
+                break
+        except httpx.TimeoutException:
+            # Its event loop did not run: the gateways log where it was stuck.
+            stalls = [line for s in fleet.services.values() if "gateway" in s.name
+                      for line in s.tail(400).splitlines()[1:]
+                      if "has not run for" in line or line.startswith(("  File", "    "))]
+            raise AssertionError("/readyz did not answer in 10 s:\n"
+                                 + "\n".join(stalls)) from None
         assert time.monotonic() < deadline, f"/readyz never said {down} is down"
         time.sleep(0.5)
     session, completion = fleet.known["session"], fleet.known["completion"]

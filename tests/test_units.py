@@ -13,12 +13,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway.errors import APIError
 from gateway.openai_api import parse_chat_request
 from infra.process import free_port
 from launch.cli import service_down
 from pipeline.codec import DecodeError, decode, encode
+from pipeline.metrics import LoopWatch
 from pipeline.settings import CommonSettings
 from projections.projection import project
 from schemas import (
@@ -239,3 +241,30 @@ def test_the_local_database_being_down_points_at_infra_up() -> None:
     said = service_down(err.value, settings, external_db=False)
     assert said is not None and said.endswith("`pipeline infra up` starts it")
     assert service_down(ValueError("not a service"), settings, external_db=False) is None
+
+
+def test_loop_watch_reports_a_blocked_loop_once_with_where(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call that blocks the event loop is logged with the loop thread's stack, once per
+    stall, and counted."""
+    registry = CollectorRegistry()
+
+    async def main() -> LoopWatch:
+        watch = LoopWatch(registry, "unit", threshold_s=0.4)
+        watch.start()
+        await asyncio.sleep(0.3)  # the loop runs: nothing to report
+        _block_the_loop(1.5)
+        await asyncio.sleep(0.3)
+        await watch.stop()
+        return watch
+
+    with caplog.at_level("ERROR", logger="pipeline.metrics"):
+        asyncio.run(main())
+    assert registry.get_sample_value("unit_event_loop_stalls_total") == 1
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "has not run for" in message and "_block_the_loop" in message
+
+
+def _block_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
+
