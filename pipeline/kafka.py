@@ -128,13 +128,28 @@ class EventProducer:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
+            if self._failed:
+                self._replace()
             self._producer.poll(0.01 if self._overflow else 0.05)
             if self._overflow:
                 self._drain_overflow()
 
+    def _replace(self) -> None:
+        """(On the poll thread, so no caller waits for it.) A new producer for one that
+        failed for good; the old one fails what it still held and is destroyed here,
+        outside the lock (its destruction may wait on its connections)."""
+        log.warning("replacing a Kafka producer that failed for good")
+        fresh = Producer(self._config)
+        with self._overflow_lock:
+            old, self._producer, self._failed = self._producer, fresh, False
+        with contextlib.suppress(KafkaException):
+            old.purge(in_queue=True, in_flight=True, blocking=False)
+            old.poll(0)
+        del old
+
     def _drain_overflow(self) -> None:
         with self._overflow_lock:
-            while self._overflow:
+            while self._overflow and not self._failed:
                 try:
                     self._producer.produce(**self._overflow[0])
                 except BufferError:
@@ -153,14 +168,9 @@ class EventProducer:
         """Hand the record to librdkafka; if its queue is full, to the overflow (never
         dropped, never waited for here)."""
         with self._overflow_lock:
-            if self._failed:  # e.g. the idempotent producer's epoch was lost for good
-                log.warning("replacing a Kafka producer that failed for good")
-                self._failed = False
-                old, self._producer = self._producer, Producer(self._config)
-                with contextlib.suppress(KafkaException):  # fail what it still held
-                    old.purge(in_queue=True, in_flight=True, blocking=False)
-                    old.poll(0)
-            if not self._overflow:
+            # A producer that failed for good (the idempotent producer's epoch lost, say)
+            # takes nothing more: the record waits for its replacement (``_replace``).
+            if not self._overflow and not self._failed:
                 try:
                     self._producer.produce(topic, **record)
                     return
@@ -481,13 +491,19 @@ class TransactionalProducer:
         to be written: queued ones (in no transaction), and those of an open transaction
         that has not asked to commit, which is then doomed to abort."""
         while True:
+            stuck_since = self._began
+            if (self._busy and not self._committing and stuck_since is not None
+                    and time.monotonic() - stuck_since > self._timeout_s):
+                # Made here, not holding the lock (a sender on an event loop waits for it).
+                fresh = Producer(self._config)
+                with self._cond:
+                    if self._busy and not self._committing and self._began == stuck_since:
+                        fresh = self._abandon_stuck(time.monotonic() - stuck_since, fresh)
+                del fresh  # the one not used, destroyed outside the lock
             with self._cond:
                 if self._stop and not self._busy and not self._queue:
                     return
                 now = time.monotonic()
-                if (self._busy and not self._committing and self._began is not None
-                        and now - self._began > self._timeout_s):
-                    self._abandon_stuck(now - self._began)
                 late = [q for q in self._queue if q.late(now)]
                 if not self._committing:
                     doomed = [q for q in self._current if q.late(now)]
@@ -499,20 +515,23 @@ class TransactionalProducer:
                         _settle(item, NotAccepted("the log did not take it in time"))
             time.sleep(0.05)
 
-    def _abandon_stuck(self, waited_s: float) -> None:
-        """(Holding the lock.) Leave the stuck transaction thread behind; a new producer
-        and thread send its transaction's records again (see the class)."""
+    def _abandon_stuck(self, waited_s: float, fresh: Producer) -> Producer:
+        """(Holding the lock.) Leave the stuck transaction thread behind; ``fresh`` and a
+        new thread send its transaction's records again (see the class). Returns the
+        producer let go, for the caller to drop outside the lock."""
         log.error("a Kafka transaction has not reached its commit in %.0f s (a librdkafka "
                   "call that ignores its timeout: librdkafka #5456, #5511); replacing the "
                   "producer and sending its %d records again", waited_s, len(self._current))
         self._generation += 1
         self._queue[:0] = [q for q in self._current if q.epoch == self._epoch and not q.settled]
         self._current, self._busy, self._began = [], False, None
-        self._producer = Producer(self._config)  # its registration fences the stuck one
+        # The new producer's registration fences the stuck one.
+        old, self._producer = self._producer, fresh
         self._thread = threading.Thread(target=self._run, args=(self._generation,),
                                         name="kafka-transactions", daemon=True)
         self._thread.start()
         self._cond.notify_all()
+        return old
 
     def _register(self) -> None:
         """init_transactions, retried until the broker answers."""
