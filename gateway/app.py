@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import completions, page, sessions
+from gateway import completions, page, sessions, usage
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
 from gateway.dependencies import Health
@@ -176,6 +176,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         Route("/v1/sessions/{session_id}/messages", sessions.messages, methods=["GET"]),
         Route("/v1/sessions/{session_id}/messages", sessions.append, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/usage", usage.get_usage, methods=["GET"]),
         Route("/livez", livez, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/health", readyz, methods=["GET"]),

@@ -5,14 +5,16 @@
     pipeline gateway                 the OpenAI-compatible HTTP gateway
     pipeline worker                  a generation worker (vLLM)
     pipeline projector               the Postgres projection
+    pipeline analytics               usage and quality figures (faust-streaming)
+    pipeline usage --tenant T        a tenant's usage per minute, hour or day, as a table
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
-    pipeline bench [--quick] [PART]  serving, capacity and projection figures
+    pipeline bench [--quick] [PART]  serving, capacity, projection and analytics figures
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
-``WORKER_*``, ``PROJECTOR_*``); flags override them. See README.md.
+``WORKER_*``, ``PROJECTOR_*``, ``ANALYTICS_*``); flags override them. See README.md.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from gateway.settings import GatewaySettings
-from launch.services import resolve_model, run_gateway, run_projector, run_worker
+from launch.services import (
+    resolve_model,
+    run_analytics,
+    run_gateway,
+    run_projector,
+    run_worker,
+)
 from pipeline.retry import RepeatFilter
 from pipeline.settings import CommonSettings
-from projections.settings import ProjectorSettings
+from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.settings import WorkerSettings
 
 log = logging.getLogger("pipeline")
@@ -95,6 +103,20 @@ def _parser() -> argparse.ArgumentParser:
     wk.add_argument("--metrics-port", type=int)
     pj = sub.add_parser("projector", help="run the Postgres projection")
     pj.add_argument("--metrics-port", type=int)
+    an = sub.add_parser("analytics", help="run the analytics consumer (faust-streaming)")
+    an.add_argument("--metrics-port", type=int)
+    an.add_argument("--group", help="its consumer group (default analytics)")
+    an.add_argument("--schema", dest="schema_name",
+                    help="write the tables into this schema of DATABASE_URL (a rebuild)")
+    us = sub.add_parser("usage", help="a tenant's usage, as GET /v1/usage gives it")
+    us.add_argument("--tenant", default="default")
+    us.add_argument("--start", type=_timestamp, help="ISO-8601 (default: a bucket-width "
+                    "limit back from now)")
+    us.add_argument("--end", type=_timestamp, help="ISO-8601 (default: now)")
+    us.add_argument("--bucket-width", choices=["1m", "1h", "1d"], default="1h")
+    us.add_argument("--group-by", choices=["model"], action="append", default=[])
+    us.add_argument("--schema", help="read the tables from this schema of DATABASE_URL")
+    us.add_argument("--json", action="store_true", help="the /v1/usage document")
     rp = sub.add_parser("replay", help="rebuild the store from the log into an empty target")
     rp.add_argument("--from-beginning", action="store_true", required=True,
                     help="read both topics from their start (the only mode)")
@@ -110,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
-                            "(simulated engine), projection; default: all three")
+                            "(simulated engine), projection, analytics; default: all")
     bench.add_argument("--quick", action="store_true",
                        help="small loads, a few minutes; figures under .state/bench")
     bench.add_argument("--out", type=Path, help="where to write (default docs/benchmarks)")
@@ -193,6 +215,25 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_usage_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    import psycopg
+
+    from pipeline.usage import UsageError, UsageQuery, format_table, usage
+    from projections.migrate import in_schema
+
+    end = args.end or datetime.now(UTC)
+    try:
+        query = UsageQuery.build(args.tenant, args.start and int(args.start.timestamp()),
+                                 int(end.timestamp()), args.bucket_width, args.group_by)
+    except UsageError as exc:
+        print(f"pipeline usage: {exc}", file=sys.stderr)
+        return 2
+    with psycopg.connect(in_schema(common.database_url, args.schema)) as conn:
+        page = usage(conn, query)
+    print(json.dumps(page, indent=2) if args.json else format_table(page, query))
+    return 0
+
+
 def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from projections.audit import audit, format_text
 
@@ -232,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-ONE_SHOT = {"migrate", "keys", "replay", "audit"}
+ONE_SHOT = {"migrate", "keys", "replay", "audit", "usage"}
 
 
 def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> str | None:
@@ -287,6 +328,11 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
         run_worker(common, worker)
     elif args.command == "projector":
         run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))
+    elif args.command == "analytics":
+        run_analytics(common, AnalyticsSettings(**_overrides(args, "metrics_port", "group",
+                                                             "schema_name")))
+    elif args.command == "usage":
+        return run_usage_command(common, args)
     elif args.command == "replay":
         return run_replay_command(common, args)
     elif args.command == "audit":

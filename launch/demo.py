@@ -28,7 +28,7 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
     # and one that will not stop is killed with every process it started (vLLM's engine).
     procs = {name: subprocess.Popen([*exe, name], start_new_session=True)
-             for name in ("projector", "worker", "gateway")}
+             for name in ("projector", "analytics", "worker", "gateway")}
     base = f"http://{gateway.host}:{gateway.port}"
     try:
         try:
@@ -82,6 +82,9 @@ The worker's engine may take ~30 s more to warm up; requests wait for it.
 
   # the reply's X-Session-Id header names the session; its stored history:
   curl {base}/v1/sessions/SESSION_ID/messages
+
+  # usage per minute (tokens, requests, TTFT), as OpenAI's usage API shapes it:
+  curl "{base}/v1/usage?start_time=$(( $(date +%s) - 3600 ))&bucket_width=1m"
 
 Ctrl-C stops everything (data stays under .state/).
 """

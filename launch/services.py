@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gateway.settings import GatewaySettings
 from pipeline.settings import CommonSettings
-from projections.settings import ProjectorSettings
+from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.engine import Engine
 from workers.settings import WorkerSettings
 
@@ -98,6 +98,22 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
             engine.close()
 
     _run_until_signalled(main)
+
+
+def run_analytics(common: CommonSettings, settings: AnalyticsSettings) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pipeline.metrics import serve_metrics
+    from projections import analytics_app
+    from projections.migrate import in_schema, migrate
+
+    url = in_schema(common.database_url, settings.schema_name)
+    migrate(common.database_url, settings.schema_name)
+    registry = CollectorRegistry()
+    serve_metrics(registry, settings.metrics_port)
+    log.info("analytics: group %s, tables in %s", settings.group,
+             settings.schema_name or "the store's schema")
+    analytics_app.run(settings, common.kafka_bootstrap, url, registry)
 
 
 def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,14 @@ def in_schema(database_url: str, schema: str | None) -> str:
 
 
 def migrate(database_url: str, schema: str | None = None) -> list[str]:
-    """Apply pending migrations (into ``schema`` if given); return the versions applied now."""
+    """Apply pending migrations (into ``schema``, created if need be, if given); return the
+    versions applied now."""
     applied_now: list[str] = []
-    with psycopg.connect(in_schema(database_url, schema), autocommit=True) as conn:
+    url = in_schema(database_url, schema)  # checks the name before it reaches SQL
+    if schema is not None:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
         try:
             conn.execute(

@@ -4,11 +4,14 @@ simulated engine, the engine's scheduling priority."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import random
 import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import psycopg
@@ -19,9 +22,11 @@ from gateway.errors import APIError
 from gateway.openai_api import parse_chat_request
 from infra.process import free_port
 from launch.cli import service_down
+from pipeline import sketch
 from pipeline.codec import DecodeError, decode, encode
 from pipeline.metrics import LoopWatch
 from pipeline.settings import CommonSettings
+from pipeline.usage import UsageError, UsageQuery
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -268,3 +273,33 @@ def test_loop_watch_reports_a_blocked_loop_once_with_where(
 def _block_the_loop(seconds: float) -> None:
     time.sleep(seconds)
 
+
+def test_latency_sketch_merges_minutes_into_hours_within_one_percent() -> None:
+    """Per-minute sketches added bin by bin give the hour's sketch exactly, and its
+    quantiles are within 1% of the exact ones (lower-rank convention)."""
+    rng = random.Random(7)
+    minutes = [[rng.lognormvariate(3, 1.2) for _ in range(rng.randint(0, 400))]
+               for _ in range(60)]
+    minutes[5] = [0.0, 0.0005]  # at or below the smallest value: the lowest bin
+    sketches = [Counter(sketch.bin_of(v) for v in values) for values in minutes]
+    everything = sorted(v for values in minutes for v in values)
+    merged = sketch.merge(sketches)
+    assert merged == Counter(sketch.bin_of(v) for v in everything)
+    for q, got in sketch.quantiles(merged, (0.0, 0.5, 0.95, 0.99, 1.0)).items():
+        exact = everything[math.floor(q * (len(everything) - 1))]
+        assert got is not None
+        assert abs(got - max(exact, sketch.MIN_VALUE)) <= 0.01 * max(exact, sketch.MIN_VALUE)
+    assert sketch.quantiles({}, (0.5,)) == {0.5: None}
+
+
+def test_usage_query_pages_and_defaults() -> None:
+    now = 1_800_000_123
+    q = UsageQuery.build("t", None, now, "1d", now=now)
+    assert q.start % 86400 == 0 and q.page_end == now  # the current day is the last bucket
+    assert (now - q.start) // 86400 == 6  # 7 buckets by default
+    paged = UsageQuery.build("t", now - 100 * 60, now, "1m", limit=30)
+    assert paged.page_end == paged.start + 30 * 60
+    for bad in ({"bucket_width": "1w"}, {"limit": 0}, {"group_by": ["project_id"]},
+                {"page": "x"}):
+        with pytest.raises(UsageError):
+            UsageQuery.build("t", now - 60, now, **{"bucket_width": "1m", **bad})

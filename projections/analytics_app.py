@@ -1,0 +1,125 @@
+"""The faust-streaming application behind ``pipeline analytics`` (the tables and their
+exactness: ``projections.analytics``).
+
+Faust runs in at-least-once mode (its exactly-once mode has open duplicate and crash
+bugs), reading committed records only: a worker's aborted transactions (a turn taken
+over, a stuck producer replaced) are never counted. Faust turns ``read_committed`` on
+only with exactly-once, so the consumer it makes is told here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import faust
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from prometheus_client import CollectorRegistry
+
+from pipeline.codec import DecodeError, Position, decode
+from pipeline.deadletter import dead_letter
+from pipeline.kafka import EventProducer, Record
+from projections.analytics import AnalyticsMetrics, AnalyticsStore
+from projections.settings import AnalyticsSettings
+from schemas import Event
+
+log = logging.getLogger(__name__)
+CONSUMER_NAME = "analytics"
+
+
+class _CommittedConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        # aiokafka reads this when it starts its fetcher, after construction.
+        consumer._isolation_level = "read_committed"
+        return consumer
+
+
+class _CommittedConsumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return _CommittedConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class _Transport(faust_aiokafka.Transport):
+    Consumer = _CommittedConsumer
+
+
+class _App(faust.App):
+    def _new_transport(self) -> Any:
+        return _Transport(self.conf.broker_consumer, self)
+
+
+def build_app(settings: AnalyticsSettings, bootstrap: str, store: AnalyticsStore,
+              deadletters: EventProducer) -> faust.App:
+    """The application: one agent folding both topics, batch by batch, into ``store``."""
+    app = _App(
+        settings.group,
+        broker=[f"kafka://{host}" for host in bootstrap.split(",")],
+        processing_guarantee="at_least_once",
+        consumer_auto_offset_reset="earliest",
+        broker_session_timeout=settings.session_timeout_s,
+        broker_commit_interval=settings.commit_interval_s,
+        broker_heartbeat_interval=max(settings.session_timeout_s / 5, 1.0),
+        web_enabled=False,
+        topic_disable_leader=True,
+        # Nothing is kept on disk: the state is in PostgreSQL.
+        datadir=f"/tmp/faust-{settings.group}",
+    )
+    metrics = store.metrics
+    topic = app.topic(*settings.topics, key_serializer="raw", value_serializer="raw")
+    within_s = settings.batch_max_ms / 1000
+
+    @app.agent(topic)
+    async def fold(stream: faust.StreamT[Any]) -> None:
+        assert isinstance(stream, faust.Stream)  # for its take_events
+        async for batch in stream.take_events(settings.batch_max_events, within=within_s):
+            items: list[tuple[Record, Event]] = []
+            lag: dict[Any, int] = {}
+            for item in batch:
+                message = item.message
+                metrics.events.labels(message.topic).inc()
+                record = Record(Position(message.topic, message.partition, message.offset),
+                                message.key, message.value, int(message.timestamp * 1000))
+                lag[message.tp] = message.offset
+                try:
+                    items.append((record, decode(message.value)))
+                except DecodeError as exc:
+                    await park(record, str(exc))
+            for record, reason in await store.apply(items):
+                await park(record, reason)
+            # Acknowledged to faust (so committed) only after this returns.
+            metrics.lag_events.set(sum(
+                max((app.consumer.highwater(tp) or 0) - offset - 1, 0)
+                for tp, offset in lag.items()))
+
+    async def park(record: Record, reason: str) -> None:
+        """To the dead-letter topic, durably, before the batch's offsets are committed."""
+        metrics.dead_letters.inc()
+        await dead_letter(deadletters, record, reason, CONSUMER_NAME)
+
+    async def active_sessions() -> None:
+        try:
+            await store.refresh_active_sessions()
+        except Exception as exc:  # the gauge waits for the next turn of the timer
+            log.warning("could not count active sessions: %s", exc)
+
+    app.timer(15.0)(active_sessions)
+
+    return app
+
+
+def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
+        registry: CollectorRegistry) -> None:
+    """Run until SIGTERM or SIGINT (faust's worker handles both, stopping cleanly)."""
+    store = AnalyticsStore(database_url, AnalyticsMetrics(registry))
+    deadletters = EventProducer(bootstrap)
+    app = build_app(settings, bootstrap, store, deadletters)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    worker = faust.Worker(app, loop=loop, loglevel=logging.getLogger().level,
+                          override_logging=False, quiet=True)
+    try:
+        worker.execute_from_commandline()
+    finally:
+        deadletters.close()
