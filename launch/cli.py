@@ -7,6 +7,7 @@
     pipeline projector               the Postgres projection
     pipeline analytics               usage and quality figures (faust-streaming)
     pipeline usage --tenant T        a tenant's usage per minute, hour or day, as a table
+    pipeline contract [--check]      the events' JSON Schema and the topics' AsyncAPI document
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
@@ -117,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     us.add_argument("--group-by", choices=["model"], action="append", default=[])
     us.add_argument("--schema", help="read the tables from this schema of DATABASE_URL")
     us.add_argument("--json", action="store_true", help="the /v1/usage document")
+    ct = sub.add_parser("contract", help="write docs/contract/ (JSON Schema, AsyncAPI)")
+    ct.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if the files differ from the code")
     rp = sub.add_parser("replay", help="rebuild the store from the log into an empty target")
     rp.add_argument("--from-beginning", action="store_true", required=True,
                     help="read both topics from their start (the only mode)")
@@ -333,6 +337,18 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
                                                              "schema_name")))
     elif args.command == "usage":
         return run_usage_command(common, args)
+    elif args.command == "contract":
+        from pipeline import contract
+        from pipeline.settings import REPO_ROOT
+
+        if args.check:
+            stale = contract.stale(REPO_ROOT)
+            for name in stale:
+                print(f"{contract.CONTRACT_DIR / name} differs from the code: run "
+                      "`pipeline contract`", file=sys.stderr)
+            return 1 if stale else 0
+        for path in contract.write(REPO_ROOT):
+            print(f"wrote {path}")
     elif args.command == "replay":
         return run_replay_command(common, args)
     elif args.command == "audit":

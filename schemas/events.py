@@ -128,6 +128,8 @@ class ClientAttached(EventBase):
 
 
 class SessionCreated(EventBase):
+    """A session (conversation) was created before its first turn, with a title."""
+
     type: Literal["SessionCreated"] = "SessionCreated"
     title: str | None = Field(default=None, max_length=200)
 
@@ -139,6 +141,10 @@ class SessionDeleted(EventBase):
 
 
 class GenerationStarted(EventBase):
+    """A worker began (``attempt`` 0) or took over (``attempt`` n) the turn's generation:
+    one per attempt. ``prompt_tokens``: what the engine read, earlier attempts' output
+    included."""
+
     type: Literal["GenerationStarted"] = "GenerationStarted"
     model: str
     worker: str
@@ -148,6 +154,9 @@ class GenerationStarted(EventBase):
 
 
 class TokenDelta(EventBase):
+    """Text the model generated, in order: ``seq`` counts from 0 with no gap per turn,
+    across attempts (a reader drops a ``(request_id, seq)`` it has seen)."""
+
     type: Literal["TokenDelta"] = "TokenDelta"
     attempt: int = Field(default=0, ge=0)
     seq: int = Field(ge=0)
@@ -156,6 +165,9 @@ class TokenDelta(EventBase):
 
 
 class GenerationFinished(EventBase):
+    """The turn's end: its whole text, usage and timings. ``finish_reason`` ``abort``:
+    cancelled (by its client, or no client came back within its grace)."""
+
     type: Literal["GenerationFinished"] = "GenerationFinished"
     model: str
     attempt: int = Field(default=0, ge=0)
@@ -170,6 +182,9 @@ class GenerationFinished(EventBase):
 
 
 class GenerationFailed(EventBase):
+    """The turn's end without a reply: ``code`` says why (``model_not_served``,
+    ``context_length_exceeded``, ``engine_dead``, ...)."""
+
     type: Literal["GenerationFailed"] = "GenerationFailed"
     attempt: int = Field(default=0, ge=0)
     code: str

@@ -1,0 +1,189 @@
+"""The event contract for third-party consumers, generated from the code: a JSON Schema
+of every event (from the pydantic models) and an AsyncAPI 3 document of the topics
+(keys, partitioning, ordering, headers, retention, and what a reader may see twice).
+
+``pipeline contract`` writes both under ``docs/contract/``; ``pipeline contract --check``
+(and the test suite) fails when the files no longer match the code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.topics import CONTROL, DEADLETTER, GENERATIONS, PROMPTS, TopicPolicy, topic_specs
+from schemas import EVENT_ADAPTER
+
+CONTRACT_DIR = Path("docs") / "contract"
+SCHEMA_FILE = "events.schema.json"
+ASYNCAPI_FILE = "asyncapi.yaml"
+_KAFKA = {"bindingVersion": "0.5.0"}
+
+TOPIC_EVENTS = {
+    PROMPTS: ["PromptSubmitted"],
+    CONTROL: ["GenerationCancelled", "ClientDetached", "ClientAttached", "SessionCreated",
+              "SessionDeleted"],
+    GENERATIONS: ["GenerationStarted", "TokenDelta", "GenerationFinished", "GenerationFailed"],
+}
+TOPIC_ABOUT = {
+    PROMPTS: "Turns the gateway accepted (a 2xx answer means the prompt is here). The "
+             "workers' consumer group reads it; its lag is the backlog.",
+    CONTROL: "Facts about turns and sessions: cancel, a client detached or attached, a "
+             "session created or deleted. Broker-stamped (LogAppendTime).",
+    GENERATIONS: "What the workers generate, written in Kafka transactions: read with "
+                 "isolation.level=read_committed, or you will see aborted attempts.",
+}
+# What a reader may see more than once, and how to drop the copies.
+SEEN_TWICE = {
+    "PromptSubmitted": "Possibly twice, byte for byte the same record (a gateway's "
+                       "producer replaced mid-transaction sends it again): keep the first "
+                       "per request_id.",
+    "GenerationStarted": "Once per attempt: a turn taken over by another worker has one "
+                         "with attempt n > 0. Count a turn's start once per request_id.",
+    "TokenDelta": "A (request_id, seq) may appear twice when a worker's producer was "
+                  "replaced; an attempt never repeats a seq an earlier one wrote. Keep the "
+                  "first per (request_id, seq).",
+    "GenerationFinished": "At most one per turn is meant; a replaced producer can repeat "
+                          "it. Keep the first per request_id.",
+    "GenerationFailed": "As GenerationFinished: keep the first end per request_id.",
+}
+DEADLETTER_HEADERS = {
+    "source.topic": "the topic the record was read from",
+    "source.partition": "its partition",
+    "source.offset": "its offset",
+    "reason": "why it could not be handled (the decoding error)",
+    "consumer": "who parked it: worker, projector, gateway, analytics",
+}
+
+
+def event_schema() -> dict[str, Any]:
+    schema = EVENT_ADAPTER.json_schema(ref_template="#/$defs/{model}")
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": "https://chat-pipeline.invalid/contract/events.schema.json",
+            "title": "Chat pipeline event",
+            "description": "Every record value on chat.prompts, chat.control and "
+                           "chat.generations: UTF-8 JSON, one event, told apart by "
+                           "`type`. Readers must ignore fields they do not know (a newer "
+                           "writer may add some; `v` counts each event type's versions).",
+            **schema}
+
+
+def asyncapi() -> dict[str, Any]:
+    policy = TopicPolicy()
+    specs = {s.name: s for s in topic_specs(policy, brokers=3)}
+    defs = EVENT_ADAPTER.json_schema(ref_template="#/components/schemas/{model}")["$defs"]
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    for topic, events in TOPIC_EVENTS.items():
+        spec = specs[topic]
+        name = topic.split(".", 1)[1]
+        channels[name] = {
+            "address": topic,
+            "title": topic,
+            "description": TOPIC_ABOUT[topic] + " Key: the conversation id; every event "
+                           "of a conversation is in the same partition number of each "
+                           "chat topic, in the order it happened.",
+            "messages": {e: {"$ref": f"#/components/messages/{e}"} for e in events},
+            "bindings": {"kafka": {
+                "topic": topic, "partitions": spec.partitions, "replicas": spec.replication,
+                "topicConfiguration": {
+                    "cleanup.policy": ["delete"],
+                    "retention.ms": int(spec.config["retention.ms"]),
+                    "retention.bytes": int(spec.config["retention.bytes"]),
+                }, **_KAFKA}},
+        }
+        operations[f"read{name.capitalize()}"] = {
+            "action": "receive", "channel": {"$ref": f"#/channels/{name}"},
+            "summary": f"Read {topic} (in a consumer group of your own).",
+            "messages": [{"$ref": f"#/channels/{name}/messages/{e}"} for e in events],
+        }
+    dead = specs[DEADLETTER]
+    channels["deadletter"] = {
+        "address": DEADLETTER, "title": DEADLETTER,
+        "description": "Records a consumer could not handle, byte for byte as read, "
+                       "with where they came from and why in their headers.",
+        "messages": {"DeadLetter": {"$ref": "#/components/messages/DeadLetter"}},
+        "bindings": {"kafka": {
+            "topic": DEADLETTER, "partitions": dead.partitions, "replicas": dead.replication,
+            "topicConfiguration": {"cleanup.policy": ["delete"],
+                                   "retention.ms": int(dead.config["retention.ms"])},
+            **_KAFKA}},
+    }
+    operations["readDeadletter"] = {
+        "action": "receive", "channel": {"$ref": "#/channels/deadletter"},
+        "messages": [{"$ref": "#/channels/deadletter/messages/DeadLetter"}]}
+    messages: dict[str, Any] = {}
+    for events in TOPIC_EVENTS.values():
+        for e in events:
+            messages[e] = {
+                "name": e, "title": e, "contentType": "application/json",
+                "summary": (defs[e].get("description") or e).split("\n")[0],
+                "description": "Delivery: " + SEEN_TWICE.get(
+                    e, "Possibly twice (a producer's retry): facts, safe to apply again."),
+                "payload": {"$ref": f"#/components/schemas/{e}"},
+                "bindings": {"kafka": {
+                    "key": {"type": "string", "format": "uuid",
+                            "description": "conversation_id, UTF-8"}, **_KAFKA}},
+            }
+    messages["DeadLetter"] = {
+        "name": "DeadLetter", "title": "DeadLetter",
+        "summary": "A record parked by a consumer: the original key and value.",
+        "headers": {"type": "object", "properties": {
+            k: {"type": "string", "description": v} for k, v in DEADLETTER_HEADERS.items()}},
+        "payload": {"description": "The original value's bytes (not necessarily JSON)."},
+    }
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "Chat pipeline event log",
+            "version": "1.0.0",
+            "description": (
+                "The log is the system of record: every fact about a conversation is an "
+                "event on these topics. Keys are conversation ids (UTF-8 UUID text), "
+                "partitioned with Kafka's default murmur2 partitioner, so one "
+                "conversation's events are in one partition of each topic, in order; "
+                "there is no order across conversations or topics. Read "
+                "`read_committed`. Values are JSON events (components/schemas; the JSON "
+                "Schema is events.schema.json beside this file). Topics keep records "
+                "forever by default (retention -1; PIPELINE_RETENTION_MS changes it); "
+                "dead letters 14 days. Every reader must tolerate the copies each "
+                "message's description names: de-duplicate by request_id, and TokenDelta "
+                "by (request_id, seq)."),
+        },
+        "defaultContentType": "application/json",
+        "servers": {"local": {"host": "127.0.0.1:9092", "protocol": "kafka",
+                              "description": "`pipeline infra up`"}},
+        "channels": channels,
+        "operations": operations,
+        "components": {"messages": messages, "schemas": defs},
+    }
+
+
+def render() -> dict[str, str]:
+    """Each file's text, as it must be checked in."""
+    return {
+        SCHEMA_FILE: json.dumps(event_schema(), indent=2, ensure_ascii=False) + "\n",
+        ASYNCAPI_FILE: "# Generated by `pipeline contract` from pipeline/contract.py: do not "
+                       "edit.\n" + yaml.safe_dump(asyncapi(), sort_keys=False,
+                                                 allow_unicode=True, width=88),
+    }
+
+
+def stale(root: Path) -> list[str]:
+    """The contract files under ``root`` that differ from the code (or are missing)."""
+    return [name for name, text in render().items()
+            if not (root / CONTRACT_DIR / name).is_file()
+            or (root / CONTRACT_DIR / name).read_text() != text]
+
+
+def write(root: Path) -> list[Path]:
+    out = root / CONTRACT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in render().items():
+        (out / name).write_text(text)
+        paths.append(out / name)
+    return paths
