@@ -55,11 +55,14 @@ class ProjectionFigures:
     measured_at: str
 
 
-async def _produce(producer: EventProducer, topics: tuple[str, str], turns: int,
-                   deltas: int) -> int:
+async def produce_turns(producer: EventProducer, topics: tuple[str, str], turns: int,
+                        deltas: int, events_per_s: float | None = None) -> int:
+    """Synthetic turns (each a prompt, a start, ``deltas`` deltas and an end), at most
+    ``events_per_s`` if given; returns the events written, once all are acknowledged."""
     prompts, generations = topics
     sent = 0
     futures = []
+    started = time.perf_counter()
     for i in range(turns):
         ids = EventIds(conversation_id=uuid.uuid4(), request_id=f"bench-{uuid.uuid4().hex}")
         futures.append(producer.send(prompts, PromptSubmitted(
@@ -74,6 +77,10 @@ async def _produce(producer: EventProducer, topics: tuple[str, str], turns: int,
             usage=Usage(prompt_tokens=12, completion_tokens=deltas), deltas=deltas,
             ttft_ms=50.0, duration_ms=500.0)))
         sent += deltas + 3
+        if events_per_s is not None:
+            ahead = sent / events_per_s - (time.perf_counter() - started)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
         if len(futures) > 20_000:
             await asyncio.gather(*futures)
             futures.clear()
@@ -125,7 +132,7 @@ async def bench_projection(bootstrap: str, database_url: str, turns: int,
         try:
             producer = EventProducer(bootstrap, linger_ms=5)
             started = time.perf_counter()
-            events = await _produce(producer, topics, turns, deltas)
+            events = await produce_turns(producer, topics, turns, deltas)
             produced = time.perf_counter() - started
             producer.close()
             await _wait_projected(live_url, await _log_end(bootstrap, topics), within_s=600)

@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
-PARTS = ("serving", "capacity", "projection")
+PARTS = ("serving", "capacity", "projection", "analytics")
 
 
 def _machine() -> str:
@@ -87,6 +87,13 @@ def projection(common: CommonSettings, quick: bool, out: Path) -> str:
                common.partitions, out)
 
 
+def analytics(common: CommonSettings, quick: bool, out: Path) -> str:
+    from bench.analytics import run
+
+    return run(common.kafka_bootstrap, common.database_url, common.partitions, quick, out,
+               common.state_dir / "bench-logs")
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -101,7 +108,9 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = serving(common, quick, out, resolve_model)
         elif part == "capacity":
             table = capacity(common, quick, out)
-        else:
+        elif part == "projection":
             table = projection(common, quick, out)
+        else:
+            table = analytics(common, quick, out)
         print(f"{table}\n\n({part}: {time.monotonic() - part_started:.0f} s)", flush=True)
     print(f"\nbench finished in {time.monotonic() - started:.0f} s; figures in {out}/")
