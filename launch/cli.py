@@ -21,6 +21,7 @@ Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -269,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         return _run(args, common, external_db)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"pipeline {args.command}: {exc.strerror} (address in use: is another "
+              "one running?)", file=sys.stderr)
+        return 2
     except Exception as exc:
         down = service_down(exc, common, external_db)
         if down is None:

@@ -22,7 +22,11 @@ def serve_metrics(registry: CollectorRegistry, port: int,
     stops it."""
     if not port:
         return lambda: None
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") \
+            from None
 
     def stop() -> None:
         server.shutdown()

@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from infra.process import free_port
 from launch.cli import service_down
 from pipeline import sketch
 from pipeline.codec import DecodeError, decode, encode
-from pipeline.metrics import LoopWatch
+from pipeline.metrics import LoopWatch, serve_metrics
 from pipeline.settings import CommonSettings
 from pipeline.usage import UsageError, UsageQuery
 from projections.projection import project
@@ -303,3 +304,12 @@ def test_usage_query_pages_and_defaults() -> None:
                 {"page": "x"}):
         with pytest.raises(UsageError):
             UsageQuery.build("t", now - 60, now, **{"bucket_width": "1m", **bad})
+
+
+def test_metrics_port_in_use_is_named() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            serve_metrics(CollectorRegistry(), port)
