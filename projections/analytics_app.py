@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeline.codec import DecodeError, Position, decode
 from pipeline.deadletter import dead_letter
-from pipeline.kafka import EventProducer, Record
+from pipeline.kafka import EventProducer, KafkaException, Record, wait_for_broker
 from projections.analytics import AnalyticsMetrics, AnalyticsStore
 from projections.settings import AnalyticsSettings
 from schemas import Event
@@ -112,6 +112,12 @@ def build_app(settings: AnalyticsSettings, bootstrap: str, store: AnalyticsStore
 def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
         registry: CollectorRegistry) -> None:
     """Run until SIGTERM or SIGINT (faust's worker handles both, stopping cleanly)."""
+    while True:  # faust gives up at once on a broker it cannot reach when starting
+        try:
+            wait_for_broker(bootstrap, timeout=30)
+            break
+        except KafkaException as exc:
+            log.warning("Kafka does not answer at %s (%s); waiting for it", bootstrap, exc)
     store = AnalyticsStore(database_url, AnalyticsMetrics(registry))
     deadletters = EventProducer(bootstrap)
     app = build_app(settings, bootstrap, store, deadletters)
