@@ -26,7 +26,10 @@ What a turn counts as:
   turn), in the minute it occurred, with the session it belongs to.
 * **finished / cancelled / failed**: its first terminal event: ``GenerationFinished``
   (``stop``/``length`` finished; ``abort`` cancelled) or ``GenerationFailed`` (with its
-  code), in the minute it occurred, with the model the prompt asked for.
+  code), in the minute it occurred, under the tenant and the model of its prompt. (A
+  turn's tenant, model and session come from its prompt only, never from whichever
+  event happened to be read first: the result must not depend on the order between
+  topics.)
 * **tokens**: the terminal event's usage.
 * **TTFT**: the prompt's ``occurred_at`` (the gateway accepting it) to the first token's
   (the worker writing it): what a client waits, queueing included. Clocks of different
@@ -201,9 +204,7 @@ async def _fold(cur: psycopg.AsyncCursor[Any], event: Event, adds: Additions) ->
         if new:
             await _count_end(cur, rid, adds)
     elif isinstance(event, GenerationStarted):
-        new = await _set_facts(cur, rid, "started_at", tenant=event.tenant,
-                               conversation_id=event.conversation_id,
-                               started_at=event.occurred_at)
+        new = await _set_facts(cur, rid, "started_at", started_at=event.occurred_at)
         if new:
             minute = minute_of(event.occurred_at)
             # The model that runs it (the prompt's, unless a worker refused it).
@@ -213,22 +214,21 @@ async def _fold(cur: psycopg.AsyncCursor[Any], event: Event, adds: Additions) ->
     elif isinstance(event, TokenDelta):
         if event.seq != 0:
             return
-        new = await _set_facts(cur, rid, "first_token_at", tenant=event.tenant,
-                               first_token_at=event.occurred_at)
+        new = await _set_facts(cur, rid, "first_token_at", first_token_at=event.occurred_at)
     elif isinstance(event, GenerationFinished):
         outcome = "cancelled" if event.finish_reason == "abort" else "finished"
         decode_ms = (event.duration_ms - event.ttft_ms) if event.ttft_ms is not None else None
-        new = await _set_facts(cur, rid, "ended_at", tenant=event.tenant,
-                               ended_at=event.occurred_at, outcome=outcome,
+        new = await _set_facts(cur, rid, "ended_at", ended_at=event.occurred_at,
+                               outcome=outcome,
                                prompt_tokens=event.usage.prompt_tokens,
                                completion_tokens=event.usage.completion_tokens,
                                decode_ms=decode_ms)
         if new:
             await _count_end(cur, rid, adds)
     elif isinstance(event, GenerationFailed):
-        new = await _set_facts(cur, rid, "ended_at", tenant=event.tenant,
-                               ended_at=event.occurred_at, outcome="failed", code=event.code,
-                               prompt_tokens=0, completion_tokens=0)
+        new = await _set_facts(cur, rid, "ended_at", ended_at=event.occurred_at,
+                               outcome="failed", code=event.code, prompt_tokens=0,
+                               completion_tokens=0)
         if new:
             await _count_end(cur, rid, adds)
     else:
