@@ -27,7 +27,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,71 @@ def _machine_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+# What the per-component CPU table covers, in its order. "bench probe" is the side
+# process measuring the Kafka hop; "load generator" is this process (the SSE clients).
+COMPONENTS = ("kafka broker", "postgresql", "worker", "gateway", "projector", "bench probe")
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process now."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        out[int(entry.name)] = (int(stat[1]), cmd)
+    return out
+
+
+def _component_pids(roots: dict[str, int]) -> dict[str, set[int]]:
+    """Each component's processes: the stack's own (with their children) by the pids the
+    bench started, the broker's JVM and PostgreSQL's processes by their command lines."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(pid: int) -> set[int]:
+        found, todo = set(), [pid]
+        while todo:
+            p = todo.pop()
+            if p in procs and p not in found:
+                found.add(p)
+                todo.extend(children.get(p, []))
+        return found
+
+    out = {name: tree(pid) for name, pid in roots.items()}
+    out["kafka broker"] = {p for p, (_, cmd) in procs.items()
+                           if "java" in cmd and "kafka" in cmd.lower()}
+    out["postgresql"] = {p for p, (_, cmd) in procs.items()
+                         if cmd.split(" ", 1)[0].endswith("postgres")
+                         or cmd.startswith("postgres:")}
+    return out
+
+
+def _cpu_snapshot(roots: dict[str, int]) -> dict[str, dict[int, float]]:
+    snapshot: dict[str, dict[int, float]] = {}
+    for name, pids in _component_pids(roots).items():
+        snapshot[name] = {}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                snapshot[name][pid] = _cpu_s(pid)
+    return snapshot
+
+
+def _cpu_used(before: dict[str, dict[int, float]],
+              after: dict[str, dict[int, float]]) -> dict[str, float]:
+    """CPU seconds each component used between the snapshots (a process that started in
+    between counts whole; one that ended in between is lost, as /proc forgets it)."""
+    return {name: sum(cpu - before.get(name, {}).get(pid, 0.0)
+                      for pid, cpu in after.get(name, {}).items())
+            for name in after}
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -62,8 +127,8 @@ def _rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, int]]:
-    """A simulated worker, a projector and a gateway; yields the URL and the gateway pid."""
+def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, dict[str, int]]]:
+    """A simulated worker, a projector and a gateway; yields the URL and their pids."""
     port = free_port()
     exe = [sys.executable, "-m", "launch"]
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
@@ -78,7 +143,8 @@ def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, int]]:
                                           env=env, start_new_session=True))
     try:
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
-        yield f"http://127.0.0.1:{port}", procs[2].pid
+        yield f"http://127.0.0.1:{port}", {"projector": procs[0].pid, "worker": procs[1].pid,
+                                           "gateway": procs[2].pid}
     finally:
         for p in procs:
             p.terminate()
@@ -128,8 +194,11 @@ def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
 
 
 async def _load(url: str, streams: int, rounds: int, max_tokens: int, keep_ids: bool,
-                stagger_s: float = 0.0) -> tuple[list[Request], float, float]:
-    """Closed-loop streams; the requests, the wall seconds and the client's CPU share."""
+                stagger_s: float = 0.0, measured: Callable[[bool], None] | None = None,
+                ) -> tuple[list[Request], float, float]:
+    """Closed-loop streams; the requests, the wall seconds and the client's CPU share.
+    ``measured(True)`` and ``measured(False)`` are called as the measured part (after the
+    warm-up) starts and ends."""
     done: list[Request] = []
     async with http_client(streams + 8) as client:
         async def one(seed: int) -> Request:
@@ -140,7 +209,11 @@ async def _load(url: str, streams: int, rounds: int, max_tokens: int, keep_ids: 
 
         await closed_loop(one, 4, 1)  # warm-up
         done.clear()
+        if measured:
+            measured(True)
         summary = await closed_loop(one, streams, rounds, stagger_s)
+        if measured:
+            measured(False)
     return done, summary.seconds, summary.client_cpu
 
 
@@ -150,21 +223,29 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
     max_tokens = max(20, round(tokens_per_s * 4))
     stream_s = max_tokens / tokens_per_s
     spawn = multiprocessing.get_context("spawn")
-    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S=str(tokens_per_s)) as (url, gateway), \
+    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S=str(tokens_per_s)) as (url, pids), \
             concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as side:
-        side.submit(time.sleep, 0).result()  # started before the load
-        cpu, busy = _cpu_s(gateway), _machine_busy()
-        hop = side.submit(_kafka_hop, bootstrap, stream_s * (rounds + 1))
+        probe = side.submit(os.getpid).result()  # started before the load
+        roots = {**pids, "bench probe": probe}
+        snapshots: dict[bool, tuple[dict[str, dict[int, float]], tuple[int, int]]] = {}
+
+        def measured(starting: bool) -> None:  # the window every CPU figure covers
+            snapshots[starting] = _cpu_snapshot(roots), _machine_busy()
+
+        hop = side.submit(_kafka_hop, bootstrap, stream_s * (rounds + 2))
         requests, seconds, client_cpu = asyncio.run(
-            _load(url, streams, rounds, max_tokens, True, stagger_s=stream_s))
-        gateway_cpu = (_cpu_s(gateway) - cpu) / seconds
-        busy_after = _machine_busy()
+            _load(url, streams, rounds, max_tokens, True, stagger_s=stream_s,
+                  measured=measured))
+        (cpu, busy), (cpu_after, busy_after) = snapshots[True], snapshots[False]
+        used = _cpu_used(cpu, cpu_after)
+        gateway_cpu = used["gateway"] / seconds
         hop_ms = hop.result()
     machine = (busy_after[0] - busy[0]) / max(busy_after[1] - busy[1], 1)
     offset = time.time() - time.perf_counter()
     arrivals = [(i, t + offset) for r in requests for i, t in r.arrivals]
     created = _event_times(bootstrap, [i for i, _ in arrivals])
     latencies = [(t - created[i]) * 1000 for i, t in arrivals if i in created]
+    tokens = sum(r.tokens for r in requests)
     return {"streams": streams, "tokens_per_s_per_stream": tokens_per_s,
             "offered_tokens_per_s": streams * tokens_per_s, "deltas": len(latencies),
             "seconds": seconds, "failures": sum(r.error is not None for r in requests),
@@ -172,12 +253,17 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
             "ms": {f"p{q}": percentile(latencies, q) for q in (50, 90, 99)} | {
                 "max": max(latencies, default=float("nan"))},
             "kafka_hop_ms": {f"p{q}": percentile(hop_ms, q) for q in (50, 90, 99)},
-            "client_cpu": client_cpu, "gateway_cpu": gateway_cpu, "machine_cpu": machine}
+            "client_cpu": client_cpu, "gateway_cpu": gateway_cpu, "machine_cpu": machine,
+            "tokens": tokens, "cpu_s": {**used, "load generator": client_cpu * seconds},
+            "cpu_us_per_token": {name: cpu_s / tokens * 1e6 for name, cpu_s in
+                                 {**used, "load generator": client_cpu * seconds}.items()}
+            if tokens else {}}
 
 
 def throughput(log_dir: Path, streams: int, rounds: int) -> dict[str, Any]:
     with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="1000", WORKER_SIM_TTFT_MS="0") as (
-            url, gateway):
+            url, pids):
+        gateway = pids["gateway"]
         cpu = _cpu_s(gateway)
         requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 1000, False))
         gateway_cpu = (_cpu_s(gateway) - cpu) / seconds
@@ -240,8 +326,8 @@ def open_streams(log_dir: Path, streams: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per stream, twice
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * streams + 1024)), hard))
     with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="0.2", WORKER_SIM_TTFT_MS="0") as (
-            url, gateway):
-        return asyncio.run(_hold(url, streams, gateway))
+            url, pids):
+        return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 
 def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
@@ -268,6 +354,20 @@ def tables(figures: dict[str, Any]) -> str:
                    f"{hop['p90']:.1f} / {hop['p99']:.1f} | "
                    f"{lat['machine_cpu'] * (os.cpu_count() or 1):.2f} | "
                    f"{lat['gateway_cpu']:.0%} | {lat['client_cpu']:.0%} |")
+    out += ["", "CPU per delivered token, by component (µs; each process's user + system time "
+            "from /proc over the measured window, divided by the tokens the clients got):", "",
+            "| streams x tokens/s each | tokens/delta | " + " | ".join(COMPONENTS)
+            + " | total (all but the load generator) | load generator |",
+            "|---" * (len(COMPONENTS) + 4) + "|"]
+    for lat in figures["delta_latency"]:
+        per = lat.get("cpu_us_per_token")
+        if not per:
+            continue
+        total = sum(per.get(name, 0.0) for name in COMPONENTS)
+        out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
+                   f"{lat['tokens'] / max(lat['deltas'], 1):.2f} | "
+                   + " | ".join(f"{per.get(name, 0.0):,.0f}" for name in COMPONENTS)
+                   + f" | {total:,.0f} | {per.get('load generator', 0.0):,.0f} |")
     out += ["", "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|",
             f"| tokens/s one gateway streams to SSE clients ({thr['streams']} streams) | "
             f"{thr['tokens_per_s']:,.0f} | {thr['client_cpu']:.0%} | "
