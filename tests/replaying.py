@@ -11,7 +11,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pipeline.topics import CONVERSATION_TOPICS
 from tests.conftest import Stack
+from tests.logread import read_events
 
 TABLES = {
     "conversations": "id",
@@ -21,13 +23,35 @@ TABLES = {
 }
 
 
-def snapshot(database_url: str, schema: str) -> dict[str, list[tuple[Any, ...]]]:
+# The column naming each table's conversation, for leaving contested ones out.
+CONVERSATION_COLUMN = {"conversations": "id", "messages": "conversation_id",
+                       "generations": "conversation_id"}
+
+
+def snapshot(database_url: str, schema: str,
+             leave_out: frozenset[uuid.UUID] = frozenset()) -> dict[str, list[tuple[Any, ...]]]:
     with psycopg.connect(database_url) as conn:
-        return {
-            table: conn.execute(sql.SQL("SELECT * FROM {}.{} ORDER BY " + order).format(
-                sql.Identifier(schema), sql.Identifier(table))).fetchall()
-            for table, order in TABLES.items()
-        }
+        out = {}
+        for table, order in TABLES.items():
+            query = sql.SQL("SELECT * FROM {}.{}").format(sql.Identifier(schema),
+                                                         sql.Identifier(table))
+            column = CONVERSATION_COLUMN.get(table)
+            if column is not None:
+                query += sql.SQL(" WHERE NOT {} = ANY(%s)").format(sql.Identifier(column))
+            query += sql.SQL(" ORDER BY " + order)
+            out[table] = conn.execute(query, (list(leave_out),) if column else ()).fetchall()
+        return out
+
+
+def contested(stack: Stack) -> frozenset[uuid.UUID]:
+    """Conversations whose events name more than one tenant. Only a misbehaving producer
+    writes them (the tests do, on purpose); which of them the store refuses depends on
+    which topic is read first (README, "Known limits"), so no two readings need agree."""
+    tenants: dict[uuid.UUID, set[str]] = {}
+    for topic in CONVERSATION_TOPICS:
+        for _, event in read_events(stack.bootstrap, topic):
+            tenants.setdefault(event.conversation_id, set()).add(event.tenant)
+    return frozenset(c for c, names in tenants.items() if len(names) > 1)
 
 
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
@@ -45,7 +69,9 @@ def replay_into_new_schema(stack: Stack, *extra: str) -> str:
 
 def differences(stack: Stack) -> list[str]:
     """The tables where the live store and a replay of the whole log differ (the
-    projector must have caught up first)."""
+    projector must have caught up first), contested conversations left out."""
     schema = replay_into_new_schema(stack)
-    live, rebuilt = snapshot(stack.database_url, "public"), snapshot(stack.database_url, schema)
+    leave_out = contested(stack)
+    live = snapshot(stack.database_url, "public", leave_out)
+    rebuilt = snapshot(stack.database_url, schema, leave_out)
     return [table for table in TABLES if live[table] != rebuilt[table]]
