@@ -109,7 +109,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         meta = AsyncConsumer(common.kafka_bootstrap, f"gateway-meta-{label}")
         reader = AsyncConsumer(common.kafka_bootstrap, f"gateway-reader-{label}",
                                **QUICK_ASSIGN)
-        fleet = Fleet(common.kafka_bootstrap, settings.max_backlog)
+        fleet = Fleet(common.kafka_bootstrap, settings.max_backlog, configured=settings.models)
         # Opened without waiting: a gateway starts while PostgreSQL is away (its requests
         # that need the store are refused meanwhile), and a connection broken by a
         # restart of the database is found and replaced when it is taken from the pool.

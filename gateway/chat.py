@@ -33,6 +33,7 @@ from gateway.problems import (
     InvalidLastEventId,
     LogUnavailable,
     ModelNotFound,
+    ModelUnavailable,
     OverLimit,
     Problem,
     SessionNotFound,
@@ -105,8 +106,13 @@ class ChatService:
         return sorted(self.fleet.models) or self.configured_models
 
     def check_limits(self, request: ChatRequest) -> None:
-        if request.model not in self.fleet.models and request.model not in self.configured_models:
-            raise ModelNotFound(request.model)
+        """A model live workers serve, or configured (``GATEWAY_MODELS``: its turns wait
+        in the log for a worker); one served within the hour and not now is refused for
+        now (503); any other does not exist (404)."""
+        model = request.model
+        if model not in self.fleet.models and model not in self.configured_models:
+            raise ModelUnavailable(model) if model in self.fleet.known \
+                else ModelNotFound(model)
         if len(request.messages) > self.settings.max_messages:
             raise OverLimit(f"At most {self.settings.max_messages} messages per request.",
                             "messages")
@@ -149,7 +155,7 @@ class ChatService:
                 if busy is not None:
                     raise TurnInProgress(busy.request_id)
                 history = view.history()
-        self.fleet.admit()
+        self.fleet.admit(request.model)
         new = tuple(m.to_event() for m in request.messages)
         await self.guard.charge(caller, requests=0, tokens=estimate_tokens(
             sum(len(m.content) for m in (*history, *new)), request.sampling().max_tokens))

@@ -15,6 +15,7 @@ from gateway.problems import (
     InvalidLastEventId,
     LogUnavailable,
     ModelNotFound,
+    ModelUnavailable,
     OverLimit,
     Problem,
     SessionNotFound,
@@ -75,6 +76,9 @@ def api_error(problem: Problem) -> APIError:
             return APIError(404, message, code="completion_not_found")
         case ModelNotFound():
             return APIError(404, message, code="model_not_found", param="model")
+        case ModelUnavailable():
+            return APIError(503, message, code="model_unavailable", param="model",
+                            headers={"Retry-After": "5"})
         case OverLimit():
             code = "too_many_messages" if problem.param == "messages" else "invalid_value"
             return APIError(400, message, code=code, param=problem.param)

@@ -1,12 +1,15 @@
 """What a gateway knows of the workers, read from their consumer group in Kafka, so no
 gateway needs state shared with another.
 
-* **Backlog**: the group's lag on ``chat.prompts``, i.e. prompts accepted but not
-  finished (workers commit the low watermark of their in-flight prompts, so running
-  turns count until they end). ``admit()`` refuses new turns with 429 past the bound;
+* **Backlog**, per model: its workers' group's lag on ``chat.prompts``, i.e. prompts
+  accepted but not finished (workers commit the low watermark of their in-flight
+  prompts, so running turns count until they end; another model's prompts are passed
+  over at once). ``admit(model)`` refuses new turns with 429 past the bound;
   ``Retry-After`` is how long the workers take, at the rate they have been finishing
-  prompts, to bring the backlog back under it.
-* **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``).
+  prompts, to bring the backlog back under it. A group that never committed (its
+  workers not started yet) counts as caught up.
+* **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``),
+  and those served within the hour (``known``).
 """
 
 from __future__ import annotations
@@ -16,63 +19,92 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from gateway.problems import BacklogFull
 from pipeline.kafka import GroupStatus
 from pipeline.retry import QuietLog
 from pipeline.roster import Roster
-from pipeline.topics import PROMPTS, WORKERS_GROUP
+from pipeline.topics import PROMPTS, workers_group
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Backlog:
+    group: GroupStatus
+    prompts: int = 0
+    drain_per_s: float = 0.0  # prompts finished per second, smoothed
+    last: tuple[float, int] | None = None
+
+
 class Fleet:
-    def __init__(self, bootstrap: str, max_backlog: int, interval_s: float = 0.25) -> None:
+    def __init__(self, bootstrap: str, max_backlog: int, interval_s: float = 0.25,
+                 configured: list[str] | None = None) -> None:
+        self.bootstrap = bootstrap
         self.max_backlog = max_backlog
         self.interval_s = interval_s
-        self.backlog = 0
-        self.drain_per_s = 0.0  # prompts finished per second, smoothed
+        self.configured = list(configured or [])
         self.models: set[str] = set()  # served by live workers
-        self._group = GroupStatus(bootstrap, WORKERS_GROUP)
+        self.known: set[str] = set()  # served within the hour
+        self._backlogs: dict[str, _Backlog] = {}
         self._roster = Roster(bootstrap)
         self._task: asyncio.Task[None] | None = None
         self._quiet = QuietLog(log)
 
-    def admit(self) -> None:
-        """Refuse (``BacklogFull``) while the workers' backlog is over the bound."""
-        excess = self.backlog - self.max_backlog
+    @property
+    def backlog(self) -> int:
+        """The largest model's backlog (the gauge)."""
+        return max((b.prompts for b in self._backlogs.values()), default=0)
+
+    def admit(self, model: str) -> None:
+        """Refuse (``BacklogFull``) while ``model``'s backlog is over the bound."""
+        backlog = self._backlogs.get(model)
+        if backlog is None:
+            return
+        excess = backlog.prompts - self.max_backlog
         if excess < 0:
             return
-        wait = math.ceil((excess + 1) / self.drain_per_s) if self.drain_per_s > 0 else 5
+        wait = math.ceil((excess + 1) / backlog.drain_per_s) if backlog.drain_per_s > 0 else 5
         wait = min(max(wait, 1), 60)
-        raise BacklogFull(self.backlog, self.max_backlog, wait)
+        raise BacklogFull(backlog.prompts, self.max_backlog, wait)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="fleet")
 
     async def _run(self) -> None:
-        last: tuple[float, int] | None = None
         while True:
             try:
                 self.models = await asyncio.to_thread(self._roster.refresh)
+                self.known = self._roster.known | self.models
             except Exception as exc:
                 self._quiet.warning("could not read the workers' heartbeats: %s", exc)
-            try:
-                lag = await asyncio.to_thread(self._group.per_partition, PROMPTS)
-                self.backlog = sum(max(end - committed, 0) for committed, end in lag.values())
-                now, done = time.monotonic(), sum(c for c, _ in lag.values())
-                if last is not None and now > last[0]:
-                    rate = max(done - last[1], 0) / (now - last[0])
-                    self.drain_per_s = 0.8 * self.drain_per_s + 0.2 * rate
-                last = (now, done)
-            except Exception as exc:
-                self._quiet.warning("could not read the workers' group: %s", exc)
+            for model in sorted(self.models | set(self.configured)):
+                if model not in self._backlogs:
+                    self._backlogs[model] = _Backlog(GroupStatus(self.bootstrap,
+                                                                 workers_group(model)))
+                try:
+                    await asyncio.to_thread(self._measure, self._backlogs[model])
+                except Exception as exc:
+                    self._quiet.warning("could not read the workers' group of %s: %s",
+                                        model, exc)
             await asyncio.sleep(self.interval_s)
+
+    @staticmethod
+    def _measure(backlog: _Backlog) -> None:
+        lag = backlog.group.per_partition(PROMPTS, uncommitted_at_end=True)
+        backlog.prompts = sum(max(end - committed, 0) for committed, end in lag.values())
+        now, done = time.monotonic(), sum(c for c, _ in lag.values())
+        if backlog.last is not None and now > backlog.last[0]:
+            rate = max(done - backlog.last[1], 0) / (now - backlog.last[0])
+            backlog.drain_per_s = 0.8 * backlog.drain_per_s + 0.2 * rate
+        backlog.last = (now, done)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.to_thread(self._group.close)
+        for backlog in self._backlogs.values():
+            await asyncio.to_thread(backlog.group.close)
         await asyncio.to_thread(self._roster.close)

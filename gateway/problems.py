@@ -23,6 +23,15 @@ class ModelNotFound(Problem):
         super().__init__(f"The model '{model[:256]}' does not exist.")
 
 
+class ModelUnavailable(Problem):
+    """A model served within the hour that no live worker serves now (and turns for it
+    are not configured to wait in the log): refused for now, not as unknown."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"No worker serves the model '{model[:256]}' right now; retry "
+                         "shortly.")
+
+
 class OverLimit(Problem):
     """A request past a configured limit (``param`` names the field)."""
 

@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
-    OFFSET_STORED,
     Consumer,
     KafkaError,
     KafkaException,
@@ -710,7 +709,6 @@ QUICK_ASSIGN = {"fetch.wait.max.ms": 10}
 OnAssign = Callable[[list[TP]], dict[TP, int] | None]
 OnRevoke = Callable[[list[TP]], None]
 BEGINNING = OFFSET_BEGINNING
-STORED = OFFSET_STORED  # start at the group's committed offset
 
 
 class AsyncConsumer:
@@ -810,15 +808,19 @@ class AsyncConsumer:
         self._consumer.resume(partitions)
         self._wake_fetcher(partitions)
 
-    def committed_sync(self, partitions: list[TP], timeout: float = 30.0) -> dict[TP, int]:
-        """The group's committed offset of each partition (its start if none)."""
-        out = {}
-        for tp in self._consumer.committed([TopicPartition(t, p) for t, p in partitions],
-                                           timeout=timeout):
-            offset = int(tp.offset)
+    def committed_sync(self, partitions: list[TP], timeout: float = 30.0,
+                       fallback: Callable[[list[TP]], dict[TP, int]] | None = None,
+                       ) -> dict[TP, int]:
+        """The group's committed offset of each partition; for those it never committed,
+        what ``fallback`` gives for them, else the partition's start."""
+        out = {(tp.topic, tp.partition): int(tp.offset) for tp in self._consumer.committed(
+            [TopicPartition(t, p) for t, p in partitions], timeout=timeout)}
+        missing = [tp for tp, offset in out.items() if offset < 0]
+        if missing and fallback is not None:
+            out.update(fallback(missing))
+        for (topic, partition), offset in out.items():
             if offset < 0:
-                offset = self.watermarks_sync(tp.topic, tp.partition)[0]
-            out[(tp.topic, tp.partition)] = offset
+                out[(topic, partition)] = self.watermarks_sync(topic, partition)[0]
         return out
 
     def _wake_fetcher(self, partitions: list[TopicPartition]) -> None:
@@ -931,6 +933,20 @@ class AsyncConsumer:
             self._executor.shutdown(wait=True)
 
 
+def group_committed(bootstrap: str, group: str, partitions: list[TP],
+                    timeout: float = 10.0) -> dict[TP, int]:
+    """Another group's committed offsets (without joining it); partitions it never
+    committed are left out."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                         "enable.auto.commit": False, **client_logging("group-status")})
+    try:
+        found = consumer.committed([TopicPartition(t, p) for t, p in partitions],
+                                   timeout=timeout)
+        return {(tp.topic, tp.partition): int(tp.offset) for tp in found if tp.offset >= 0}
+    finally:
+        consumer.close()
+
+
 class GroupStatus:
     """A consumer group seen from outside, without joining it: how far it is behind the
     end of a topic (its committed offsets)."""
@@ -940,15 +956,16 @@ class GroupStatus:
                                    **client_logging("group-status"),
                                    "enable.auto.commit": False})
 
-    def per_partition(self, topic: str, timeout: float = 5.0) -> dict[int, tuple[int, int]]:
+    def per_partition(self, topic: str, timeout: float = 5.0,
+                      uncommitted_at_end: bool = False) -> dict[int, tuple[int, int]]:
         """Per partition: (committed offset, end offset); a partition the group never
-        committed counts from its start."""
+        committed counts from its start (or, ``uncommitted_at_end``, as caught up)."""
         meta = self._consumer.list_topics(topic, timeout=timeout).topics[topic]
         parts = [TopicPartition(topic, p) for p in sorted(meta.partitions)]
         out = {}
         for tp in self._consumer.committed(parts, timeout=timeout):
             low, high = self._consumer.get_watermark_offsets(tp, timeout=timeout)
-            committed = tp.offset if tp.offset >= 0 else low
+            committed = tp.offset if tp.offset >= 0 else (high if uncommitted_at_end else low)
             out[tp.partition] = (int(committed), int(high))
         return out
 

@@ -26,6 +26,9 @@ from pipeline.topics import WORKERS
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 EXPIRY_S = 10.0  # a worker not heard from for this long is taken for gone
+# A model served within this long is known: a request for it while no worker serves it
+# is refused for now (503), not as a model that does not exist (404).
+KNOWN_S = 3600.0
 
 
 class Heartbeat:
@@ -65,8 +68,9 @@ class Heartbeat:
 
 
 class Roster:
-    """A gateway's side: the models live workers serve, from the heartbeats read so far.
-    ``refresh()`` reads what arrived (call it from one thread)."""
+    """A gateway's side: the models live workers serve, from the heartbeats read so far,
+    and the models served within ``KNOWN_S`` (``known``). ``refresh()`` reads what
+    arrived (call it from one thread)."""
 
     def __init__(self, bootstrap: str) -> None:
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "roster",
@@ -74,9 +78,15 @@ class Roster:
                                    **client_logging("roster")})
         self._assigned = False
         self._seen: dict[str, tuple[str, float]] = {}  # worker -> (model, last heard)
+        self._known: dict[str, float] = {}  # model -> last heard (wall clock)
+
+    @property
+    def known(self) -> set[str]:
+        horizon = time.time() - KNOWN_S
+        return {m for m, at in self._known.items() if at >= horizon}
 
     def _assign(self, timeout: float) -> None:
-        since = int((time.time() - EXPIRY_S) * 1000)
+        since = int((time.time() - KNOWN_S) * 1000)
         found = self._consumer.offsets_for_times([TopicPartition(WORKERS, 0, since)],
                                                  timeout=timeout)[0]
         start = found.offset if found.offset >= 0 else OFFSET_END
@@ -95,10 +105,15 @@ class Roster:
                 self._seen.pop(worker, None)
                 continue
             try:
-                model = str(json.loads(value)["model"])
+                beat = json.loads(value)
+                model, at = str(beat["model"]), float(beat["at"])
             except (ValueError, KeyError, TypeError):
                 continue
-            self._seen[worker] = (model, time.monotonic())
+            self._known[model] = max(self._known.get(model, 0.0), at)
+            # Alive while its heartbeats keep coming: an old one read at start-up counts
+            # from when it was sent.
+            heard = time.monotonic() - max(time.time() - at, 0.0)
+            self._seen[worker] = (model, heard)
         now = time.monotonic()
         self._seen = {w: (m, at) for w, (m, at) in self._seen.items() if now - at < EXPIRY_S}
         return {m for m, _ in self._seen.values()}

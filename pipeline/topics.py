@@ -22,8 +22,18 @@ GENERATIONS = "chat.generations"
 CONVERSATION_TOPICS = (PROMPTS, CONTROL, GENERATIONS)
 DEADLETTER = "chat.deadletter"
 WORKERS = "chat.workers"
-# The workers' consumer group.
+# The name workers give themselves in dead letters; also the consumer group every worker
+# shared before groups were per model (``workers_group``), whose offsets a model's group
+# starts from the first time.
 WORKERS_GROUP = "workers"
+
+
+def workers_group(model: str) -> str:
+    """The consumer group of the workers serving ``model``. Each model's group reads every
+    prompt (all of ``chat.prompts``, in order, so the turn ledger is the same in every
+    group) and runs only its model's, so two models are served side by side and a
+    conversation keeps its partition, and so its worker and prefix cache, per model."""
+    return f"{WORKERS_GROUP}.{model}"
 
 
 def worker_client_id(model: str) -> str:

@@ -38,12 +38,12 @@ from pipeline.codec import TP, DecodeError, decode
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import (
     QUICK_ASSIGN,
-    STORED,
     AsyncConsumer,
     Fenced,
     KafkaException,
     Record,
     TransactionalProducer,
+    group_committed,
     high_watermarks,
     read_spans,
     scan_partitions,
@@ -57,6 +57,7 @@ from pipeline.topics import (
     PROMPTS,
     WORKERS_GROUP,
     worker_client_id,
+    workers_group,
 )
 from schemas import (
     Event,
@@ -135,7 +136,8 @@ class WorkerMetrics:
         self.dead_letters = Counter("worker_dead_letters", "Records sent to the dead-letter topic",
                                     registry=registry)
         self.skipped = Counter("worker_skipped_prompts",
-                               "Prompts not run: void (a racing turn came first) or duplicate",
+                               "Prompts not run: void (a racing turn came first), duplicate, "
+                               "or another model's (other_model)",
                                ["verdict"], registry=registry)
         self.unstarted = Counter("worker_unstarted_turns",
                                  "Turns ended before they started (cancelled, abandoned, "
@@ -226,7 +228,11 @@ class Worker:
         controls = [p for t, p in assigned if t == CONTROL]
         # Prompts are read on from the committed offsets: the ledger and the offsets of
         # each transaction start there, and the scans below start at the oldest of them.
-        committed = self._consumer.committed_sync([(PROMPTS, p) for p in prompts])
+        # A model's group the first time: where the single group of earlier versions
+        # stopped, so nothing that group ran runs again (else the partition's start).
+        committed = self._consumer.committed_sync(
+            [(PROMPTS, p) for p in prompts],
+            fallback=lambda missing: group_committed(self.bootstrap, WORKERS_GROUP, missing))
         for tp, offset in committed.items():
             self.tracker.start(tp, offset)
         since = self._scan_starts(committed)
@@ -253,7 +259,7 @@ class Worker:
         unfinished = sum(not r.ended for r in found.values())
         log.info("assigned prompts %s; %d recent turns in the log, %d unfinished",
                  prompts, len(found), unfinished)
-        return {**{(PROMPTS, p): STORED for p in prompts},
+        return {**{(PROMPTS, p): committed[(PROMPTS, p)] for p in prompts},
                 **{(CONTROL, p): control_ends[p] for p in controls}}
 
     def _scan_starts(self, committed: dict[TP, int]) -> dict[int, int]:
@@ -304,7 +310,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
         consumer = self._consumer = AsyncConsumer(
-            self.bootstrap, WORKERS_GROUP,
+            self.bootstrap, workers_group(self.engine.model_name),
             **{"session.timeout.ms": self.session_timeout_ms,
                "client.id": worker_client_id(self.engine.model_name),
                # A worker owns the same partition number of both topics.
@@ -409,7 +415,13 @@ class Worker:
             await self._control(event, logged_at(record))
             self._done((topic, partition), offset)
             return
+        # Judged whatever its model: every group keeps the same ledger of the partition.
         verdict = await self._judge(event, partition, offset)
+        if verdict is Verdict.ACCEPTED and event.model != self.engine.model_name:
+            # Another model's turn: its own group runs it.
+            self.metrics.skipped.labels("other_model").inc()
+            self._done((topic, partition), offset)
+            return
         if verdict is not Verdict.ACCEPTED:
             if verdict is not None:
                 self.metrics.skipped.labels(verdict.value).inc()
