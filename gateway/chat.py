@@ -103,16 +103,17 @@ class ChatService:
     def models(self) -> list[str]:
         """The models live workers serve; before any worker is up, the configured ones
         (requests for them wait in the log for a worker)."""
-        return sorted(self.fleet.models) or self.configured_models
+        return sorted(self.fleet.models | self.fleet.aliases) or self.configured_models
 
-    def check_limits(self, request: ChatRequest) -> None:
-        """A model live workers serve, or configured (``GATEWAY_MODELS``: its turns wait
+    def check_model(self, version: str) -> None:
+        """A version live workers serve, or configured (``GATEWAY_MODELS``: its turns wait
         in the log for a worker); one served within the hour and not now is refused for
         now (503); any other does not exist (404)."""
-        model = request.model
-        if model not in self.fleet.models and model not in self.configured_models:
-            raise ModelUnavailable(model) if model in self.fleet.known \
-                else ModelNotFound(model)
+        if version not in self.fleet.models and version not in self.configured_models:
+            raise ModelUnavailable(version) if version in self.fleet.known \
+                else ModelNotFound(version)
+
+    def check_limits(self, request: ChatRequest) -> None:
         if len(request.messages) > self.settings.max_messages:
             raise OverLimit(f"At most {self.settings.max_messages} messages per request.",
                             "messages")
@@ -139,6 +140,9 @@ class ChatService:
         tenant = caller.tenant
         key = idempotency_key
         conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
+        # An alias's turn goes to the version its rollout record picks (pipeline.rollout).
+        version, routed_by = self.fleet.route(request.model, conversation)
+        self.check_model(version)
         request_id = completion_id(conversation, tenant, key)
         history = []
         view: ConversationView | None = None
@@ -155,13 +159,14 @@ class ChatService:
                 if busy is not None:
                     raise TurnInProgress(busy.request_id)
                 history = view.history()
-        self.fleet.admit(request.model)
+        self.fleet.admit(version)
         new = tuple(m.to_event() for m in request.messages)
         await self.guard.charge(caller, requests=0, tokens=estimate_tokens(
             sum(len(m.content) for m in (*history, *new)), request.sampling().max_tokens))
         prompt = PromptSubmitted(
             conversation_id=conversation, request_id=request_id, tenant=tenant,
-            model=request.model, messages=(*history, *new),
+            model=version, alias=routed_by.alias if routed_by else None,
+            rollout=routed_by.id if routed_by else None, messages=(*history, *new),
             history_len=len(history), sampling=request.sampling(), idempotency_key=key,
             background=request.background,
             history_end=view.prompts_end if view is not None else None,
@@ -181,6 +186,8 @@ class ChatService:
             self.tail.unfollow(sub)
             raise
         self.metrics.accepted.inc()
+        if routed_by is not None:
+            self.metrics.routed.labels(routed_by.alias, version).inc()
         return Following(request_id, conversation, tenant, int(prompt.occurred_at.timestamp()),
                          prompt.model, sub, [], attachment=request_id,
                          accepted_at=time.monotonic())

@@ -10,6 +10,8 @@ gateway needs state shared with another.
   workers not started yet) counts as caught up.
 * **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``),
   and those served within the hour (``known``).
+* **Aliases**: which version serves each model alias, and any rollout under way
+  (``pipeline.rollout``); ``route()`` picks a new turn's version.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import contextlib
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 
 from gateway.problems import BacklogFull
 from pipeline.kafka import GroupStatus
 from pipeline.retry import QuietLog
+from pipeline.rollout import Rollout, RolloutBook, route
 from pipeline.roster import Roster
 from pipeline.topics import PROMPTS, workers_group
 
@@ -48,7 +52,9 @@ class Fleet:
         self.models: set[str] = set()  # served by live workers
         self.known: set[str] = set()  # served within the hour
         self._backlogs: dict[str, _Backlog] = {}
+        self.rollouts: dict[str, Rollout] = {}  # the latest record per alias
         self._roster = Roster(bootstrap)
+        self._book = RolloutBook(bootstrap)
         self._task: asyncio.Task[None] | None = None
         self._quiet = QuietLog(log)
 
@@ -56,6 +62,16 @@ class Fleet:
     def backlog(self) -> int:
         """The largest model's backlog (the gauge)."""
         return max((b.prompts for b in self._backlogs.values()), default=0)
+
+    def route(self, model: str, conversation_id: uuid.UUID) -> tuple[str, Rollout | None]:
+        """The version that serves a new turn of ``conversation_id`` asked for ``model``,
+        and the alias record that decided it (None: ``model`` is no alias)."""
+        return route(self.rollouts, model, conversation_id, self.models)
+
+    @property
+    def aliases(self) -> set[str]:
+        """Aliases whose version is served now (for ``/v1/models``)."""
+        return {a for a, r in self.rollouts.items() if r.stable in self.models}
 
     def admit(self, model: str) -> None:
         """Refuse (``BacklogFull``) while ``model``'s backlog is over the bound."""
@@ -79,6 +95,10 @@ class Fleet:
                 self.known = self._roster.known | self.models
             except Exception as exc:
                 self._quiet.warning("could not read the workers' heartbeats: %s", exc)
+            try:
+                self.rollouts = await asyncio.to_thread(self._book.refresh)
+            except Exception as exc:
+                self._quiet.warning("could not read the model aliases: %s", exc)
             for model in sorted(self.models | set(self.configured)):
                 if model not in self._backlogs:
                     self._backlogs[model] = _Backlog(GroupStatus(self.bootstrap,
@@ -108,3 +128,4 @@ class Fleet:
         for backlog in self._backlogs.values():
             await asyncio.to_thread(backlog.group.close)
         await asyncio.to_thread(self._roster.close)
+        await asyncio.to_thread(self._book.close)

@@ -13,6 +13,9 @@ class GatewayMetrics:
                                 ["route", "status"], registry=registry)
         self.accepted = Counter("gateway_turns_accepted",
                                 "Turns whose prompt Kafka acknowledged", registry=registry)
+        self.routed = Counter("gateway_routed_turns",
+                              "Accepted turns asked for a model alias, by the version that "
+                              "serves them", ["alias", "version"], registry=registry)
         self.active_streams = Gauge("gateway_active_streams", "Open SSE streams",
                                     registry=registry)
         self.ttft = Histogram("gateway_ttft_seconds",

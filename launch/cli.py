@@ -10,6 +10,8 @@
     pipeline contract [--check]      the events' JSON Schema and the topics' AsyncAPI document
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
+    pipeline rollout ALIAS --to V    a share of an alias's turns to version V, judged, then
+                                     promoted or rolled back; `rollout status` shows them
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
     pipeline bench [--quick] [PART]  serving, capacity, projection and analytics figures
     pipeline demo                    all of the above, until Ctrl-C
@@ -40,6 +42,7 @@ from launch.services import (
     run_worker,
 )
 from pipeline.retry import RepeatFilter
+from pipeline.rollout import HealthPolicy
 from pipeline.settings import CommonSettings
 from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.settings import WorkerSettings
@@ -134,6 +137,29 @@ def _parser() -> argparse.ArgumentParser:
     au.add_argument("session_id", type=uuid.UUID)
     au.add_argument("--json", action="store_true", help="one JSON object per line")
     au.add_argument("--deltas", action="store_true", help="list every TokenDelta")
+    ro = sub.add_parser("rollout", help="send a share of a model alias's new turns to "
+                        "another version; promote or roll back on its health")
+    ro.add_argument("alias", help="the model name clients ask for (`pipeline rollout "
+                    "status [ALIAS]` shows where rollouts stand)")
+    ro.add_argument("status_alias", nargs="?", metavar="ALIAS", help=argparse.SUPPRESS)
+    ro.add_argument("--to", metavar="VERSION",
+                    help="the version (a worker group's --served-model-name) to roll out")
+    ro.add_argument("--share", type=_share, default=0.1,
+                    help="share of new conversations sent to it meanwhile (default 0.1)")
+    ro.add_argument("--turns", type=_positive, default=HealthPolicy.turns,
+                    help="judge it over its first N ended turns (default %(default)s)")
+    ro.add_argument("--max-failure-increase", type=float,
+                    default=HealthPolicy.max_failure_increase,
+                    help="failure rate allowed above the old version's (default %(default)s)")
+    ro.add_argument("--max-ttft-ratio", type=float, default=HealthPolicy.max_ttft_ratio,
+                    help="TTFT p99 allowed, times the old version's (default %(default)s)")
+    ro.add_argument("--ttft-slack-ms", type=float, default=HealthPolicy.ttft_slack_ms,
+                    help="or this much above it, whichever is more (default %(default)s)")
+    ro.add_argument("--timeout", type=float, default=HealthPolicy.timeout_s,
+                    help="seconds to gather the turns before rolling back (default "
+                         "%(default)s)")
+    ro.add_argument("--abort", action="store_true", help="end a running rollout: roll back")
+    ro.add_argument("--json", action="store_true", help="status: one JSON record per alias")
     bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
@@ -143,6 +169,51 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="where to write (default docs/benchmarks)")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("must be above 0 and at most 1")
+    return value
+
+
+def run_rollout_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from pipeline.rollout import Controller, RolloutBook, RolloutRefused, describe
+
+    if args.alias == "status":
+        book = RolloutBook(common.kafka_bootstrap)
+        try:
+            records = book.read_to_end()
+        finally:
+            book.close()
+        shown = [r for a, r in sorted(records.items())
+                 if args.status_alias in (None, a)]
+        if not shown:
+            print("no rollout yet" + (f" of {args.status_alias}" if args.status_alias
+                                      else ""), file=sys.stderr)
+            return 1
+        for record in shown:
+            print(record.model_dump_json() if args.json else describe(record))
+        return 0
+    if args.status_alias is not None:
+        print(f"pipeline rollout: unexpected argument {args.status_alias!r}", file=sys.stderr)
+        return 2
+    controller = Controller(common.kafka_bootstrap)
+    policy = HealthPolicy(args.turns, args.max_failure_increase, args.max_ttft_ratio,
+                          args.ttft_slack_ms, args.timeout)
+    try:
+        if args.abort:
+            controller.abort(args.alias)
+            return 0
+        if not args.to:
+            print("pipeline rollout: name the version: --to VERSION", file=sys.stderr)
+            return 2
+        record = controller.start(args.alias, args.to, args.share, policy)
+    except RolloutRefused as exc:
+        print(f"pipeline rollout: {exc}", file=sys.stderr)
+        return 2
+    return 0 if controller.watch(record, policy).status == "promoted" else 1
 
 
 def _positive(text: str) -> int:
@@ -284,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-ONE_SHOT = {"migrate", "keys", "replay", "audit", "usage"}
+ONE_SHOT = {"migrate", "keys", "replay", "audit", "usage", "rollout"}
 
 
 def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> str | None:
@@ -362,6 +433,8 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
         return run_audit_command(common, args)
     elif args.command == "bench":
         return run_bench_command(common, args)
+    elif args.command == "rollout":
+        return run_rollout_command(common, args)
     elif args.command == "demo":
         from launch.demo import run_demo
 

@@ -14,7 +14,16 @@ from typing import Any
 
 import yaml
 
-from pipeline.topics import CONTROL, DEADLETTER, GENERATIONS, PROMPTS, TopicPolicy, topic_specs
+from pipeline.rollout import Rollout
+from pipeline.topics import (
+    CONTROL,
+    DEADLETTER,
+    GENERATIONS,
+    PROMPTS,
+    ROLLOUTS,
+    TopicPolicy,
+    topic_specs,
+)
 from schemas import EVENT_ADAPTER
 
 CONTRACT_DIR = Path("docs") / "contract"
@@ -115,6 +124,26 @@ def asyncapi() -> dict[str, Any]:
     operations["readDeadletter"] = {
         "action": "receive", "channel": {"$ref": "#/channels/deadletter"},
         "messages": [{"$ref": "#/channels/deadletter/messages/DeadLetter"}]}
+    routing = specs[ROLLOUTS]
+    channels["rollouts"] = {
+        "address": ROLLOUTS, "title": ROLLOUTS,
+        "description": "Every change of which version serves a model alias: a rollout "
+                       "started, its progress, its promotion or rollback. Key: the alias; "
+                       "the latest record per alias is in force. Each turn's own routing "
+                       "is in its PromptSubmitted (model, alias, rollout).",
+        "messages": {"Rollout": {"$ref": "#/components/messages/Rollout"}},
+        "bindings": {"kafka": {
+            "topic": ROLLOUTS, "partitions": routing.partitions,
+            "replicas": routing.replication,
+            "topicConfiguration": {"cleanup.policy": ["delete"],
+                                   "retention.ms": int(routing.config["retention.ms"])},
+            **_KAFKA}},
+    }
+    operations["readRollouts"] = {
+        "action": "receive", "channel": {"$ref": "#/channels/rollouts"},
+        "messages": [{"$ref": "#/channels/rollouts/messages/Rollout"}]}
+    rollout_schema = Rollout.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = {**defs, **rollout_schema.pop("$defs", {}), "Rollout": rollout_schema}
     messages: dict[str, Any] = {}
     for events in TOPIC_EVENTS.values():
         for e in events:
@@ -134,6 +163,13 @@ def asyncapi() -> dict[str, Any]:
         "headers": {"type": "object", "properties": {
             k: {"type": "string", "description": v} for k, v in DEADLETTER_HEADERS.items()}},
         "payload": {"description": "The original value's bytes (not necessarily JSON)."},
+    }
+    messages["Rollout"] = {
+        "name": "Rollout", "title": "Rollout", "contentType": "application/json",
+        "summary": "Which version serves a model alias, and any rollout under way.",
+        "payload": {"$ref": "#/components/schemas/Rollout"},
+        "bindings": {"kafka": {"key": {"type": "string", "description": "the alias, UTF-8"},
+                               **_KAFKA}},
     }
     return {
         "asyncapi": "3.0.0",

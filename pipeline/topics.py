@@ -9,6 +9,8 @@ of ``chat.control`` (range assignment).
   never control, so a cancel reaches a turn however busy its worker is.
 * ``chat.generations``: what the workers generate.
 * ``chat.workers``: the workers' heartbeats (compacted; ``pipeline.roster``).
+* ``chat.rollouts``: every change of which version serves a model alias, kept forever
+  (``pipeline.rollout``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ GENERATIONS = "chat.generations"
 CONVERSATION_TOPICS = (PROMPTS, CONTROL, GENERATIONS)
 DEADLETTER = "chat.deadletter"
 WORKERS = "chat.workers"
+# Model aliases and rollouts: which version serves an alias's turns (``pipeline.rollout``).
+ROLLOUTS = "chat.rollouts"
 # The name workers give themselves in dead letters; also the consumer group every worker
 # shared before groups were per model (``workers_group``), whose offsets a model's group
 # starts from the first time.
@@ -86,4 +90,7 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
         # Heartbeats: only each worker's latest matters, and only for seconds.
         TopicSpec(WORKERS, 1, {**base, "cleanup.policy": "compact,delete",
                                "retention.ms": str(3600 * 1000)}, replication),
+        # Routing changes: few, and the audit of which version served when.
+        TopicSpec(ROLLOUTS, 1, {**base, "retention.ms": "-1", "retention.bytes": "-1"},
+                  replication),
     ]

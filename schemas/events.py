@@ -83,12 +83,18 @@ class PromptSubmitted(EventBase):
     turn of the conversation was accepted at or after that offset, and before this
     prompt, this prompt is void: built on a stale history, it is never run or stored
     (``schemas.conversation.TurnLedger``). None: a new conversation, no history read.
+
+    v3 adds the routing decision: ``model`` is the version that serves the turn;
+    ``alias``, the model the client asked for when it named an alias
+    (``pipeline.rollout``), and ``rollout``, the id of the rollout record that routed it.
     """
 
-    v: int = 2
+    v: int = 3
     type: Literal["PromptSubmitted"] = "PromptSubmitted"
     history_end: int | None = Field(default=None, ge=0)
     model: str
+    alias: str | None = Field(default=None, max_length=200)
+    rollout: str | None = Field(default=None, max_length=200)
     messages: tuple[ChatMessage, ...] = Field(min_length=1)
     # The first ``history_len`` messages came from the stored session; the rest are
     # this turn's new messages. Their positions in the conversation follow from it.

@@ -21,8 +21,14 @@ def _prompt_v1_to_v2(data: JSON) -> JSON:
     return {**data, "history_end": None, "v": 2}
 
 
+def _prompt_v2_to_v3(data: JSON) -> JSON:
+    # v2 prompts were routed by nothing: the model asked for is the one that served.
+    return {**data, "alias": None, "rollout": None, "v": 3}
+
+
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("PromptSubmitted", 1): _prompt_v1_to_v2,
+    ("PromptSubmitted", 2): _prompt_v2_to_v3,
 }
 
 

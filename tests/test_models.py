@@ -1,11 +1,18 @@
-"""Several models at once, on the SIMULATED engine: a worker group per model, every
+"""Models and rollouts, on the SIMULATED engine: a worker group per model, every
 prompt reaching its model's workers, none failed for being another model's; unknown
 models refused at once (404), known ones without a live worker refused for now (503),
-configured ones waiting in the log for their workers."""
+configured ones waiting in the log for their workers; ``pipeline rollout`` promoting a
+healthy version and rolling back a slow one (fault injection: a 3 s TTFT) with no
+client error, every routing decision in the log."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,11 +20,11 @@ import httpx
 import pytest
 
 from infra.process import free_port
-from pipeline.topics import GENERATIONS
-from schemas import GenerationFailed, GenerationStarted
+from pipeline.topics import GENERATIONS, PROMPTS
+from schemas import GenerationFailed, GenerationFinished, GenerationStarted, PromptSubmitted
 from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
 from tests.logread import read_events
-from tests.sse import scrape, stream_chat
+from tests.sse import Streamed, scrape, stream_chat
 from workers.sim_engine import sim_token_text
 
 CONFIGURED = ("sim-a", "sim-b")
@@ -26,12 +33,13 @@ CONFIGURED = ("sim-a", "sim-b")
 class Models(Pipeline):
     workers: dict[str, Service]
 
-    def start_worker(self, model: str) -> Service:
+    def start_worker(self, model: str, **env: str) -> Service:
         metrics = free_port()
         service = start_service(self.stack, f"worker-{model}", "worker", "--engine", "sim",
                                 "--served-model-name", model, "--max-num-seqs", "16",
                                 "--metrics-port", str(metrics),
-                                WORKER_SIM_TOKENS_PER_S="100", WORKER_SESSION_TIMEOUT_MS="6000")
+                                **{"WORKER_SIM_TOKENS_PER_S": "100",
+                                   "WORKER_SESSION_TIMEOUT_MS": "6000", **env})
         self.workers[model] = service
         self.services[f"worker-{model}"] = service
         wait_for(lambda: _assigned(f"http://127.0.0.1:{metrics}/metrics"), 60,
@@ -138,3 +146,130 @@ def test_known_model_without_a_live_worker_is_503_and_a_configured_one_waits(
         models.start_worker("sim-b")
         got = waiting.result(timeout=120)
     assert got.done and got.text == expected(4)
+
+
+# -- rollouts -------------------------------------------------------------------------
+def rollout(models: Models, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "launch", "rollout", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=models.stack.env())
+
+
+def under_load(models: Models, alias: str, command: subprocess.Popen[str],
+               ) -> tuple[str, list[Streamed]]:
+    """New conversations asking for ``alias``, 6 at a time, until ``command`` ends."""
+    results: list[Streamed] = []
+    lock = threading.Lock()
+
+    def client(n: int) -> None:
+        i = 0
+        while command.poll() is None:
+            got = stream_chat(models.url, chat(alias, f"load {n}-{i}", 4))
+            with lock:
+                results.append(got)
+            i += 1
+
+    with ThreadPoolExecutor(6) as pool:
+        for n in range(6):
+            pool.submit(client, n)
+        out, _ = command.communicate(timeout=300)
+    return out, results
+
+
+def routed(models: Models, results: list[Streamed]) -> dict[str, PromptSubmitted]:
+    ours = {r.request_id for r in results}
+    return {e.request_id: e for _, e in read_events(models.stack.bootstrap, PROMPTS)
+            if isinstance(e, PromptSubmitted) and e.request_id in ours}
+
+
+def served_by(models: Models, request_ids: set[str]) -> dict[str, str]:
+    return {e.request_id: e.model for _, e in read_events(models.stack.bootstrap, GENERATIONS)
+            if isinstance(e, GenerationFinished) and e.request_id in request_ids}
+
+
+def status(models: Models, alias: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "launch", "rollout", "status", alias],
+                          capture_output=True, text=True, env=models.stack.env(), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_rollout_to_a_version_without_workers_is_refused(models: Models) -> None:
+    command = rollout(models, "sim-a", "--to", "sim-nowhere")
+    out, _ = command.communicate(timeout=60)
+    assert command.returncode == 2, out
+    assert "no live worker serves sim-nowhere" in out
+
+
+def test_a_healthy_version_is_promoted_with_no_client_error(models: Models) -> None:
+    """Half the new conversations of alias sim-a go to sim-a2 until 10 of its turns
+    ended; as healthy as sim-a, it is promoted, and new turns go to it. Every turn under
+    way finished on the version that accepted it."""
+    models.start_worker("sim-a2")
+    command = rollout(models, "sim-a", "--to", "sim-a2", "--share", "0.5", "--turns", "10",
+                      "--ttft-slack-ms", "500")
+    out, results = under_load(models, "sim-a", command)
+    assert command.returncode == 0, out
+    assert "promoted sim-a2" in out and "/10 turns" in out  # its progress lines
+    assert results and all(r.done and r.error is None and r.text == expected(4)
+                           for r in results), [r.error for r in results if r.error]
+    prompts = routed(models, results)
+    assert set(prompts) == {r.request_id for r in results}
+    # Turns accepted before the gateway read the rollout's record went by the name.
+    split = [p for p in prompts.values() if p.rollout is not None]
+    assert all(p.model == "sim-a" for p in prompts.values() if p.rollout is None)
+    assert {p.alias for p in split} == {"sim-a"} and len({p.rollout for p in split}) == 1
+    assert {p.model for p in split} == {"sim-a", "sim-a2"}
+    # Which version served which turn: the one its routing decision named.
+    assert served_by(models, set(prompts)) == {rid: p.model for rid, p in prompts.items()}
+    text = status(models, "sim-a")
+    assert "sim-a: promoted, serving sim-a2" in text
+    assert re.search(r"sim-a2: (\d+) turns, 0 failed", text), text
+    wait_for(lambda: _version_of(models, "sim-a") == "sim-a2", 30, "new turns on sim-a2")
+
+
+def test_a_slow_version_is_rolled_back_with_no_client_error(models: Models) -> None:
+    """sim-a3 answers its first token after 3 s (fault injection): its health check
+    fails on TTFT p99 and it is rolled back. Its clients still got whole answers, from
+    sim-a3, and new turns go back to sim-a2."""
+    models.start_worker("sim-a3", WORKER_SIM_TTFT_MS="3000")
+    command = rollout(models, "sim-a", "--to", "sim-a3", "--share", "0.5", "--turns", "6")
+    out, results = under_load(models, "sim-a", command)
+    assert command.returncode == 1, out
+    assert "rolled back to sim-a2" in out and "TTFT p99" in out
+    assert results and all(r.done and r.error is None and r.text == expected(4)
+                           for r in results), [r.error for r in results if r.error]
+    prompts = routed(models, results)
+    slow = {rid for rid, p in prompts.items() if p.model == "sim-a3"}
+    assert len(slow) >= 6
+    assert served_by(models, set(prompts)) == {rid: p.model for rid, p in prompts.items()}
+    text = status(models, "sim-a")
+    assert "sim-a: rolled_back, serving sim-a2" in text and "TTFT p99" in text
+    wait_for(lambda: all(_version_of(models, "sim-a") == "sim-a2" for _ in range(5)), 30,
+             "new turns back on sim-a2")
+
+
+def test_a_running_rollout_is_resumed_refused_twice_and_aborted(models: Models) -> None:
+    """While a rollout runs, the same command again resumes it, a rollout to another
+    version is refused, and ``--abort`` ends it (the watching command sees that)."""
+    first = rollout(models, "sim-a", "--to", "sim-a3", "--turns", "1000")
+    wait_for(lambda: "running" in status(models, "sim-a"), 30, "the rollout to run")
+    again = rollout(models, "sim-a", "--to", "sim-a3", "--turns", "1000")
+    other = rollout(models, "sim-a", "--to", "sim-b")
+    out, _ = other.communicate(timeout=60)
+    assert other.returncode == 2 and "a rollout of sim-a to sim-a3 is running" in out
+    abort = rollout(models, "sim-a", "--abort")
+    out, _ = abort.communicate(timeout=60)
+    assert abort.returncode == 0, out
+    for command in (first, again):
+        out, _ = command.communicate(timeout=60)
+        assert command.returncode == 1 and "ended elsewhere: rolled_back" in out, out
+    assert "resuming the rollout of sim-a to sim-a3" in out
+    text = status(models, "sim-a")
+    assert "sim-a: rolled_back, serving sim-a2" in text and "ended by an operator" in text
+
+
+def _version_of(models: Models, alias: str) -> str:
+    got = stream_chat(models.url, chat(alias, f"which {uuid.uuid4()}", 2))
+    assert got.done and got.error is None
+    return str(got.chunks[0]["model"])

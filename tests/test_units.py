@@ -26,6 +26,7 @@ from launch.cli import service_down
 from pipeline import sketch
 from pipeline.codec import DecodeError, decode, encode
 from pipeline.metrics import LoopWatch, serve_metrics
+from pipeline.rollout import Figures, Health, HealthPolicy, Rollout, judge, route
 from pipeline.settings import CommonSettings
 from pipeline.usage import UsageError, UsageQuery
 from projections.projection import project
@@ -313,3 +314,54 @@ def test_metrics_port_in_use_is_named() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             serve_metrics(CollectorRegistry(), port)
+
+
+# -- rollouts: routing and the health check -------------------------------------------
+def _rollout(share: float, status: str = "running") -> Rollout:
+    return Rollout(alias="chat", id="r1", stable="chat-v1", candidate="chat-v2",
+                   share=share, status=status, started_at=0, updated_at=0)  # type: ignore[arg-type]
+
+
+def test_a_rollout_sends_its_share_of_conversations_and_each_keeps_its_version() -> None:
+    book = {"chat": _rollout(0.25)}
+    live = {"chat-v1", "chat-v2"}
+    conversations = [uuid.uuid4() for _ in range(4000)]
+    picked = [route(book, "chat", c, live)[0] for c in conversations]
+    assert 0.22 < picked.count("chat-v2") / len(picked) < 0.28
+    assert [route(book, "chat", c, live)[0] for c in conversations] == picked  # sticky
+    # No live candidate, or the rollout over: the stable version; no alias: the name itself.
+    assert {route(book, "chat", c, {"chat-v1"})[0] for c in conversations} == {"chat-v1"}
+    ended = {"chat": _rollout(0.25, "rolled_back")}
+    assert {route(ended, "chat", c, live)[0] for c in conversations} == {"chat-v1"}
+    assert route(book, "other", conversations[0], live) == ("other", None)
+
+
+def test_the_health_check_compares_failures_and_ttft_with_the_old_version() -> None:
+    policy = HealthPolicy(turns=10)
+    old = Figures(turns=100, failures=1, ttft_p99_ms=80.0)
+    assert judge(old, Figures(turns=10, failures=0, ttft_p99_ms=150.0), policy)[0]
+    slow = judge(old, Figures(turns=10, failures=0, ttft_p99_ms=3000.0), policy)
+    assert not slow[0] and "TTFT p99 3000 ms" in slow[1]
+    failing = judge(old, Figures(turns=10, failures=1, ttft_p99_ms=80.0), policy)
+    assert not failing[0] and "failure rate 10.0%" in failing[1]
+    assert judge(Figures(), Figures(turns=10, ttft_p99_ms=80.0), policy)[0]
+
+
+def test_the_health_fold_counts_each_turn_once_by_the_version_its_prompt_names() -> None:
+    health = Health({"chat-v1", "chat-v2"})
+    conv = uuid.uuid4()
+    ids = {"conversation_id": conv}
+    for rid, model in (("a", "chat-v1"), ("b", "chat-v2"), ("c", "chat-v2"), ("d", "x")):
+        health.add(PromptSubmitted(**ids, request_id=rid, model=model,
+                                   messages=(ChatMessage(role="user", content="hi"),)))
+    end = {"reply_seq": 1, "text": "", "usage": Usage(prompt_tokens=1, completion_tokens=0),
+           "deltas": 0, "duration_ms": 5.0}
+    health.add(GenerationFinished(**ids, request_id="a", model="chat-v1", finish_reason="stop",
+                                  ttft_ms=40.0, **end))
+    health.add(GenerationFinished(**ids, request_id="b", model="chat-v2", finish_reason="stop",
+                                  ttft_ms=90.0, **end))
+    health.add(GenerationFailed(**ids, request_id="c", code="engine_dead", message="x"))
+    health.add(GenerationFailed(**ids, request_id="d", code="engine_dead", message="x"))
+    figures = health.figures()
+    assert figures["chat-v1"] == Figures(turns=1, failures=0, ttft_p99_ms=40.0)
+    assert figures["chat-v2"] == Figures(turns=2, failures=1, ttft_p99_ms=90.0)
