@@ -204,7 +204,14 @@ def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
     older = (b'{"type":"PromptSubmitted","v":1,"conversation_id":"%s","request_id":"r",'
              b'"model":"m","messages":[{"role":"user","content":"x"}]}' % str(CONV).encode())
     upcast = decode(older)
-    assert isinstance(upcast, PromptSubmitted) and (upcast.v, upcast.history_end) == (2, None)
+    assert isinstance(upcast, PromptSubmitted)
+    assert (upcast.v, upcast.history_end, upcast.alias, upcast.rollout) == (3, None, None, None)
+    v2 = (b'{"type":"PromptSubmitted","v":2,"conversation_id":"%s","request_id":"r",'
+          b'"model":"m","history_end":4,"messages":[{"role":"user","content":"x"}]}'
+          % str(CONV).encode())
+    routed = decode(v2)
+    assert isinstance(routed, PromptSubmitted)
+    assert (routed.v, routed.history_end, routed.model, routed.alias) == (3, 4, "m", None)
     with pytest.raises(DecodeError):
         decode(b'{"type":"PromptSubmitted","v":1}')
 
