@@ -199,6 +199,11 @@ def run_rollout_command(common: CommonSettings, args: argparse.Namespace) -> int
     if args.status_alias is not None:
         print(f"pipeline rollout: unexpected argument {args.status_alias!r}", file=sys.stderr)
         return 2
+    for name in (args.alias, args.to or "x"):
+        if not 0 < len(name) <= 200 or not name.isprintable():
+            print(f"pipeline rollout: a model name is 1 to 200 printable characters: "
+                  f"{name[:40]!r}", file=sys.stderr)
+            return 2
     controller = Controller(common.kafka_bootstrap)
     policy = HealthPolicy(args.turns, args.max_failure_increase, args.max_ttft_ratio,
                           args.ttft_slack_ms, args.timeout)

@@ -365,3 +365,11 @@ def test_the_health_fold_counts_each_turn_once_by_the_version_its_prompt_names()
     figures = health.figures()
     assert figures["chat-v1"] == Figures(turns=1, failures=0, ttft_p99_ms=40.0)
     assert figures["chat-v2"] == Figures(turns=2, failures=1, ttft_p99_ms=90.0)
+
+
+def test_rollout_refuses_a_model_name_it_could_not_store_before_calling_kafka() -> None:
+    env = {**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": "127.0.0.1:1"}  # nothing listens there
+    for args in (["a" * 201, "--to", "b"], ["chat", "--to", "v\x1b"]):
+        done = subprocess.run([sys.executable, "-m", "launch", "rollout", *args],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 2 and "1 to 200 printable characters" in done.stderr
