@@ -99,7 +99,11 @@ class Fleet:
                 self.rollouts = await asyncio.to_thread(self._book.refresh)
             except Exception as exc:
                 self._quiet.warning("could not read the model aliases: %s", exc)
-            for model in sorted(self.models | set(self.configured)):
+            wanted = self.models | set(self.configured)
+            for model in [m for m in self._backlogs if m not in wanted]:
+                # Gone (an old version, say): its turns are refused, so nothing to admit.
+                await asyncio.to_thread(self._backlogs.pop(model).group.close)
+            for model in sorted(wanted):
                 if model not in self._backlogs:
                     self._backlogs[model] = _Backlog(GroupStatus(self.bootstrap,
                                                                  workers_group(model)))

@@ -297,6 +297,13 @@ class Controller:
                              f"{policy.turns} turns, {new.failures} failed, TTFT p99 "
                              f"{_ms(new.ttft_p99_ms)} | {record.stable}: {old.describe()}")
                 latest = book.refresh().get(record.alias)
+                if latest is not None and latest.id != record.id \
+                        and latest.updated_at >= record.started_at:
+                    # Another command's rollout of the alias (two started at once): the
+                    # latest record is the one gateways follow, so this one stands down.
+                    self.say(f"superseded by rollout {latest.id} ({latest.status}); this "
+                             "one ends without a verdict")
+                    return latest
                 if latest is not None and latest.id == record.id and not latest.running:
                     self.say(f"the rollout was ended elsewhere: {latest.status} "
                              f"({latest.reason})")

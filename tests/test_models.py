@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from infra.process import free_port
+from pipeline.rollout import Rollout, publish
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, GenerationStarted, PromptSubmitted
 from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
@@ -267,6 +268,23 @@ def test_a_running_rollout_is_resumed_refused_twice_and_aborted(models: Models) 
     assert "resuming the rollout of sim-a to sim-a3" in out
     text = status(models, "sim-a")
     assert "sim-a: rolled_back, serving sim-a2" in text and "ended by an operator" in text
+
+
+def test_a_rollout_superseded_by_another_command_stands_down(models: Models) -> None:
+    """Two commands that started a rollout of one alias at once: the one whose record is
+    no longer the latest stops watching, without a verdict."""
+    first = rollout(models, "sim-a", "--to", "sim-a3", "--turns", "1000")
+    wait_for(lambda: "running" in status(models, "sim-a"), 30, "the rollout to run")
+    now = time.time()
+    rival = Rollout(alias="sim-a", id="rival", stable="sim-a2", candidate="sim-a3",
+                    share=0.1, started_at=now, updated_at=now)
+    publish(models.stack.bootstrap, rival)
+    out, _ = first.communicate(timeout=60)
+    assert first.returncode == 1 and "superseded by rollout rival" in out, out
+    abort = rollout(models, "sim-a", "--abort")
+    out, _ = abort.communicate(timeout=60)
+    assert abort.returncode == 0, out
+    assert "sim-a: rolled_back, serving sim-a2 (rollout rival" in status(models, "sim-a")
 
 
 def _version_of(models: Models, alias: str) -> str:
