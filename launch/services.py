@@ -91,7 +91,8 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                             recovery_window_s=settings.recovery_window_s,
                             coalesce_ms=settings.coalesce_ms,
                             transaction_timeout_ms=settings.transaction_timeout_ms,
-                            transactional_id=settings.transactional_id)
+                            transactional_id=settings.transactional_id,
+                            transaction_interval_ms=settings.transaction_interval_ms)
             serve_metrics(registry, settings.metrics_port)
             await worker.run(stop)
         finally:

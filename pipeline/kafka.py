@@ -333,7 +333,7 @@ class TransactionalProducer:
         offsets: Callable[[], dict[TP, int]] | None = None, *,
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
         on_fenced: Callable[[], None] = lambda: None, timeout_ms: int = 10_000,
-        own_id: bool = True,
+        own_id: bool = True, interval_ms: float = 0.0,
     ) -> None:
         self._config = {
             "bootstrap.servers": bootstrap,
@@ -369,6 +369,10 @@ class TransactionalProducer:
         self._doomed = False  # a record of it was answered NotAccepted: it must abort
         self._busy = False
         self._began: float | None = None  # when the open transaction began (monotonic)
+        # A transaction begins at least this long after the previous one began, so that
+        # more records share its fixed cost (its round trips and markers) on the broker.
+        self._interval_s = interval_ms / 1000
+        self._last_began = 0.0
         self._generation = 0  # bumped when a stuck transaction thread is abandoned
         self._commit_wanted = False
         self._epoch = 0
@@ -457,6 +461,10 @@ class TransactionalProducer:
             with self._cond:
                 while not self._queue and not self._commit_wanted and not self._stop:
                     self._cond.wait()
+            wait = self._last_began + self._interval_s - time.monotonic()
+            if wait > 0 and not self._stop:
+                time.sleep(wait)  # what is queued meanwhile joins this transaction
+            with self._cond:
                 if generation != self._generation:
                     return  # abandoned while registering: a newer thread runs
                 if not self._queue and not self._commit_wanted:
@@ -559,7 +567,7 @@ class TransactionalProducer:
         offsets: dict[TP, int] = {}
         with self._cond:
             self._current, self._committing, self._doomed = batch, False, False
-            self._began = time.monotonic()
+            self._began = self._last_began = time.monotonic()
         try:
             p.begin_transaction()
             for item in batch:

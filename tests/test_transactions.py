@@ -72,3 +72,33 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
     everything = [v for _, v, _ in read_records(sim_stack.bootstrap, sink, committed=False)]
     assert [b"while a member" in v for v in committed] == [True]
     assert any(b"after leaving" in v for v in everything)  # written, then aborted
+
+
+def test_transactions_begin_no_closer_than_the_interval_and_lose_nothing(
+        sim_stack: Stack) -> None:
+    """Records sent every 10 ms to a producer with a 200 ms floor between transactions:
+    they share a few transactions, and every one is written, in order."""
+    sink = f"interval.out.{uuid.uuid4().hex[:8]}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
+
+    async def scenario() -> tuple[int, float]:
+        writer = TransactionalProducer(sim_stack.bootstrap, f"interval-{uuid.uuid4().hex[:8]}",
+                                       interval_ms=200)
+        writer.start()
+        started = time.monotonic()
+        sent = []
+        for i in range(50):
+            sent.append(writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(),
+                                                         request_id=f"r{i}")))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*sent)
+        elapsed = time.monotonic() - started
+        writer.close()
+        return writer.transactions, elapsed
+
+    transactions, elapsed = asyncio.run(scenario())
+    assert transactions <= elapsed / 0.2 + 1, (transactions, elapsed)
+    assert transactions >= 2  # the floor spaces transactions, it does not hold records
+    written = [value for _, value, _ in read_records(sim_stack.bootstrap, sink)]
+    assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == \
+        [f"r{i}".encode() for i in range(50)]

@@ -52,6 +52,9 @@ class WorkerSettings(BaseSettings):
     # per worker slot (a StatefulSet ordinal, say) lets a restarted worker fence its
     # predecessor's open transaction at once.
     transactional_id: str = ""
+    # A transaction begins at least this long after the previous one: more deltas share
+    # each transaction's fixed cost on the broker, for up to this much added latency.
+    transaction_interval_ms: float = Field(default=20.0, ge=0, le=1000)
     # The simulated engine: time to first token and per-sequence decode rate.
     sim_ttft_ms: float = Field(default=50.0, ge=0)
     sim_tokens_per_s: float = Field(default=50.0, gt=0)

@@ -176,7 +176,7 @@ class Worker:
         self, engine: Engine, bootstrap: str, registry: CollectorRegistry, name: str = "",
         *, session_timeout_ms: int = 10_000, recovery_window_s: float = 300.0,
         coalesce_ms: float = 10.0, transaction_timeout_ms: int = 10_000,
-        transactional_id: str = "",
+        transactional_id: str = "", transaction_interval_ms: float = 0.0,
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
@@ -185,6 +185,7 @@ class Worker:
         self.recovery_window_s = recovery_window_s
         self.coalesce_s = coalesce_ms / 1000
         self.transaction_timeout_ms = transaction_timeout_ms
+        self.transaction_interval_ms = transaction_interval_ms
         # Unique per process unless configured: a stable id (one per worker slot) lets a
         # restarted worker fence its predecessor's open transaction at once.
         self._own_transactional_id = not transactional_id
@@ -320,7 +321,8 @@ class Worker:
         self.writer = TransactionalProducer(
             self.bootstrap, self.transactional_id, self.tracker.positions,
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
-            timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id)
+            timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id,
+            interval_ms=self.transaction_interval_ms)
         await asyncio.to_thread(self.writer.start)
         heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=self._on_assign,
