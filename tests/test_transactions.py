@@ -76,7 +76,7 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
 
 def test_transactions_begin_no_closer_than_the_interval_and_lose_nothing(
         sim_stack: Stack) -> None:
-    """Records sent every 10 ms to a producer with a 200 ms floor between transactions:
+    """Records sent every 20 ms to a producer with a 200 ms floor between transactions:
     they share a few transactions, and every one is written, in order."""
     sink = f"interval.out.{uuid.uuid4().hex[:8]}"
     ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
@@ -85,12 +85,13 @@ def test_transactions_begin_no_closer_than_the_interval_and_lose_nothing(
         writer = TransactionalProducer(sim_stack.bootstrap, f"interval-{uuid.uuid4().hex[:8]}",
                                        interval_ms=200)
         writer.start()
+        assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
         started = time.monotonic()
         sent = []
         for i in range(50):
             sent.append(writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(),
                                                          request_id=f"r{i}")))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02)  # 1 s in all: several 200 ms floors
         await asyncio.gather(*sent)
         elapsed = time.monotonic() - started
         writer.close()
