@@ -40,6 +40,7 @@ from gateway.problems import Problem, StoreUnavailable
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.tail import GenerationTail
+from pipeline import runtime
 from pipeline.kafka import (
     QUICK_ASSIGN,
     AsyncConsumer,
@@ -148,6 +149,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,
                                gateway_metrics, settings.models)
             app.state.resources = Resources(chat, producer, guard, registry, settings, health)
+            runtime.settle()
             yield
         finally:
             stop_metrics()

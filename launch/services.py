@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.settings import GatewaySettings
+from pipeline import runtime
 from pipeline.settings import CommonSettings
 from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.engine import Engine
@@ -101,6 +102,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                             transactional_id=settings.transactional_id,
                             transaction_interval_ms=settings.transaction_interval_ms)
             serve_metrics(registry, settings.metrics_port)
+            runtime.settle()
             await worker.run(stop)
         finally:
             engine.close()
@@ -135,4 +137,5 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     registry = CollectorRegistry()
     serve_metrics(registry, settings.metrics_port)
     projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
+    runtime.settle()
     _run_until_signalled(projector.run)
