@@ -780,6 +780,24 @@ class AsyncConsumer:
     async def poll_batch(self, max_records: int, wait_s: float) -> list[Record]:
         return await self.call(self.poll_batch_sync, max_records, wait_s)
 
+    def poll_window_sync(self, max_records: int, wait_s: float, window_s: float) -> list[Record]:
+        """Up to ``max_records``: wait at most ``wait_s`` for the first, then gather what
+        arrives for ``window_s`` after it, so a busy reader takes fewer, larger batches."""
+        records = _poll(self._consumer, max_records, wait_s)
+        if not records:
+            return records
+        deadline = time.monotonic() + window_s
+        while len(records) < max_records:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            records += _poll(self._consumer, max_records - len(records), left)
+        return records
+
+    async def poll_window(self, max_records: int, wait_s: float,
+                          window_s: float) -> list[Record]:
+        return await self.call(self.poll_window_sync, max_records, wait_s, window_s)
+
     def commit_sync(self, offsets: dict[tuple[str, int], int]) -> None:
         """Commit ``next offset to read`` per (topic, partition); blocks until done."""
         if offsets:

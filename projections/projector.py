@@ -42,6 +42,15 @@ log = logging.getLogger(__name__)
 # batch is retried, with backoff, until the database takes it.
 EVENT_SQLSTATE_CLASSES = ("22", "23", "54")
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 10.0
+# How long an idle projector waits for a record per poll.
+IDLE_WAIT_S = 0.1
+# How often the consumed positions are mirrored into Kafka and the lag is measured:
+# each is a request the broker pays for, and they only feed lag tools and metrics.
+REPORT_INTERVAL_S = 1.0
+# The projector needs no record the moment it is written: the broker answers its fetch
+# once this much is waiting (or after ``batch_max_ms``), not at every transaction's
+# commit, so a busy log costs a few fetches per second instead of dozens.
+FETCH_MIN_BYTES = 64 * 1024
 
 
 def caused_by_event(exc: BaseException) -> bool:
@@ -239,17 +248,22 @@ class Projector:
         when the connection is gone, until it is taken: the store catches up by itself
         once the database is back."""
         producer = EventProducer(self.bootstrap)
+        window_s = self.settings.batch_max_ms / 1000
         consumer = AsyncConsumer(self.bootstrap, self.group,
-                                 **{"session.timeout.ms": self.settings.session_timeout_ms})
+                                 **{"session.timeout.ms": self.settings.session_timeout_ms,
+                                    "fetch.min.bytes": FETCH_MIN_BYTES,
+                                    "fetch.wait.max.ms": max(int(window_s * 1000), 1)})
         consumer.subscribe(list(self.topics), on_assign=self._on_assign)
         conn: psycopg.AsyncConnection | None = None
         backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
         records: list[Record] = []  # polled, not yet applied
+        unreported: dict[TP, int] = {}  # applied positions not yet mirrored into Kafka
+        last_report = 0.0
         try:
             while not stop.is_set():
                 if not records:
-                    records = await consumer.poll_batch(
-                        self.settings.batch_max_events, self.settings.batch_max_ms / 1000)
+                    records = await consumer.poll_window(self.settings.batch_max_events,
+                                                         IDLE_WAIT_S, window_s)
                 newest = records[-1].timestamp_ms / 1000 if records else time.time()
                 try:
                     if conn is None:
@@ -258,8 +272,8 @@ class Projector:
                     if records:
                         positions = await self._apply(conn, producer, records)
                         self._positions.update(positions)
+                        unreported.update(positions)
                         records = []
-                        await self._commit_for_lag_tools(consumer, positions)
                     else:
                         await self._store_skipped(conn, consumer)
                     backoff.reset()
@@ -274,6 +288,11 @@ class Projector:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), delay)
                     continue
+                if time.monotonic() - last_report < REPORT_INTERVAL_S:
+                    continue
+                last_report = time.monotonic()
+                await self._commit_for_lag_tools(consumer, unreported)
+                unreported = {}
                 behind = sum((await consumer.call(consumer.lag_sync)).values())
                 self.metrics.lag_events.set(behind)
                 self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)

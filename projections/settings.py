@@ -16,6 +16,8 @@ class ProjectorSettings(BaseSettings):
     # reporting copy, say) runs its projectors in a group of its own.
     group: str = "projector"
 
+    # A batch (one transaction) gathers records for at most ``batch_max_ms`` after its
+    # first, and at most ``batch_max_events`` of them.
     batch_max_events: int = Field(default=500, ge=1)
     batch_max_ms: float = Field(default=50.0, gt=0)
     # How soon the group notices a dead projector and hands its partitions on.
