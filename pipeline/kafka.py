@@ -402,8 +402,11 @@ class TransactionalProducer:
         committed (see the class)."""
         return self.send_raw(topic, key_of(event), encode(event), (), epoch, deadline)
 
-    def send_nowait(self, topic: str, event: Event, epoch: int = 0) -> None:
-        self._enqueue(_Queued(epoch, topic, key_of(event), encode(event), [], None))
+    def send_nowait(self, topic: str, event: Event, epoch: int = 0,
+                    key: bytes | None = None) -> None:
+        """Queue ``event`` with no answer (its turn's terminal event is awaited instead);
+        ``key``: its record key if the caller has it (``key_of(event)`` otherwise)."""
+        self._enqueue(_Queued(epoch, topic, key or key_of(event), encode(event), [], None))
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None,
                  headers: Sequence[tuple[str, bytes]], epoch: int = 0,
@@ -627,11 +630,14 @@ class TransactionalProducer:
                 item.position = Position(msg.topic() or item.topic, msg.partition() or 0,
                                          msg.offset() or 0)
 
+        record: dict[str, Any] = {"value": item.value, "key": item.key}
+        if item.headers:
+            record["headers"] = item.headers
+        if item.future is not None:
+            record["on_delivery"] = delivered
         while True:
             try:
-                self._producer.produce(item.topic, value=item.value, key=item.key,
-                                       headers=item.headers,
-                                       on_delivery=delivered if item.future else None)
+                self._producer.produce(item.topic, **record)
                 return
             except BufferError:  # the local queue is full: let deliveries drain it
                 self._producer.poll(0.01)

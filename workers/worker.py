@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.codec import TP, DecodeError, decode
+from pipeline.codec import TP, DecodeError, conversation_key, decode
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import (
     AsyncConsumer,
@@ -592,6 +592,7 @@ class Worker:
         writer = self.writer
         assert writer is not None
         ids = _ids(prompt)
+        key = conversation_key(prompt.conversation_id)  # every event of the turn's
         attempt = progress.attempt
         started = last_token = time.monotonic()
         ttft: float | None = None
@@ -604,7 +605,7 @@ class Worker:
             text, token_ids = delta
             writer.send_nowait(GENERATIONS, TokenDelta(
                 **ids, attempt=attempt, seq=len(progress.parts), text=text,
-                token_ids=token_ids), epoch)
+                token_ids=token_ids), epoch, key)
             progress.parts.append(text)
             progress.token_ids.extend(token_ids)
 
@@ -629,7 +630,7 @@ class Worker:
                     self.metrics.ttft.observe(ttft)
                     writer.send_nowait(GENERATIONS, GenerationStarted(
                         **ids, model=self.engine.model_name, worker=self.name, attempt=attempt,
-                        reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens), epoch)
+                        reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens), epoch, key)
                 elif out.token_ids:
                     self.metrics.itl.observe((now - last_token) / len(out.token_ids))
                 last_token = now
