@@ -174,9 +174,12 @@ class Authenticate:
             return
         scope.setdefault("state", {})["caller"] = caller
         extra = [(k.encode(), v.encode()) for k, v in limits.items()]
+        if not extra:  # no limits to tell: every message of a stream goes straight on
+            await self.app(scope, receive, send)
+            return
 
         async def send_with_limits(message: Message) -> None:
-            if message["type"] == "http.response.start" and extra:
+            if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 

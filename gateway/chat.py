@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway import openai_api
 from gateway.auth import Caller, Guard, estimate_tokens
-from gateway.cursor import Cursor, failure, sse
+from gateway.cursor import DONE, KEEPALIVE, Cursor, failure, sse
 from gateway.dependencies import from_log
 from gateway.errors import api_error
 from gateway.fleet import Fleet
@@ -276,20 +276,21 @@ class ChatService:
         return turn.status
 
     # -- following ----------------------------------------------------------------
-    async def _events(self, f: Following) -> AsyncIterator[Delivered]:
-        """The turn's events: those read from the log, then the live ones."""
+    async def _events(self, f: Following) -> AsyncIterator[Delivered | None]:
+        """The turn's events: those read from the log, then the live ones; None when a
+        keep-alive is due (nothing came for a while). Past ``generation_timeout_s``,
+        ``GenerationTimeout``."""
         for item in f.history:
             yield item
-        deadline = time.monotonic() + self.settings.generation_timeout_s
+        deadline = f.sub.deadline = time.monotonic() + self.settings.generation_timeout_s
         while True:
-            try:
-                item = await asyncio.wait_for(f.sub.get(),
-                                              timeout=max(deadline - time.monotonic(), 0))
-            except TimeoutError:
-                raise GenerationTimeout() from None
-            yield item
+            live = await f.sub.get()
+            if live is None and time.monotonic() >= deadline:
+                raise GenerationTimeout()
+            yield live
 
     def _observe(self, f: Following, item: Delivered) -> None:
+        """The gateway's metrics for a turn's event (per delta: a counter only)."""
         event = item.event
         if isinstance(event, GenerationStarted) and event.attempt == 0 and f.accepted_at:
             self.metrics.ttft.observe(time.monotonic() - f.accepted_at)
@@ -299,9 +300,10 @@ class ChatService:
             self.metrics.latency.observe(time.monotonic() - f.accepted_at)
 
     async def stream(self, f: Following, include_usage: bool,
-                     id_lines: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """The turn as SSE events of OpenAI chunks, ending with ``[DONE]``; with
-        ``id_lines``, each event that stands for a log event has an ``id`` line."""
+                     id_lines: bool = False) -> AsyncIterator[bytes]:
+        """The turn as SSE messages of OpenAI chunks, ending with ``[DONE]``; with
+        ``id_lines``, each message that stands for a log event has an ``id`` line. A
+        comment line keeps a quiet stream alive (``KEEPALIVE``)."""
         cursor = Cursor(f.completion_id, f.created, f.model, include_usage, f.resume_after,
                         id_lines)
         self.metrics.active_streams.inc()
@@ -311,6 +313,9 @@ class ChatService:
         try:
             try:
                 async for item in self._events(f):
+                    if item is None:
+                        yield KEEPALIVE
+                        continue
                     self._observe(f, item)
                     for out in cursor.feed(item):
                         yield out
@@ -333,7 +338,7 @@ class ChatService:
             if not cursor.done:
                 self._detach(f)
         if complete:
-            yield {"data": "[DONE]"}
+            yield DONE
 
     async def collect(self, f: Following) -> dict[str, Any]:
         """Wait for the whole reply (non-streaming). The answer's status is written only
@@ -365,6 +370,8 @@ class ChatService:
     async def _collect(self, f: Following) -> dict[str, Any]:
         try:
             async for item in self._events(f):
+                if item is None:
+                    continue  # a keep-alive: nothing to send a client that waits for all
                 self._observe(f, item)
                 event = item.event
                 if isinstance(event, GenerationFinished):

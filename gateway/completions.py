@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -31,10 +32,12 @@ def parse_session_id(raw: str) -> uuid.UUID:
         raise SessionNotFound(raw) from None
 
 
-def sse_response(events: Any, headers: dict[str, str]) -> EventSourceResponse:
-    """Framed as ``vllm serve`` frames it (LF line ends), which clients that split
-    messages on ``"\n\n"`` (vLLM's benchmark client) need; EventSource takes it too."""
-    return EventSourceResponse(events, headers=headers, ping=15, send_timeout=SEND_TIMEOUT_S,
+def sse_response(events: AsyncIterator[bytes], headers: dict[str, str]) -> EventSourceResponse:
+    """``events`` are whole SSE messages, framed as ``vllm serve`` frames them (LF line
+    ends), which clients that split messages on ``"\n\n"`` (vLLM's benchmark client)
+    need; EventSource takes it too. The stream sends its own keep-alives when quiet
+    (``gateway.tail``), so no ping task runs beside each one."""
+    return EventSourceResponse(events, headers=headers, ping=0, send_timeout=SEND_TIMEOUT_S,
                                sep="\n")
 
 

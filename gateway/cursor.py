@@ -34,18 +34,31 @@ CLIENT_FAILURES = {"context_length_exceeded", "invalid_sampling_params", "invali
                    "model_not_served"}
 
 
+# Sent when a stream has had nothing to send for a while (a comment line: readers skip it).
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def frame(data: str, id_line: str | None = None) -> bytes:
+    """One SSE message as ``vllm serve`` frames it: a ``data:`` line (JSON has no line
+    breaks), an ``id:`` line before it if given, LF line ends, a blank line after."""
+    if id_line is None:
+        return f"data: {data}\n\n".encode()
+    return f"id: {id_line}\ndata: {data}\n\n".encode()
+
+
 def sse(payload: dict[str, Any], delivered: Delivered | None = None,
-        id_line: bool = False) -> dict[str, Any]:
-    """One SSE event; ``delivered``: the log event it stands for, whose position it
+        id_line: bool = False) -> bytes:
+    """One SSE message; ``delivered``: the log event it stands for, whose position it
     carries as ``event_id`` in its JSON (and as its ``id`` line with ``id_line``)."""
     if delivered is None:
-        return {"data": json.dumps(payload, separators=(",", ":"))}
+        return frame(_json(payload))
     position = event_id(delivered.position.partition, delivered.position.offset)
-    event: dict[str, Any] = {"data": json.dumps({**payload, "event_id": position},
-                                                separators=(",", ":"))}
-    if id_line:
-        event["id"] = position
-    return event
+    return frame(_json({**payload, "event_id": position}), position if id_line else None)
 
 
 def failure(event: GenerationFailed) -> GenerationFailure:
@@ -64,12 +77,23 @@ class Cursor:
         self.next_seq = 0
         self.role_sent = False
         self.done = False
+        # A content chunk is most of a stream: its JSON is this turn's fixed parts around
+        # the text and the position (what ``_chunk`` and ``sse`` would give, built once).
+        head = _json(openai_api.chunk(completion_id, created, model, {"content": ""}))
+        before, after = head.split('"content":""', 1)
+        self._content = (before + '"content":', after[:-1] + ',"event_id":"')
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return openai_api.chunk(self.completion_id, self.created, self.model, delta, finish)
 
-    def _sse(self, payload: dict[str, Any], item: Delivered) -> dict[str, Any]:
+    def _sse(self, payload: dict[str, Any], item: Delivered) -> bytes:
         return sse(payload, item, self.id_lines)
+
+    def _content_frame(self, text: str, item: Delivered) -> bytes:
+        position = event_id(item.position.partition, item.position.offset)
+        before, after = self._content
+        return frame(f'{before}{_json(text)}{after}{position}"}}',
+                     position if self.id_lines else None)
 
     def _restore(self, item: Delivered) -> None:
         """The client received ``item`` last: take up the state it implies."""
@@ -79,7 +103,7 @@ class Cursor:
             self.next_seq = event.seq + item.span
         self.done = isinstance(event, (GenerationFinished, GenerationFailed))
 
-    def feed(self, item: Delivered) -> list[dict[str, Any]]:
+    def feed(self, item: Delivered) -> list[bytes]:
         """The SSE events this log event means for the client (often none)."""
         if self.resume_after is not None:
             offset = item.position.offset
@@ -110,11 +134,10 @@ class Cursor:
             self.next_seq = event.seq + item.span
             if not event.text:
                 return []
-            delta: dict[str, Any] = {"content": event.text}
-            if not self.role_sent:
-                self.role_sent = True
-                delta = {"role": "assistant", **delta}
-            return [self._sse(self._chunk(delta), item)]
+            if self.role_sent:
+                return [self._content_frame(event.text, item)]
+            self.role_sent = True
+            return [self._sse(self._chunk({"role": "assistant", "content": event.text}), item)]
         self.done = True
         if isinstance(event, GenerationFinished):
             reason = openai_api.FINISH_REASONS.get(event.finish_reason, "stop")

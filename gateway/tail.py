@@ -9,6 +9,9 @@ routes each event to the subscriptions of the requests waiting for it.
 * Each subscription is bounded. While its reader lags, consecutive token deltas are
   merged into one; past ``max_items`` events or ``max_bytes`` of text it is dropped
   (the client resumes from its ``Last-Event-ID``), so a slow client never stalls others.
+* Timing is swept, not timed per event: once a second the fan-out wakes readers that
+  have had nothing for ``KEEPALIVE_S`` (a keep-alive is due) or whose deadline passed,
+  so a delta costs its reader no timer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from pipeline.topics import GENERATIONS
 from schemas import GenerationEvent, TokenDelta
 
 log = logging.getLogger(__name__)
+# A reader that has had nothing for this long is woken to send a keep-alive (proxies
+# close connections that stay silent), or to give up once its deadline has passed.
+KEEPALIVE_S = 15.0
+SWEEP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,13 @@ class Subscription:
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.overflowed = False
+        self.deadline: float | None = None  # monotonic: its reader gives up past it
+        self.last_read = time.monotonic()  # when its reader last got something
         self._next_seq = 0  # after the highest token pushed
         self._items: deque[Delivered] = deque()
         self._bytes = 0
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        self._nudged = False
 
     def __len__(self) -> int:
         return len(self._items)
@@ -89,17 +99,36 @@ class Subscription:
             log.warning("dropping the stream of %s: its reader is too slow", self.request_id)
             self.overflowed = True
             self._items.clear()
-        self._ready.set()
+        self._wake()
 
-    async def get(self) -> Delivered:
+    def nudge(self) -> None:
+        """Wake the reader with nothing: a keep-alive is due, or its deadline passed."""
+        self._nudged = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Delivered | None:
+        """The next event; None when woken by ``nudge`` with nothing to read."""
         while not self._items:
             if self.overflowed:
                 raise Overflow
-            self._ready.clear()
-            await self._ready.wait()
+            if self._nudged:
+                self._nudged = False
+                self.last_read = time.monotonic()
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         item = self._items.popleft()
         if isinstance(item.event, TokenDelta):
             self._bytes -= len(item.event.text)
+        self.last_read = time.monotonic()
         return item
 
 
@@ -174,6 +203,15 @@ class GenerationTail:
                 raise
         log.info("tailing %s/%d from %d", GENERATIONS, partition, end)
 
+    def _sweep(self) -> None:
+        """Nudge the readers due a keep-alive, and those past their deadline."""
+        now = time.monotonic()
+        for subs in self._subs.values():
+            for sub in subs:
+                if now - sub.last_read >= KEEPALIVE_S or (
+                        sub.deadline is not None and now >= sub.deadline):
+                    sub.nudge()
+
     async def _drop_idle(self) -> None:
         now = time.monotonic()
         idle = [p for p, since in self._idle_since.items() if now - since > self._linger_s]
@@ -205,12 +243,15 @@ class GenerationTail:
     async def _run(self) -> None:
         last_sweep = time.monotonic()
         while True:
+            sweep = time.monotonic() - last_sweep > SWEEP_S
+            if sweep:  # also while Kafka is away
+                last_sweep = time.monotonic()
+                self._sweep()
             try:
                 records = await self._consumer.poll_batch(1000, 0.05)
                 for record in records:
                     self._route(record)
-                if time.monotonic() - last_sweep > 1.0:
-                    last_sweep = time.monotonic()
+                if sweep:
                     await self._drop_idle()
             except asyncio.CancelledError:
                 raise

@@ -85,8 +85,16 @@ def test_a_reader_past_the_bound_is_dropped() -> None:
         asyncio.run(sub.get())
 
 
+def fields(message: bytes) -> dict[str, str]:
+    """An SSE message's fields (``data``, ``id``): one line each, LF, a blank line after."""
+    assert message.endswith(b"\n\n") and b"\r" not in message
+    lines = message.decode()[:-2].split("\n")
+    assert all(": " in line for line in lines), lines
+    return dict(line.split(": ", 1) for line in lines)
+
+
 def sent(cursor: Cursor, items: list[Delivered]) -> list[dict]:
-    return [e for item in items for e in cursor.feed(item)]
+    return [fields(e) for item in items for e in cursor.feed(item)]
 
 
 def contents(events: list[dict]) -> str:
