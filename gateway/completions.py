@@ -12,10 +12,11 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.chat import Following
 from gateway.edge import idempotency_key
+from gateway.errors import api_error
 from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
 from gateway.openai_api import ChatRequest, parse_chat_request
-from gateway.problems import SessionNotFound
+from gateway.problems import Problem, SessionNotFound
 
 SESSION_HEADER = "X-Session-Id"
 # Where a broken stream continues: GET it with the last chunk's ``event_id`` as
@@ -60,7 +61,13 @@ async def respond(request: Request, chat_request: ChatRequest,
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
         return sse_response(res.chat.stream(following, chat_request.include_usage()),
                             stream_headers(following))
-    return JSONResponse(await res.chat.collect(following), headers=turn_headers(following))
+    try:
+        body = await res.chat.collect(following)
+    except Problem as exc:  # the turn exists (timed out, failed): its ids go with the answer
+        error = api_error(exc)
+        return JSONResponse(error.body(), status_code=error.status,
+                            headers={**error.headers, **turn_headers(following)})
+    return JSONResponse(body, headers=turn_headers(following))
 
 
 async def create(request: Request) -> Response:

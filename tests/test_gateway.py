@@ -241,6 +241,32 @@ def test_explicit_cancel(gw: Gateways) -> None:
                        10) == "cancelled"
 
 
+def test_a_turn_past_the_generation_timeout_is_refused_and_cancelled(gw: Gateways) -> None:
+    """The deadline is kept by the fan-out's sweep, not a timer per delta: a JSON request
+    still running past ``GATEWAY_GENERATION_TIMEOUT_S`` gets 504 in about that time and
+    its turn is cancelled; a stream past it ends with an error event."""
+    port = free_port()
+    hasty = start_gateway(gw.stack, "gateway-hasty", port, GATEWAY_GENERATION_TIMEOUT_S="2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [hasty], timeout=60)
+        started = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat("too long", 20 * RATE),
+                       timeout=30)
+        waited = time.monotonic() - started
+        assert r.status_code == 504 and r.json()["error"]["code"] == "generation_timeout"
+        assert 2 <= waited < 10, waited
+        assert wait_status(gw.url, r.headers["x-request-id"], {"cancelled", "finished"},
+                           30) == "cancelled"
+        started = time.monotonic()
+        streamed = stream_chat(url, chat("too long, streamed", 20 * RATE), timeout=30)
+        assert time.monotonic() - started < 10
+        assert streamed.error is not None and streamed.error["code"] == "generation_timeout"
+        assert streamed.text and streamed.finish_reason is None  # cut short, not finished
+    finally:
+        hasty.stop()
+
+
 # -- sessions ---------------------------------------------------------------------
 def test_second_turn_sees_the_first_reply_while_the_projector_is_stopped(gw: Gateways) -> None:
     projector = gw.services["projector"]

@@ -146,3 +146,30 @@ def test_a_resume_point_that_is_not_in_the_stream_is_refused(
     with pytest.raises(InvalidLastEventId) as err:
         sent(cursor, log)
     assert api_error(err.value).status == 400
+
+
+@pytest.mark.parametrize("text", ["a", 'he said "hi"\n', "\u2603 \\ \t </script>", "\x00\ud7ff"])
+def test_a_content_chunk_from_the_template_is_the_chunk_itself(text: str) -> None:
+    """Content chunks are built from a per-turn template around the text: the JSON a
+    client parses is the one ``openai_api.chunk`` describes, whatever the text and the
+    model's name hold."""
+    cursor = Cursor("chatcmpl-x", 7, 'a "model" \u00e9', include_usage=False)
+    cursor.feed(at(0, started()))
+    (message,) = sent(cursor, [at(9, delta(0, text))])
+    assert json.loads(message["data"]) == {
+        **cursor._chunk({"content": text}), "event_id": "0-9"}
+
+
+def test_a_quiet_reader_is_nudged_with_nothing_then_reads_on() -> None:
+    async def scenario() -> list[Delivered | None]:
+        sub = Subscription("chatcmpl-x", b"k", 0, 0)
+        waiting = asyncio.create_task(sub.get())
+        await asyncio.sleep(0)
+        sub.nudge()  # the fan-out's sweep: a keep-alive is due
+        got = [await waiting]
+        sub.push(at(0, started()))
+        got.append(await sub.get())
+        return got
+
+    nothing, item = asyncio.run(scenario())
+    assert nothing is None and item is not None and isinstance(item.event, GenerationStarted)

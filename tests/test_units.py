@@ -40,6 +40,7 @@ from schemas import (
     TokenDelta,
     Usage,
 )
+from schemas.events import new_event_id
 from workers.engine import EngineRequest
 from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
@@ -68,6 +69,29 @@ def test_codec_round_trips_every_field() -> None:
 def test_codec_rejects_what_is_not_an_event(data: bytes | None) -> None:
     with pytest.raises(DecodeError):
         decode(data)
+
+
+def test_event_ids_are_random_version_4_uuids_and_a_forked_child_draws_its_own() -> None:
+    ids = [TokenDelta(conversation_id=uuid.uuid4(), request_id="r", seq=0, text="").event_id
+           for _ in range(2 * new_event_id.PER_CALL + 1)]
+    assert all(i.version == 4 and i.variant == uuid.RFC_4122 for i in ids)
+    assert len(set(ids)) == len(ids)
+    # The pool a process holds is not its forked child's: the child would repeat its ids.
+    script = """if True:
+        import os
+        from schemas.events import new_event_id
+        new_event_id()  # the pool is full now
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.write(write, new_event_id().bytes)
+            os._exit(0)
+        os.wait()
+        child = os.read(read, 16)
+        print(child in {new_event_id().bytes for _ in range(new_event_id.PER_CALL)})
+    """
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parent.parent)
+    assert run.stdout.strip() == "False"
 
 
 def test_watermark_commits_below_the_oldest_in_flight_offset() -> None:
