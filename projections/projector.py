@@ -44,6 +44,10 @@ EVENT_SQLSTATE_CLASSES = ("22", "23", "54")
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 10.0
 # How long an idle projector waits for a record per poll.
 IDLE_WAIT_S = 0.1
+# How often the positions the consumer moved past records it never delivers (transaction
+# markers, aborted records) are stored: the stored positions reach the end of the log by
+# then, which ``GET /v1/sessions`` waits for.
+SKIPPED_INTERVAL_S = 0.1
 # How often the consumed positions are mirrored into Kafka and the lag is measured:
 # each is a request the broker pays for, and they only feed lag tools and metrics.
 REPORT_INTERVAL_S = 1.0
@@ -258,7 +262,7 @@ class Projector:
         backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
         records: list[Record] = []  # polled, not yet applied
         unreported: dict[TP, int] = {}  # applied positions not yet mirrored into Kafka
-        last_report = 0.0
+        last_report = last_skip = 0.0
         try:
             while not stop.is_set():
                 if not records:
@@ -274,8 +278,11 @@ class Projector:
                         self._positions.update(positions)
                         unreported.update(positions)
                         records = []
-                    else:
+                    if time.monotonic() - last_skip > SKIPPED_INTERVAL_S:
+                        # Also while records keep coming: a turn streaming for seconds
+                        # would hold back ``GET /v1/sessions`` that long otherwise.
                         await self._store_skipped(conn, consumer)
+                        last_skip = time.monotonic()
                     backoff.reset()
                 except (psycopg.Error, OSError, ProduceError) as exc:
                     self.metrics.retries.inc()
