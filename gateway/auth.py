@@ -18,7 +18,9 @@ import asyncio
 import hashlib
 import math
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,6 +30,7 @@ from gateway.dependencies import from_store
 from gateway.errors import APIError, api_error
 from gateway.problems import Problem
 
+T = TypeVar("T")
 DEFAULT_TENANT = "default"
 DEFAULT_COMPLETION_TOKENS = 512
 UNLIMITED = math.inf
@@ -66,11 +69,32 @@ class Guard:
         self.cache_s = cache_s
         self._enabled: tuple[float, bool] = (0.0, require)
         self._known: dict[bytes, tuple[float, Caller]] = {}
+        # Reads of the store under way, shared by every request that needs the same one:
+        # when a cached answer expires under load, one query goes out, not one per request
+        # (10,000 streams opened at once queued 10,000 for the pool, and got 503s).
+        self._asking: dict[object, asyncio.Future[Any]] = {}
+
+    async def _once(self, what: object, ask: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """``ask()``, or the same call already under way for ``what``."""
+        task = self._asking.get(what)
+        if task is None:
+            task = self._asking[what] = asyncio.ensure_future(ask())
+            task.add_done_callback(lambda done: self._asked(what, done))
+        answer: T = await asyncio.shield(task)
+        return answer
+
+    def _asked(self, what: object, done: asyncio.Future[Any]) -> None:
+        self._asking.pop(what, None)
+        if not done.cancelled():
+            done.exception()  # each waiter has it; marked seen even if all of them left
 
     async def enabled(self) -> bool:
         checked, on = self._enabled
         if self.require or time.monotonic() - checked < self.cache_s:
             return on
+        return await self._once("enabled", self._read_enabled)
+
+    async def _read_enabled(self) -> bool:
         async with from_store(self.pool, self.timeout_s) as conn:
             row = await (await conn.execute("SELECT EXISTS (SELECT 1 FROM api_keys)")).fetchone()
         on = bool(row and row[0])
@@ -93,7 +117,8 @@ class Guard:
         cached = self._known.get(fingerprint)
         if cached is not None and time.monotonic() - cached[0] < self.cache_s:
             return cached[1]
-        caller = await self._lookup(*parts)
+        key_id, secret = parts
+        caller = await self._once(fingerprint, lambda: self._lookup(key_id, secret))
         if caller is None:
             raise _unauthorized("Incorrect API key provided.")
         if len(self._known) > 10_000:

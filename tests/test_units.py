@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gateway.auth import Guard
 from gateway.errors import APIError
 from gateway.openai_api import parse_chat_request
 from infra.process import free_port
@@ -397,3 +398,25 @@ def test_rollout_refuses_a_model_name_it_could_not_store_before_calling_kafka() 
         done = subprocess.run([sys.executable, "-m", "launch", "rollout", *args],
                               capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 2 and "1 to 200 printable characters" in done.stderr
+
+
+def test_the_guard_asks_the_store_once_for_many_requests_waiting_on_the_same_answer() -> None:
+    """10,000 streams opened at once each asked the store whether keys exist when the
+    cached answer expired, and the pool's queue turned them into 503s: one query now
+    serves every request waiting for it, and the next expiry asks again."""
+    asked = 0
+
+    async def ask() -> bool:
+        nonlocal asked
+        asked += 1
+        await asyncio.sleep(0.05)
+        return True
+
+    async def scenario() -> list[bool]:
+        guard = Guard(pool=None, require=False)  # type: ignore[arg-type]
+        together = await asyncio.gather(*(guard._once("enabled", ask) for _ in range(500)))
+        later = await guard._once("enabled", ask)
+        return [*together, later]
+
+    answers = asyncio.run(scenario())
+    assert all(answers) and len(answers) == 501 and asked == 2
