@@ -31,6 +31,7 @@ from gateway.errors import (
     problem_handler,
     unexpected_error_handler,
 )
+from gateway.eventstream import Streams
 from gateway.fleet import Fleet
 from gateway.http import Resources, resources
 from gateway.metrics import GatewayMetrics
@@ -122,6 +123,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         health = Health(meta, pool, timeout_s)
         loop_watch = LoopWatch(registry, "gateway")
         loop_watch.start()
+        streams = Streams(settings.send_timeout_s)
         tail: GenerationTail | None = None
         # On an address of their own if asked (one only Prometheus reaches, say).
         stop_metrics = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
@@ -148,11 +150,14 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             await _say_whether_keys_are_required(guard)
             chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,
                                gateway_metrics, settings.models)
-            app.state.resources = Resources(chat, producer, guard, registry, settings, health)
+            streams.start()
+            app.state.resources = Resources(chat, producer, guard, registry, settings, health,
+                                            streams)
             runtime.settle()
             yield
         finally:
             stop_metrics()
+            await streams.stop()
             await loop_watch.stop()
             await health.stop()
             if tail is not None:

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,7 +300,7 @@ class ChatService:
             self.metrics.latency.observe(time.monotonic() - f.accepted_at)
 
     async def stream(self, f: Following, include_usage: bool,
-                     id_lines: bool = False) -> AsyncIterator[bytes]:
+                     id_lines: bool = False) -> AsyncGenerator[bytes, None]:
         """The turn as SSE messages of OpenAI chunks, ending with ``[DONE]``; with
         ``id_lines``, each message that stands for a log event has an ``id`` line. A
         comment line keeps a quiet stream alive (``KEEPALIVE``)."""

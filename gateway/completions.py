@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,8 +21,6 @@ SESSION_HEADER = "X-Session-Id"
 # Where a broken stream continues: GET it with the last chunk's ``event_id`` as
 # ``Last-Event-ID`` (without one, the stream starts over).
 RESUME_HEADER = "X-Resume-Url"
-# Seconds a stream may stay blocked on a client that reads nothing before it is dropped.
-SEND_TIMEOUT_S = 30
 
 
 def parse_session_id(raw: str) -> uuid.UUID:
@@ -33,13 +30,12 @@ def parse_session_id(raw: str) -> uuid.UUID:
         raise SessionNotFound(raw) from None
 
 
-def sse_response(events: AsyncIterator[bytes], headers: dict[str, str]) -> EventSourceResponse:
+def sse_response(request: Request, events: AsyncGenerator[bytes, None],
+                 headers: dict[str, str]) -> Response:
     """``events`` are whole SSE messages, framed as ``vllm serve`` frames them (LF line
     ends), which clients that split messages on ``"\n\n"`` (vLLM's benchmark client)
-    need; EventSource takes it too. The stream sends its own keep-alives when quiet
-    (``gateway.tail``), so no ping task runs beside each one."""
-    return EventSourceResponse(events, headers=headers, ping=0, send_timeout=SEND_TIMEOUT_S,
-                               sep="\n")
+    need; EventSource takes it too."""
+    return resources(request).streams.response(events, headers)
 
 
 def turn_headers(following: Following) -> dict[str, str]:
@@ -47,9 +43,12 @@ def turn_headers(following: Following) -> dict[str, str]:
             "X-Request-Id": following.completion_id}
 
 
+def resume_url(completion_id: str) -> str:
+    return f"/v1/chat/completions/{completion_id}/stream"
+
+
 def stream_headers(following: Following) -> dict[str, str]:
-    return {**turn_headers(following),
-            RESUME_HEADER: f"/v1/chat/completions/{following.completion_id}/stream"}
+    return {**turn_headers(following), RESUME_HEADER: resume_url(following.completion_id)}
 
 
 async def respond(request: Request, chat_request: ChatRequest,
@@ -59,7 +58,7 @@ async def respond(request: Request, chat_request: ChatRequest,
     following = await res.chat.accept(chat_request, session, caller_of(request),
                                       idempotency_key(request.headers.get("Idempotency-Key")))
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
-        return sse_response(res.chat.stream(following, chat_request.include_usage()),
+        return sse_response(request, res.chat.stream(following, chat_request.include_usage()),
                             stream_headers(following))
     try:
         body = await res.chat.collect(following)
@@ -86,13 +85,18 @@ async def stream(request: Request) -> Response:
     """
     res = resources(request)
     completion = request.path_params["completion_id"]
+    if request.method == "HEAD":  # a GET's headers, without attaching to the turn
+        view, _ = await res.chat.find_turn(completion, tenant_of(request))
+        return Response(media_type="text/event-stream", headers={
+            SESSION_HEADER: str(view.id), "X-Request-Id": completion,
+            RESUME_HEADER: resume_url(completion)})
     raw = (request.headers.get("last-event-id") or request.query_params.get("last_event_id")
            or request.query_params.get("starting_after"))
     following: Following = await res.chat.attach(
         completion, tenant_of(request), parse_event_id(raw) if raw else None)
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     # With id lines, so that an EventSource sends the last one back when it reconnects.
-    return sse_response(res.chat.stream(following, include_usage, id_lines=True),
+    return sse_response(request, res.chat.stream(following, include_usage, id_lines=True),
                         stream_headers(following))
 
 

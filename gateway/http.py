@@ -12,6 +12,7 @@ from gateway.auth import OPEN, Caller, Guard
 from gateway.chat import ChatService
 from gateway.dependencies import Health
 from gateway.errors import APIError
+from gateway.eventstream import Streams
 from gateway.settings import GatewaySettings
 from pipeline.kafka import EventProducer
 
@@ -24,6 +25,7 @@ class Resources:
     registry: CollectorRegistry
     settings: GatewaySettings
     health: Health
+    streams: Streams
 
 
 def resources(request: Request) -> Resources:

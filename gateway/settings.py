@@ -44,6 +44,8 @@ class GatewaySettings(BaseSettings):
     # (consecutive deltas merge first); it resumes with Last-Event-ID.
     stream_max_items: int = Field(default=1000, ge=8)
     stream_max_bytes: int = Field(default=4_000_000, ge=1024)
+    # A stream whose client has read nothing for this long (its send blocked) is dropped.
+    send_timeout_s: float = Field(default=30.0, gt=0)
     # Stop reading a generations partition this long after its last stream ended.
     tail_linger_s: float = Field(default=60.0, ge=0)
     # API keys: required when set, and in any case as soon as one key exists.

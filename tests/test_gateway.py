@@ -29,6 +29,7 @@ from infra.process import free_port
 from pipeline.codec import Position
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, PROMPTS
 from schemas import (
+    ClientAttached,
     ClientDetached,
     Event,
     GenerationFinished,
@@ -230,6 +231,46 @@ def test_background_turn_runs_on_without_a_client(gw: Gateways) -> None:
                        GRACE_S + 15) == "finished"
     r = httpx.get(f"{gw.url}/v1/chat/completions/{gone.request_id}", timeout=30).json()
     assert r["choices"][0]["message"]["content"] == expected((GRACE_S + 1) * RATE)
+
+
+def test_head_on_a_stream_attaches_nothing(gw: Gateways) -> None:
+    """HEAD answers a stream's headers without following the turn: before, it attached a
+    client that never left (ClientAttached, no ClientDetached), so a turn every real
+    client had left ran to its end, and the gateway kept the subscription forever."""
+    left = stream_chat(gw.url, chat("head", 400), stop_after=2)
+    head = httpx.head(f"{gw.second}/v1/chat/completions/{left.request_id}/stream", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["x-request-id"] == left.request_id
+    assert head.headers["x-resume-url"] == f"/v1/chat/completions/{left.request_id}/stream"
+    assert wait_status(gw.url, left.request_id, {"cancelled", "finished"},
+                       GRACE_S + 15) == "cancelled"
+    attached = [e for _, e in read_events(gw.stack.bootstrap, CONTROL)
+                if isinstance(e, ClientAttached) and e.request_id == left.request_id]
+    assert attached == []
+    missing = httpx.head(f"{gw.url}/v1/chat/completions/chatcmpl-{'0' * 48}/stream",
+                         timeout=30)
+    assert missing.status_code == 404
+
+
+def test_sessions_are_listed_while_a_turn_streams(gw: Gateways) -> None:
+    """Listing waits for the projector to reach the log's end, transaction markers
+    included: a projector that stored the positions past them only when idle made the
+    list wait for a streaming turn to end (found by the chat page's reload test)."""
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream_chat, gw.url, chat("list me", 20 * RATE))
+        try:
+            wait_for_tokens = time.monotonic() + 30
+            while scrape(f"{gw.url}/metrics").get("gateway_streamed_tokens_total", 0) < 3:
+                assert time.monotonic() < wait_for_tokens
+                time.sleep(0.1)
+            for _ in range(3):
+                started = time.monotonic()
+                listed = httpx.get(f"{gw.url}/v1/sessions", timeout=30)
+                assert listed.status_code == 200
+                assert time.monotonic() - started < 5  # the turn has ~15 s to go
+                assert not streaming.done()
+        finally:
+            assert streaming.result().done
 
 
 def test_explicit_cancel(gw: Gateways) -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncGenerator
 
 import pytest
 
 from gateway.cursor import Cursor
 from gateway.errors import api_error
+from gateway.eventstream import Streams
 from gateway.problems import InvalidLastEventId
 from gateway.tail import Delivered, Overflow, Subscription
 from pipeline.codec import Position
@@ -173,3 +175,68 @@ def test_a_quiet_reader_is_nudged_with_nothing_then_reads_on() -> None:
 
     nothing, item = asyncio.run(scenario())
     assert nothing is None and item is not None and isinstance(item.event, GenerationStarted)
+
+
+def _asgi_stream(messages: int, send_blocks_after: int | None, disconnect_after_s: float | None,
+                 method: str = "POST") -> tuple[list[dict], list[str]]:
+    """Run an ``EventStream`` of ``messages`` messages (one each 10 ms) against an ASGI
+    server's side played here: its sends, and what its iterator's cleanup saw."""
+    sent: list[dict] = []
+    seen: list[str] = []
+
+    async def messages_() -> AsyncGenerator[bytes, None]:
+        try:
+            for i in range(messages):
+                yield f"data: {i}\n\n".encode()
+                await asyncio.sleep(0.01)
+        finally:
+            seen.append("closed")
+
+    async def scenario() -> None:
+        streams = Streams(send_timeout_s=0.2, sweep_s=0.05)
+        streams.start()
+        stuck = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if send_blocks_after is not None and len(sent) > send_blocks_after:
+                await stuck.wait()  # a client that reads nothing more
+
+        async def receive() -> dict:
+            if disconnect_after_s is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(disconnect_after_s or 0)
+            return {"type": "http.disconnect"}
+
+        response = streams.response(messages_(), {"X-Test": "1"})
+        await asyncio.wait_for(response({"type": "http", "method": method}, receive, send), 5)
+        assert len(streams) == 0
+        await streams.stop()
+
+    asyncio.run(scenario())
+    return sent, seen
+
+
+def test_an_event_stream_sends_each_message_whole_and_ends() -> None:
+    sent, seen = _asgi_stream(5, None, None)
+    assert sent[0]["type"] == "http.response.start"
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [m["body"] for m in sent[1:-1]] == [f"data: {i}\n\n".encode() for i in range(5)]
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert seen == ["closed"]
+
+
+def test_an_event_stream_stops_when_its_client_leaves() -> None:
+    sent, seen = _asgi_stream(1000, None, 0.1)
+    assert 2 < len(sent) < 100 and sent[-1].get("more_body") is True and seen == ["closed"]
+
+
+def test_an_event_stream_whose_client_reads_nothing_is_dropped() -> None:
+    sent, seen = _asgi_stream(1000, 3, None)
+    assert len(sent) == 4 and seen == ["closed"]
+
+
+def test_an_event_stream_answers_head_with_its_headers_only() -> None:
+    sent, seen = _asgi_stream(5, None, None, method="HEAD")
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["body"] == b"" and seen == []  # never started
