@@ -127,7 +127,8 @@ def _rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, dict[str, int]]]:
+def _stack(log_dir: Path, max_num_seqs: int = 8192,
+           **worker_env: str) -> Iterator[tuple[str, dict[str, int]]]:
     """A simulated worker, a projector and a gateway; yields the URL and their pids."""
     port = free_port()
     exe = [sys.executable, "-m", "launch"]
@@ -136,7 +137,7 @@ def _stack(log_dir: Path, **worker_env: str) -> Iterator[tuple[str, dict[str, in
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for label, cmd in (("projector", ["projector"]),
-                       ("worker", ["worker", "--engine", "sim", "--max-num-seqs", "8192"]),
+                       ("worker", ["worker", "--engine", "sim", "--max-num-seqs", str(max_num_seqs)]),
                        ("gateway", ["gateway", "--port", str(port)])):
         with open(log_dir / f"capacity-{label}.log", "wb") as log:
             procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT,
@@ -285,6 +286,9 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
             nonlocal opened
             body = chat_body("sim", "hold", 8_000, seed)  # at 0.2 tokens/s: hours
             async with client.post(f"{url}/v1/chat/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"a held stream was refused: {resp.status} "
+                                       f"{(await resp.read())[:300]!r}")
                 async for line in resp.content:
                     if line.startswith(b"data: ") and b'"error":{' in line:
                         raise RuntimeError(f"a held stream failed: {line[:200]!r}")
@@ -325,8 +329,8 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
 def open_streams(log_dir: Path, streams: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per stream, twice
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * streams + 1024)), hard))
-    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="0.2", WORKER_SIM_TTFT_MS="0") as (
-            url, pids):
+    with _stack(log_dir, max(streams, 8192), WORKER_SIM_TOKENS_PER_S="0.2",
+                WORKER_SIM_TTFT_MS="0") as (url, pids):
         return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 
