@@ -141,6 +141,15 @@ class RolloutBook:
         self._consumer.close()
 
 
+def newer_rollout(history: list[Rollout], record: Rollout) -> Rollout | None:
+    """The latest state of a rollout of ``record``'s alias started after it (ties broken
+    by id, so of two started at once exactly one goes on), or None."""
+    mine = (record.started_at, record.id)
+    newer = [r for r in history if r.alias == record.alias and r.id != record.id
+             and (r.started_at, r.id) > mine]
+    return newer[-1] if newer else None
+
+
 def publish(bootstrap: str, record: Rollout, timeout: float = 30.0) -> None:
     """Write ``record``; return once it is durable, or raise."""
     producer = Producer({"bootstrap.servers": bootstrap, "acks": "all",
@@ -297,13 +306,17 @@ class Controller:
                              f"{policy.turns} turns, {new.failures} failed, TTFT p99 "
                              f"{_ms(new.ttft_p99_ms)} | {record.stable}: {old.describe()}")
                 latest = book.refresh().get(record.alias)
-                if latest is not None and latest.id != record.id \
-                        and latest.updated_at >= record.started_at:
-                    # Another command's rollout of the alias (two started at once): the
-                    # latest record is the one gateways follow, so this one stands down.
-                    self.say(f"superseded by rollout {latest.id} ({latest.status}); this "
+                rival = newer_rollout(book.history, record)
+                if rival is not None:
+                    # Another command's rollout of the alias, started after this one (two
+                    # started at once): the later one goes on, this one stands down. Its
+                    # own progress record may have been written over the rival's since:
+                    # the rival's is written again, for the gateways to follow.
+                    self.say(f"superseded by rollout {rival.id} ({rival.status}); this "
                              "one ends without a verdict")
-                    return latest
+                    if latest is not None and latest.id == record.id:
+                        publish(self.bootstrap, rival)
+                    return rival
                 if latest is not None and latest.id == record.id and not latest.running:
                     self.say(f"the rollout was ended elsewhere: {latest.status} "
                              f"({latest.reason})")
@@ -319,7 +332,9 @@ class Controller:
                     published = now
                     record = record.model_copy(update={"figures": figures,
                                                        "updated_at": time.time()})
-                    publish(self.bootstrap, record)
+                    book.refresh()
+                    if newer_rollout(book.history, record) is None:  # else: next turn
+                        publish(self.bootstrap, record)
         finally:
             reader.close()
             book.close()

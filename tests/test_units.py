@@ -27,7 +27,7 @@ from launch.cli import service_down
 from pipeline import sketch
 from pipeline.codec import DecodeError, decode, encode
 from pipeline.metrics import LoopWatch, serve_metrics
-from pipeline.rollout import Figures, Health, HealthPolicy, Rollout, judge, route
+from pipeline.rollout import Figures, Health, HealthPolicy, Rollout, judge, newer_rollout, route
 from pipeline.settings import CommonSettings
 from pipeline.usage import UsageError, UsageQuery
 from projections.projection import project
@@ -420,3 +420,19 @@ def test_the_guard_asks_the_store_once_for_many_requests_waiting_on_the_same_ans
 
     answers = asyncio.run(scenario())
     assert all(answers) and len(answers) == 501 and asked == 2
+
+
+def test_of_two_rollouts_started_at_once_exactly_one_goes_on() -> None:
+    """Each command watching a rollout stands down when it sees a rollout of its alias
+    started after its own; progress records it wrote since do not hide that rollout."""
+    def record(rid: str, started: float, updated: float) -> Rollout:
+        return Rollout(alias="chat", id=rid, stable="v1", candidate="v2", share=0.5,
+                       started_at=started, updated_at=updated)
+
+    a, b = record("a", 100.0, 100.0), record("b", 100.0, 100.0)  # the same instant
+    a_later = record("a", 100.0, 105.0)  # a's progress, written after b's start
+    history = [a, b, a_later]
+    assert newer_rollout(history, a) == b and newer_rollout(history, b) is None
+    older = record("old", 50.0, 50.0)
+    assert newer_rollout([older, a], a) is None
+    assert newer_rollout([older, a], older) == a
