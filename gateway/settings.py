@@ -13,6 +13,9 @@ class GatewaySettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # Gateway processes sharing the port (``pipeline gateway --workers N``): one host's
+    # cores serving one address. Each is a whole gateway; they share nothing.
+    workers: int = Field(default=1, ge=1, le=64)
     # How long a request waits for the projection to reach the log's end for its
     # conversation before answering 503 (read-your-writes barrier).
     projection_wait_s: float = Field(default=10.0, gt=0)

@@ -76,7 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     gw.add_argument("--require-auth", action="store_true", default=None,
                     help="refuse requests without an API key even before any key exists")
     gw.add_argument("--metrics-port", type=int,
-                    help="serve /metrics on this port (GATEWAY_METRICS_HOST) instead")
+                    help="serve /metrics on this port (GATEWAY_METRICS_HOST) instead; "
+                         "with --workers, gateway i on this port + i")
+    gw.add_argument("--workers", type=_positive,
+                    help="gateway processes sharing the port (default GATEWAY_WORKERS, 1)")
+    gw.add_argument("--reuse-port", action="store_true",
+                    help="listen with SO_REUSEPORT, sharing the port with other gateways")
     keys = sub.add_parser("keys", help="API keys: create, list, revoke")
     keys_sub = keys.add_subparsers(dest="keys", required=True)
     kc = keys_sub.add_parser("create", help="create a key and print it (once)")
@@ -402,8 +407,12 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
         print("applied: " + (", ".join(applied) or "nothing (up to date)"))
     elif args.command == "gateway":
         gateway = GatewaySettings(**_overrides(args, "host", "port", "require_auth",
-                                               "metrics_port"))
-        run_gateway(common, gateway)
+                                               "metrics_port", "workers"))
+        if gateway.workers > 1:
+            from launch.gateways import run_gateways
+
+            return run_gateways(gateway, gateway.workers)
+        run_gateway(common, gateway, reuse_port=args.reuse_port)
     elif args.command == "keys":
         return run_keys_command(common, args)
     elif args.command == "worker":

@@ -37,15 +37,24 @@ def _run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> No
         runner_.run(runner())
 
 
-def run_gateway(common: CommonSettings, settings: GatewaySettings) -> None:
+def run_gateway(common: CommonSettings, settings: GatewaySettings,
+                reuse_port: bool = False) -> None:
+    """One gateway process; with ``reuse_port``, on a port other processes share
+    (``pipeline gateway --workers N``, ``launch.gateways``)."""
     import uvicorn
 
     from gateway.app import create_app
+    from launch.gateways import reuse_port_socket
 
     app = create_app(settings, common)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                access_log=False, timeout_graceful_shutdown=10, loop="uvloop",
-                http="httptools")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            access_log=False, timeout_graceful_shutdown=10, loop="uvloop",
+                            http="httptools")
+    server = uvicorn.Server(config)
+    if reuse_port:
+        server.run(sockets=[reuse_port_socket(settings.host, settings.port)])
+    else:
+        server.run()
 
 
 def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Path, str]:

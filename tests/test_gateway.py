@@ -308,6 +308,53 @@ def test_a_turn_past_the_generation_timeout_is_refused_and_cancelled(gw: Gateway
         hasty.stop()
 
 
+def _children(pid: int) -> list[int]:
+    found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in found]
+
+
+def test_several_gateway_processes_share_one_port(gw: Gateways) -> None:
+    """``pipeline gateway --workers 2``: two whole gateways on one port, connections spread
+    over both; one SIGKILLed is started again while the other serves; a taken port is one
+    line and exit 2; SIGTERM stops them all."""
+    port, metrics = free_port(), free_port()
+    while metrics + 1 == port:
+        metrics = free_port()
+    pair = start_gateway(gw.stack, "gateway-pair", port, GATEWAY_WORKERS="2",
+                         GATEWAY_METRICS_PORT=str(metrics))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [pair], timeout=60)
+        for i in (0, 1):  # both answer: the first only is not enough
+            wait_healthy(f"http://127.0.0.1:{metrics + i}", [pair], timeout=60)
+        with ThreadPoolExecutor(8) as pool:
+            done = list(pool.map(lambda i: stream_chat(url, chat(f"pair {i}", 3)), range(24)))
+        assert all(d.done and d.text == expected(3) for d in done)
+        served = [scrape(f"http://127.0.0.1:{metrics + i}/metrics").get(
+            'gateway_requests_total{route="/v1/chat/completions",status="200"}', 0)
+            for i in (0, 1)]
+        assert sum(served) == 24 and min(served) > 0, served  # spread over both
+        victim = _children(pair.proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        after = stream_chat(url, chat("one down", 3))  # the other takes the connection
+        assert after.done and after.text == expected(3)
+        deadline = time.monotonic() + 30
+        while victim in _children(pair.proc.pid) or len(_children(pair.proc.pid)) < 2:
+            assert time.monotonic() < deadline, "the killed gateway was not started again"
+            time.sleep(0.2)
+        taken = subprocess.run([sys.executable, "-m", "launch", "gateway", "--workers", "2",
+                                "--port", str(port)], env=gw.stack.env(), capture_output=True,
+                               text=True, timeout=60)
+        assert taken.returncode == 2 and "address in use" in taken.stderr, taken.stderr
+        assert "Traceback" not in taken.stderr
+        children = _children(pair.proc.pid)
+        pair.proc.terminate()
+        assert pair.proc.wait(60) == 0
+        assert not any(Path(f"/proc/{c}").exists() for c in children)
+    finally:
+        pair.stop()
+
+
 # -- sessions ---------------------------------------------------------------------
 def test_second_turn_sees_the_first_reply_while_the_projector_is_stopped(gw: Gateways) -> None:
     projector = gw.services["projector"]
