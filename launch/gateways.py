@@ -11,12 +11,15 @@ or SIGTERM. With ``GATEWAY_METRICS_PORT`` P, gateway i serves its metrics on P +
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.settings import GatewaySettings
@@ -24,6 +27,7 @@ from gateway.settings import GatewaySettings
 log = logging.getLogger("pipeline.gateways")
 STOP_S = 30.0
 RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def reuse_port_socket(host: str, port: int, shared: bool = True) -> socket.socket:
@@ -42,6 +46,18 @@ def reuse_port_socket(host: str, port: int, shared: bool = True) -> socket.socke
     return sock
 
 
+def _die_with(supervisor: int) -> Callable[[], None]:
+    """What a gateway runs before it starts: it gets SIGTERM when its supervisor dies,
+    however it dies (a supervisor SIGKILLed left its gateways serving on, orphans)."""
+    def arm() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != supervisor:  # it died before that: nothing will tell us
+            os._exit(1)
+
+    return arm
+
+
 @dataclass
 class _Child:
     index: int
@@ -52,7 +68,7 @@ class _Child:
     started_at: float = field(default=0.0)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.command)
+        self.proc = subprocess.Popen(self.command, preexec_fn=_die_with(os.getpid()))
         self.started_at = time.monotonic()
         log.info("gateway %d started (pid %d)", self.index, self.proc.pid)
 

@@ -316,12 +316,13 @@ def _children(pid: int) -> list[int]:
 def test_several_gateway_processes_share_one_port(gw: Gateways) -> None:
     """``pipeline gateway --workers 2``: two whole gateways on one port, connections spread
     over both; one SIGKILLed is started again while the other serves; a taken port is one
-    line and exit 2; SIGTERM stops them all."""
+    line and exit 2; SIGTERM stops them all, and so does their supervisor's death."""
     port, metrics = free_port(), free_port()
     while metrics + 1 == port:
         metrics = free_port()
     pair = start_gateway(gw.stack, "gateway-pair", port, GATEWAY_WORKERS="2",
                          GATEWAY_METRICS_PORT=str(metrics))
+    started = [pair]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, [pair], timeout=60)
@@ -351,8 +352,20 @@ def test_several_gateway_processes_share_one_port(gw: Gateways) -> None:
         pair.proc.terminate()
         assert pair.proc.wait(60) == 0
         assert not any(Path(f"/proc/{c}").exists() for c in children)
+        # A supervisor SIGKILLed takes its gateways with it: none is left serving, orphaned.
+        again = start_gateway(gw.stack, "gateway-pair-again", port, GATEWAY_WORKERS="2")
+        started.append(again)
+        wait_healthy(url, [again], timeout=60)
+        children = _children(again.proc.pid)
+        os.kill(again.proc.pid, signal.SIGKILL)
+        again.proc.wait()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{c}").exists() for c in children):
+            assert time.monotonic() < deadline, "the gateways outlived their supervisor"
+            time.sleep(0.2)
     finally:
-        pair.stop()
+        for service in started:
+            service.stop()
 
 
 # -- sessions ---------------------------------------------------------------------
