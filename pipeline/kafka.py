@@ -333,7 +333,7 @@ class TransactionalProducer:
         offsets: Callable[[], dict[TP, int]] | None = None, *,
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
         on_fenced: Callable[[], None] = lambda: None, timeout_ms: int = 10_000,
-        own_id: bool = True, interval_ms: float = 0.0,
+        own_id: bool = True, interval_ms: float = 0.0, max_queued: int = 20_000,
     ) -> None:
         self._config = {
             "bootstrap.servers": bootstrap,
@@ -374,6 +374,9 @@ class TransactionalProducer:
         self._interval_s = interval_ms / 1000
         self._last_began = 0.0
         self._generation = 0  # bumped when a stuck transaction thread is abandoned
+        # Records queued past this bound make ``room()`` wait until a transaction takes them.
+        self._max_queued = max_queued
+        self._roomy: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._commit_wanted = False
         self._epoch = 0
         self._group: Any = None  # the consumer's group metadata as of its last assignment
@@ -426,6 +429,33 @@ class TransactionalProducer:
             self._queue.append(item)
             self._cond.notify_all()
 
+    @property
+    def backlogged(self) -> bool:
+        """More records queued than ``max_queued`` (the log takes them slower than they
+        come): a sender that can wait should (``room``)."""
+        return len(self._queue) >= self._max_queued
+
+    async def room(self) -> None:
+        """Wait until the queue is under its bound: the next transaction took what waited,
+        or it was dropped. A worker's turns wait here instead of queueing tokens without
+        end while Kafka is slow; the engine merges what they have not read meanwhile."""
+        while True:
+            with self._cond:
+                if not self.backlogged:
+                    return
+                if self._roomy is None:
+                    self._roomy = (asyncio.get_running_loop(), asyncio.Event())
+                event = self._roomy[1]
+            await event.wait()
+
+    def _emptied(self) -> None:
+        """(Holding the lock, the queue just emptied.) Wake whoever waits for room."""
+        if self._roomy is not None:
+            loop, event = self._roomy
+            self._roomy = None
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(event.set)
+
     def set_group(self, metadata: Any) -> None:
         """The consumer's group metadata, as read after its latest assignment: what each
         transaction shows the broker (a stale one is refused)."""
@@ -443,6 +473,7 @@ class TransactionalProducer:
         with self._cond:
             self._epoch += 1
             dropped, self._queue = self._queue, []
+            self._emptied()
         for item in dropped:
             _settle(item, Fenced("written for turns this worker gave up"))
         return self._epoch
@@ -477,6 +508,7 @@ class TransactionalProducer:
                 batch = [q for q in self._queue if q.epoch == self._epoch and not q.late(now)]
                 late = [q for q in self._queue if q.late(now)]
                 self._queue, self._busy, self._commit_wanted = [], True, False
+                self._emptied()
             for item in stale:
                 _settle(item, Fenced("written for turns this worker gave up"))
             for item in late:

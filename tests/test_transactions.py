@@ -103,3 +103,33 @@ def test_transactions_begin_no_closer_than_the_interval_and_lose_nothing(
     written = [value for _, value, _ in read_records(sim_stack.bootstrap, sink)]
     assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == \
         [f"r{i}".encode() for i in range(50)]
+
+
+def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_come(
+        sim_stack: Stack) -> None:
+    """A worker's turns stop queueing tokens past ``max_queued`` records: a flood of
+    deltas grew a worker past 10 GB while its transactions fell behind. ``room()`` waits
+    until a transaction has taken the queue, and every record is written, in order."""
+    sink = f"room.{uuid.uuid4().hex[:8]}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
+
+    async def scenario() -> tuple[bool, bool]:
+        writer = TransactionalProducer(sim_stack.bootstrap, f"room-{uuid.uuid4().hex[:8]}",
+                                       max_queued=50)
+        for i in range(50):  # not started yet: nothing takes them
+            writer.send_nowait(sink, SessionCreated(conversation_id=uuid.uuid4(),
+                                                    request_id=f"r{i}", title=str(i)))
+        full = writer.backlogged
+        waiting = asyncio.ensure_future(writer.room())
+        await asyncio.sleep(0.5)
+        still = not waiting.done()
+        await asyncio.to_thread(writer.start)
+        await asyncio.wait_for(waiting, 30)
+        await asyncio.to_thread(writer.close, 30)
+        return full, still
+
+    full, waited = asyncio.run(scenario())
+    assert full and waited
+    values = [value or b"" for _, value, _ in read_records(sim_stack.bootstrap, sink)]
+    assert len(values) == 50
+    assert all(f'"title":"{i}"'.encode() in value for i, value in enumerate(values))

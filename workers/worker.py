@@ -636,6 +636,8 @@ class Worker:
                 last_token = now
                 self.metrics.tokens.inc(len(out.token_ids))
                 emit(coalescer.add(out.text, out.token_ids, now))
+                if writer.backlogged:  # Kafka takes tokens slower than the engine makes them
+                    await writer.room()
                 if out.finish_reason in ("stop", "length"):
                     finish_reason = "stop" if out.finish_reason == "stop" else "length"
             emit(coalescer.drain())
