@@ -281,7 +281,7 @@ class Projector:
                     if time.monotonic() - last_skip > SKIPPED_INTERVAL_S:
                         # Also while records keep coming: a turn streaming for seconds
                         # would hold back ``GET /v1/sessions`` that long otherwise.
-                        await self._store_skipped(conn, consumer)
+                        unreported.update(await self._store_skipped(conn, consumer))
                         last_skip = time.monotonic()
                     backoff.reset()
                 except (psycopg.Error, OSError, ProduceError) as exc:
@@ -310,16 +310,18 @@ class Projector:
             producer.close()
 
     async def _store_skipped(self, conn: psycopg.AsyncConnection,
-                             consumer: AsyncConsumer) -> None:
-        """With nothing left to apply, store the positions the consumer moved past records
-        it never delivers (transaction markers, aborted records), so the stored positions
-        reach the end of the log (``GET /v1/sessions`` waits for that)."""
+                             consumer: AsyncConsumer) -> dict[TP, int]:
+        """Store the positions the consumer moved past records it never delivers
+        (transaction markers, aborted records), so the stored positions reach the end of
+        the log (``GET /v1/sessions`` waits for that); return them (every record polled
+        has been applied when this is called)."""
         moved = {tp: offset for tp, offset in (await consumer.call(consumer.positions_sync)).items()
                  if offset > self._positions.get(tp, -1)}
         if moved:
             async with conn.transaction():
                 await store_positions(conn, moved)
             self._positions.update(moved)
+        return moved
 
     async def _commit_for_lag_tools(
         self, consumer: AsyncConsumer, positions: dict[TP, int]
