@@ -8,7 +8,8 @@ worker, a projector and one gateway as processes on the local stack:
   client receiving it; same clock. With the machine's CPU use, to show where it
   saturates.
 * **gateway throughput**: streams fast enough to saturate the machine; the tokens/s
-  the one gateway process delivers to its clients, and its own CPU share.
+  one gateway process, then two on one port (``pipeline gateway --workers 2``), deliver
+  to their clients, and their CPU share.
 * **open streams**: many slow streams held open at once; the gateway's resident
   memory per stream.
 
@@ -24,6 +25,7 @@ import json
 import multiprocessing
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
+from bench.stack import wait_projected
 from infra.process import free_port, wait_http
 from pipeline.codec import decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
@@ -127,30 +130,38 @@ def _rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _stack(log_dir: Path, max_num_seqs: int = 8192,
+def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways: int = 1,
            **worker_env: str) -> Iterator[tuple[str, dict[str, int]]]:
-    """A simulated worker, a projector and a gateway; yields the URL and their pids."""
+    """A simulated worker, a projector and a gateway (``gateways`` processes on its port,
+    ``pipeline gateway --workers``); yields the URL and their pids, once the projector has
+    caught up with whatever earlier runs left in the log."""
     port = free_port()
     exe = [sys.executable, "-m", "launch"]
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
            "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **worker_env}
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
-    for label, cmd in (("projector", ["projector"]),
-                       ("worker", ["worker", "--engine", "sim", "--max-num-seqs", str(max_num_seqs)]),
-                       ("gateway", ["gateway", "--port", str(port)])):
+    for label, cmd in (
+            ("projector", ["projector"]),
+            ("worker", ["worker", "--engine", "sim", "--max-num-seqs", str(max_num_seqs)]),
+            ("gateway", ["gateway", "--port", str(port), "--workers", str(gateways)])):
         with open(log_dir / f"capacity-{label}.log", "wb") as log:
             procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True))
     try:
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
+        wait_projected(bootstrap)
         yield f"http://127.0.0.1:{port}", {"projector": procs[0].pid, "worker": procs[1].pid,
                                            "gateway": procs[2].pid}
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(timeout=60)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # never left running into the next part
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
 
 def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
@@ -224,7 +235,7 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
     max_tokens = max(20, round(tokens_per_s * 4))
     stream_s = max_tokens / tokens_per_s
     spawn = multiprocessing.get_context("spawn")
-    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S=str(tokens_per_s)) as (url, pids), \
+    with _stack(bootstrap, log_dir, WORKER_SIM_TOKENS_PER_S=str(tokens_per_s)) as (url, pids), \
             concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as side:
         probe = side.submit(os.getpid).result()  # started before the load
         roots = {**pids, "bench probe": probe}
@@ -261,15 +272,18 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
             if tokens else {}}
 
 
-def throughput(log_dir: Path, streams: int, rounds: int) -> dict[str, Any]:
-    with _stack(log_dir, WORKER_SIM_TOKENS_PER_S="1000", WORKER_SIM_TTFT_MS="0") as (
-            url, pids):
-        gateway = pids["gateway"]
-        cpu = _cpu_s(gateway)
+def throughput(bootstrap: str, log_dir: Path, streams: int, rounds: int,
+               gateways: int = 1) -> dict[str, Any]:
+    """Streams fast enough to saturate the machine through ``gateways`` gateway processes
+    on one port: the tokens/s their clients get, and the gateways' CPU."""
+    with _stack(bootstrap, log_dir, gateways=gateways, WORKER_SIM_TOKENS_PER_S="1000",
+                WORKER_SIM_TTFT_MS="0") as (url, pids):
+        roots = {"gateway": pids["gateway"]}
+        before = _cpu_snapshot(roots)
         requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 1000, False))
-        gateway_cpu = (_cpu_s(gateway) - cpu) / seconds
+        gateway_cpu = _cpu_used(before, _cpu_snapshot(roots))["gateway"] / seconds
     tokens = sum(r.tokens for r in requests if r.error is None)
-    return {"streams": streams, "tokens": tokens, "seconds": seconds,
+    return {"streams": streams, "gateways": gateways, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds,
             "failures": sum(r.error is not None for r in requests),
             "client_cpu": client_cpu, "gateway_cpu": gateway_cpu}
@@ -326,11 +340,11 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
             "kb_per_stream": (held - baseline) * 1024 / streams}
 
 
-def open_streams(log_dir: Path, streams: int) -> dict[str, Any]:
+def open_streams(bootstrap: str, log_dir: Path, streams: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per stream, twice
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * streams + 1024)), hard))
-    with _stack(log_dir, max(streams, 8192), WORKER_SIM_TOKENS_PER_S="0.2",
-                WORKER_SIM_TTFT_MS="0") as (url, pids):
+    with _stack(bootstrap, log_dir, max_num_seqs=max(streams, 8192),
+                WORKER_SIM_TOKENS_PER_S="0.2", WORKER_SIM_TTFT_MS="0") as (url, pids):
         return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 
@@ -339,13 +353,14 @@ def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
     return {
         "delta_latency": [delta_latency(bootstrap, log_dir, 256, 1 if quick else 4, rate)
                           for rate in rates],
-        "throughput": throughput(log_dir, 64 if quick else 128, 1 if quick else 3),
-        "open_streams": open_streams(log_dir, 500 if quick else 2000),
+        "throughput": [throughput(bootstrap, log_dir, 64 if quick else 128, 1 if quick else 3,
+                                  gateways) for gateways in (1, 2)],
+        "open_streams": open_streams(bootstrap, log_dir, 500 if quick else 10_000),
     }
 
 
 def tables(figures: dict[str, Any]) -> str:
-    thr, held = figures["throughput"], figures["open_streams"]
+    held = figures["open_streams"]
     out = ["| streams x tokens/s each | deltas/s delivered | worker -> SSE client p50 / p90 "
            "/ p99 / max (ms) | of which worker -> Kafka consumer p50 / p90 / p99 (ms) | "
            "machine CPU (2 = all cores) | gateway CPU | load generator CPU |",
@@ -372,11 +387,13 @@ def tables(figures: dict[str, Any]) -> str:
                    f"{lat['tokens'] / max(lat['deltas'], 1):.2f} | "
                    + " | ".join(f"{per.get(name, 0.0):,.0f}" for name in COMPONENTS)
                    + f" | {total:,.0f} | {per.get('load generator', 0.0):,.0f} |")
-    out += ["", "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|",
-            f"| tokens/s one gateway streams to SSE clients ({thr['streams']} streams) | "
-            f"{thr['tokens_per_s']:,.0f} | {thr['client_cpu']:.0%} | "
-            f"{thr['gateway_cpu']:.0%} |",
-            f"| streams held open in one gateway | {held['streams']:,} (memory "
+    out += ["", "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|"]
+    for thr in figures["throughput"]:
+        processes = f"{thr['gateways']} gateway process{'es' * (thr['gateways'] > 1)}"
+        out.append(f"| tokens/s {processes} on one port stream to SSE clients "
+                   f"({thr['streams']} streams) | {thr['tokens_per_s']:,.0f} | "
+                   f"{thr['client_cpu']:.0%} | {thr['gateway_cpu']:.0%} |")
+    out += [f"| streams held open in one gateway | {held['streams']:,} (memory "
             f"{held['rss_mb_before']:.0f} -> {held['rss_mb_held']:.0f} MB, "
             f"{held['kb_per_stream']:.0f} KB per stream) | | |"]
     return "\n".join(out)

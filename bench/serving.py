@@ -57,12 +57,12 @@ from bench.loadgen import (
     run_load,
     stream_once,
 )
+from bench.stack import wait_projected
 from gateway.ids import completion_id
 from infra.process import free_port, wait_http
 from pipeline.codec import decode
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer, GroupStatus
+from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
 from pipeline.topics import GENERATIONS, PROMPTS
-from projections.settings import ProjectorSettings
 from schemas import (
     ChatMessage,
     GenerationFailed,
@@ -270,26 +270,6 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _wait_projected(bootstrap: str, timeout: float = 600.0) -> None:
-    """Until the projector has caught up with the log (the turns just run through the
-    worker alone, and whatever came before), so its catching up is not measured."""
-    status = GroupStatus(bootstrap, ProjectorSettings().group)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            behind = sum(max(end - at, 0) for topic in (PROMPTS, GENERATIONS)
-                         for at, end in status.per_partition(topic).values())
-            if behind < 100:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the projector is still {behind} records behind")
-            print(f"waiting for the projector to catch up: {behind:,} records behind",
-                  flush=True)
-            time.sleep(2)
-    finally:
-        status.close()
-
-
 async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
               levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
     """The engine paired with one worker process alone; then vllm serve paired with the
@@ -318,7 +298,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         if isolate_engine_cores(settings):
             move_off_engine_cores(serve.pid)
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", procs, 120)
-        await asyncio.to_thread(_wait_projected, bootstrap)
+        await asyncio.to_thread(wait_projected, bootstrap)
         connections = max(levels) + 8
         async with http_client_for(f"http://127.0.0.1:{serve_port}", name, max_tokens,
                                    connections) as vllm_serve, \
