@@ -502,7 +502,9 @@ class TransactionalProducer:
                 if generation != self._generation:
                     return  # abandoned while registering: a newer thread runs
                 if not self._queue and not self._commit_wanted:
-                    return
+                    if self._stop:
+                        return
+                    continue  # dropped meanwhile (``new_epoch``): wait for the next
                 now = time.monotonic()
                 stale = [q for q in self._queue if q.epoch != self._epoch]
                 batch = [q for q in self._queue if q.epoch == self._epoch and not q.late(now)]

@@ -133,3 +133,39 @@ def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_co
     values = [value or b"" for _, value, _ in read_records(sim_stack.bootstrap, sink)]
     assert len(values) == 50
     assert all(f'"title":"{i}"'.encode() in value for i, value in enumerate(values))
+
+
+def test_records_dropped_while_a_transaction_waits_for_its_floor_leave_the_writer_working(
+        sim_stack: Stack) -> None:
+    """A worker that gives turns up (``new_epoch``) while its next transaction waits out
+    the floor: the transaction thread found its queue empty after the wait and returned
+    for good, so every later record queued forever and the worker's turns hung (found by
+    the suite with the 20 ms floor on). Later records are written."""
+    sink = f"dropped.{uuid.uuid4().hex[:8]}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
+
+    async def scenario() -> list[str]:
+        writer = TransactionalProducer(sim_stack.bootstrap, f"dropped-{uuid.uuid4().hex[:8]}",
+                                       interval_ms=1000)
+        writer.start()
+        assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
+        outcomes = []
+        await writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(), request_id="r0"))
+        given_up = writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(),
+                                                    request_id="r1"))
+        await asyncio.sleep(0.3)  # the thread is waiting out the floor
+        epoch = writer.new_epoch()
+        try:
+            await given_up
+        except Fenced:
+            outcomes.append("dropped")
+        await asyncio.sleep(1.0)  # the floor has passed, with nothing queued
+        await asyncio.wait_for(writer.send(sink, SessionCreated(
+            conversation_id=uuid.uuid4(), request_id="r2"), epoch), 30)
+        outcomes.append("written")
+        await asyncio.to_thread(writer.close)
+        return outcomes
+
+    assert asyncio.run(scenario()) == ["dropped", "written"]
+    written = [value for _, value, _ in read_records(sim_stack.bootstrap, sink)]
+    assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == [b"r0", b"r2"]
