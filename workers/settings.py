@@ -54,7 +54,7 @@ class WorkerSettings(BaseSettings):
     transactional_id: str = ""
     # A transaction begins at least this long after the previous one: more deltas share
     # each transaction's fixed cost on the broker, for up to this much added latency.
-    transaction_interval_ms: float = Field(default=0.0, ge=0, le=1000)
+    transaction_interval_ms: float = Field(default=20.0, ge=0, le=1000)
     # The simulated engine: time to first token and per-sequence decode rate.
     sim_ttft_ms: float = Field(default=50.0, ge=0)
     sim_tokens_per_s: float = Field(default=50.0, gt=0)
