@@ -41,6 +41,7 @@ from pipeline.codec import decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
 from pipeline.topics import GENERATIONS
 from schemas import TokenDelta
+from workers.sim_engine import sim_token_text
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -258,7 +259,11 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
     created = _event_times(bootstrap, [i for i, _ in arrivals])
     latencies = [(t - created[i]) * 1000 for i, t in arrivals if i in created]
     tokens = sum(r.tokens for r in requests)
+    whole = "".join(sim_token_text(i) for i in range(max_tokens))
     return {"streams": streams, "tokens_per_s_per_stream": tokens_per_s,
+            # Replies whose streamed text is every token once, in order: none dropped,
+            # none merged away, none repeated.
+            "replies": len(requests), "intact": sum("".join(r.text) == whole for r in requests),
             "offered_tokens_per_s": streams * tokens_per_s, "deltas": len(latencies),
             "seconds": seconds, "failures": sum(r.error is not None for r in requests),
             "deltas_per_s": len(latencies) / seconds,
@@ -359,12 +364,42 @@ def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
     }
 
 
-def tables(figures: dict[str, Any]) -> str:
+def _total(lat: dict[str, Any]) -> float:
+    per: dict[str, float] = lat["cpu_us_per_token"]
+    return sum(per.get(name, 0.0) for name in COMPONENTS)
+
+
+def _by_component(figures: dict[str, Any], after: dict[str, Any] | None = None) -> list[str]:
+    """The per-component CPU table; given the figures of a later run, a last column with
+    the later total over this one at the same load."""
+    later = {(lat["streams"], lat["tokens_per_s_per_stream"]): _total(lat)
+             for lat in (after or {}).get("delta_latency", []) if lat.get("cpu_us_per_token")}
+    out = ["| streams x tokens/s each | tokens/delta | " + " | ".join(COMPONENTS)
+           + " | total (all but the load generator) | load generator |"
+           + (" total after / before |" if after else ""),
+           "|---" * (len(COMPONENTS) + 4 + bool(after)) + "|"]
+    for lat in figures["delta_latency"]:
+        per = lat.get("cpu_us_per_token")
+        if not per:
+            continue
+        total = _total(lat)
+        ratio = later.get((lat["streams"], lat["tokens_per_s_per_stream"]))
+        out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
+                   f"{lat['tokens'] / max(lat['deltas'], 1):.2f} | "
+                   + " | ".join(f"{per.get(name, 0.0):,.0f}" for name in COMPONENTS)
+                   + f" | {total:,.0f} | {per.get('load generator', 0.0):,.0f} |"
+                   + ((f" {ratio / total:.2f}x |" if ratio else " |") if after else ""))
+    return out
+
+
+def tables(figures: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    """The report's tables; ``before``: an earlier run's figures, to set beside them."""
     held = figures["open_streams"]
     out = ["| streams x tokens/s each | deltas/s delivered | worker -> SSE client p50 / p90 "
            "/ p99 / max (ms) | of which worker -> Kafka consumer p50 / p90 / p99 (ms) | "
-           "machine CPU (2 = all cores) | gateway CPU | load generator CPU |",
-           "|---|---|---|---|---|---|---|"]
+           "machine CPU (2 = all cores) | gateway CPU | load generator CPU | replies with "
+           "every token once, in order |",
+           "|---|---|---|---|---|---|---|---|"]
     for lat in figures["delta_latency"]:
         ms, hop = lat["ms"], lat["kafka_hop_ms"]
         out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
@@ -372,21 +407,14 @@ def tables(figures: dict[str, Any]) -> str:
                    f"{ms['p99']:.1f} / {ms['max']:.0f} | {hop['p50']:.1f} / "
                    f"{hop['p90']:.1f} / {hop['p99']:.1f} | "
                    f"{lat['machine_cpu'] * (os.cpu_count() or 1):.2f} | "
-                   f"{lat['gateway_cpu']:.0%} | {lat['client_cpu']:.0%} |")
+                   f"{lat['gateway_cpu']:.0%} | {lat['client_cpu']:.0%} | "
+                   f"{lat.get('intact', 0):,} of {lat.get('replies', 0):,} |")
     out += ["", "CPU per delivered token, by component (µs; each process's user + system time "
             "from /proc over the measured window, divided by the tokens the clients got):", "",
-            "| streams x tokens/s each | tokens/delta | " + " | ".join(COMPONENTS)
-            + " | total (all but the load generator) | load generator |",
-            "|---" * (len(COMPONENTS) + 4) + "|"]
-    for lat in figures["delta_latency"]:
-        per = lat.get("cpu_us_per_token")
-        if not per:
-            continue
-        total = sum(per.get(name, 0.0) for name in COMPONENTS)
-        out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
-                   f"{lat['tokens'] / max(lat['deltas'], 1):.2f} | "
-                   + " | ".join(f"{per.get(name, 0.0):,.0f}" for name in COMPONENTS)
-                   + f" | {total:,.0f} | {per.get('load generator', 0.0):,.0f} |")
+            *_by_component(figures)]
+    if before:
+        out += ["", f"Before ({before['measured_at']}, {before.get('code', 'earlier code')}; "
+                "same machine, load and engine):", "", *_by_component(before, figures)]
     out += ["", "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|"]
     for thr in figures["throughput"]:
         processes = f"{thr['gateways']} gateway process{'es' * (thr['gateways'] > 1)}"

@@ -29,6 +29,7 @@ class Request:
     tokens: int = 0
     error: str | None = None
     arrivals: list[tuple[str, float]] = field(default_factory=list)  # (SSE id, time)
+    text: list[str] = field(default_factory=list)  # the content received (with the ids)
     # Gaps between content chunks, as vLLM's benchmark client measures its ITL (only a
     # request made through that client has them).
     chunk_gaps: list[float] = field(default_factory=list)
@@ -118,7 +119,10 @@ async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, A
                 if raw.startswith(b"data: "):
                     now = time.perf_counter()
                     if keep_ids and b'"event_id":"' in raw:
-                        request.arrivals.append((json.loads(raw[6:])["event_id"], now))
+                        chunk = json.loads(raw[6:])
+                        request.arrivals.append((chunk["event_id"], now))
+                        request.text.extend(choice["delta"].get("content") or ""
+                                            for choice in chunk["choices"])
                     if request.first is None and b'"content":"' in raw and \
                             b'"content":""' not in raw:
                         request.first = now

@@ -17,6 +17,9 @@ from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
 PARTS = ("serving", "capacity", "projection", "analytics")
+# The capacity figures of the code before the work on plumbing cost, kept to set beside
+# every later run's.
+CAPACITY_BEFORE = Path("docs/benchmarks/capacity-before.json")
 
 
 def _machine() -> str:
@@ -71,7 +74,8 @@ def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
 
     figures = bench.run(common.kafka_bootstrap, quick, common.state_dir / "bench-logs")
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
-    table = bench.tables(figures)
+    before = json.loads(CAPACITY_BEFORE.read_text()) if CAPACITY_BEFORE.exists() else None
+    table = bench.tables(figures, before)
     _save(out, "capacity", "Pipeline capacity with the SIMULATED engine", figures, table,
           "The worker is the SIMULATED engine, so the pipeline (gateway, Kafka, worker "
           f"loop, projector) is what is measured, on {figures['machine']}: the load "
