@@ -228,6 +228,10 @@ class Projector:
         self.group = group or settings.group
         self._quiet = QuietLog(log)
         self._positions: dict[TP, int] = {}  # what is stored, as far as this process knows
+        # Stored positions of partitions just assigned, to mirror into Kafka once: a
+        # projector that starts at the log's end moves none of them, and the group's lag
+        # as lag tools read it stayed where an earlier process had left it.
+        self._unmirrored: dict[TP, int] = {}
 
     def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
         """Start every assigned partition at the position stored with the rows (waiting,
@@ -243,6 +247,7 @@ class Projector:
                 time.sleep(backoff.next())
         start = {tp: stored.get(tp, BEGINNING) for tp in partitions}
         self._positions = {tp: o for tp, o in start.items() if o >= 0}
+        self._unmirrored.update(self._positions)
         log.info("assigned %s", {f"{t}/{p}": o for (t, p), o in start.items()})
         return start
 
@@ -298,7 +303,8 @@ class Projector:
                 if time.monotonic() - last_report < REPORT_INTERVAL_S:
                     continue
                 last_report = time.monotonic()
-                await self._commit_for_lag_tools(consumer, unreported)
+                unmirrored, self._unmirrored = self._unmirrored, {}
+                await self._commit_for_lag_tools(consumer, unmirrored | unreported)
                 unreported = {}
                 behind = sum((await consumer.call(consumer.lag_sync)).values())
                 self.metrics.lag_events.set(behind)
