@@ -1077,10 +1077,13 @@ def high_watermarks(bootstrap: str, topic: str, partitions: list[int],
 
 
 def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
-               timeout: float = 60.0) -> list[Record]:
+               timeout: float = 60.0,
+               on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """The committed records of ``topic`` in ``[start, end)`` of each partition, in log
     order per partition. Records of transactions still open below ``end`` are waited
-    for until their transaction commits (they are included) or aborts (they are not)."""
+    for until their transaction commits (they are included) or aborts (they are not).
+    With ``on_record``, each record goes to it as it is read and none is kept (a long
+    span would fill memory)."""
     todo = {p: span for p, span in spans.items() if span[0] < span[1]}
     if not todo:
         return []
@@ -1098,7 +1101,10 @@ def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
             for record in _poll(consumer, 5000, 0.2):
                 span = todo.get(record.position.partition)
                 if span is not None and record.position.offset < span[1]:
-                    records.append(record)
+                    if on_record is None:
+                        records.append(record)
+                    else:
+                        on_record(record)
             # Aborted records and transaction markers are never delivered: the position
             # tells when a partition's span has been read.
             for tp in consumer.position([TopicPartition(topic, p) for p in list(todo)]):
@@ -1112,10 +1118,12 @@ def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
 def scan_partitions(
     bootstrap: str, topic: str, partitions: list[int], since_ms: int | dict[int, int],
     timeout: float = 60.0, ends: dict[int, int] | None = None,
+    on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Every committed record of ``topic``'s ``partitions`` from time ``since_ms`` (one for
     all, or per partition) to their true end now (or to ``ends``): a record written before
-    the call is in the answer unless its transaction aborts (``read_spans``)."""
+    the call is in the answer unless its transaction aborts (``read_spans``; as there,
+    ``on_record`` takes the records instead)."""
     if not partitions:
         return []
     if ends is None:
@@ -1131,7 +1139,7 @@ def scan_partitions(
         consumer.close()
     spans = {tp.partition: (int(tp.offset), ends[tp.partition]) for tp in starts
              if tp.offset >= 0}  # -1: nothing that recent
-    return read_spans(bootstrap, topic, spans, timeout)
+    return read_spans(bootstrap, topic, spans, timeout, on_record)
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:

@@ -45,7 +45,7 @@ from schemas.events import new_event_id
 from workers.engine import EngineRequest
 from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
-from workers.recovery import Recovered, fold, from_log
+from workers.recovery import LogFolder, Recovered, fold, from_log
 from workers.sim_engine import SimEngine, sim_token_text
 
 CONV = uuid.uuid4()
@@ -205,6 +205,27 @@ def test_recovery_from_raw_records_equals_the_fold_of_every_decoded_event() -> N
     assert found == expected
     assert found["open"].attempt == 1 and [d.seq for d in found["open"].emitted()] == [0, 1, 2]
     assert found["done"].ended and found["failed"].ended and not found["open"].ended
+
+
+def test_a_takeover_holds_only_the_records_of_turns_not_seen_to_end() -> None:
+    """A worker taking over folds a window of ``chat.generations`` as it reads it: the
+    records of a turn are dropped, undecoded, once its end is read. Kept whole, the
+    window of a busy log took a worker past 10 GB before it served anything."""
+    folder = LogFolder()
+    for t in range(200):
+        ids = {"conversation_id": uuid.uuid4(), "request_id": f"turn-{t}"}
+        folder.add(encode(GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
+                                            prompt_tokens=3)))
+        for i in range(50):
+            folder.add(encode(TokenDelta(**ids, seq=i, text=f"t{i} ")))
+        if t < 199:
+            folder.add(encode(GenerationFinished(
+                **ids, model="m", reply_seq=1, finish_reason="stop", text="", deltas=50,
+                usage=Usage(prompt_tokens=3, completion_tokens=50), duration_ms=1)))
+        assert folder.held == (51 if t == 199 else 0)
+    found = folder.result()
+    assert len(found) == 200 and sum(r.ended for r in found.values()) == 199
+    assert [d.seq for d in found["turn-199"].emitted()] == list(range(50))
 
 
 def test_simulated_engine_keeps_its_pace_when_the_reader_runs_late() -> None:

@@ -7,15 +7,16 @@ emitted (by ``seq``), and whether the turn already ended. A turn that ended is n
 run again; a turn that did not is continued after its emitted tokens, under the
 next attempt, with ``seq`` carrying on, so readers see no gap and no duplicate.
 
-The scan runs on every assignment, over every record of the window, so ``from_log``
-decodes only what resuming needs: each record's request id is read from its bytes,
-the turns' terminal events are decoded to learn which ended, and the other records of
-ended turns (nearly all of them) are never decoded.
+The scan runs on every assignment, over every record of the window, so ``LogFolder``
+takes the records one at a time and decodes only what resuming needs: each record's
+request id is read from its bytes, the turns' terminal events are decoded to learn
+which ended, and the other records of ended turns (nearly all of them) are dropped
+undecoded as soon as their turn's end is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pipeline.codec import DecodeError, decode
@@ -88,23 +89,56 @@ def _decode(value: bytes | None) -> Event | None:
         return None  # not an event: nothing to resume from it
 
 
-def from_log(values: Sequence[bytes | None]) -> dict[str, Recovered]:
-    """``fold`` over the values of ``chat.generations`` records, in log order, decoding
-    only terminal events and the records of turns that did not end."""
-    peeked = [_peek(v) for v in values]
-    ended = set()
-    for value, peek in zip(values, peeked, strict=True):
-        if peek is not None and peek[1]:  # decoded to be sure: a turn marked ended is skipped
-            event = _decode(value)
-            if isinstance(event, (GenerationFinished, GenerationFailed)):
-                ended.add(event.request_id)
-    events = []
-    for value, peek in zip(values, peeked, strict=True):
-        if peek is None or peek[0] not in ended:
+class LogFolder:
+    """``fold`` over the values of ``chat.generations`` records fed in log order, one at a
+    time, holding only what resuming needs: the raw records of turns not (yet) seen to
+    end, and the ids of those that ended. A window of a busy log holds millions of
+    records, nearly all of ended turns; kept whole they took a worker taking over past
+    10 GB."""
+
+    def __init__(self) -> None:
+        self._ended: set[str] = set()
+        self._open: dict[str, list[bytes]] = {}  # raw records of turns not seen to end
+        self._loose: list[Event] = []  # records whose request id the bytes do not show
+
+    def add(self, value: bytes | None) -> None:
+        peek = _peek(value)
+        if peek is None:
             event = _decode(value)
             if event is not None:
-                events.append(event)
-    state = fold(events)
-    for request_id in ended:
-        state[request_id] = Recovered(ended=True)
-    return state
+                self._loose.append(event)
+            return
+        request_id, terminal = peek
+        if request_id in self._ended:
+            return
+        if terminal:  # decoded to be sure: a turn marked ended is skipped
+            event = _decode(value)
+            if isinstance(event, (GenerationFinished, GenerationFailed)):
+                self._ended.add(event.request_id)
+                self._open.pop(event.request_id, None)
+                return
+        assert value is not None  # a None value has no request id to peek
+        self._open.setdefault(request_id, []).append(value)
+
+    @property
+    def held(self) -> int:
+        """Records held undecoded: those of turns not seen to end."""
+        return sum(map(len, self._open.values()))
+
+    def result(self) -> dict[str, Recovered]:
+        events = list(self._loose)
+        for values in self._open.values():
+            events += [e for e in map(_decode, values) if e is not None]
+        state = fold(events)
+        for request_id in self._ended:
+            state[request_id] = Recovered(ended=True)
+        return state
+
+
+def from_log(values: Iterable[bytes | None]) -> dict[str, Recovered]:
+    """``fold`` over the values of ``chat.generations`` records, in log order, decoding
+    only terminal events and the records of turns that did not end."""
+    folder = LogFolder()
+    for value in values:
+        folder.add(value)
+    return folder.result()
