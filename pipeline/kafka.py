@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -1077,23 +1077,26 @@ def high_watermarks(bootstrap: str, topic: str, partitions: list[int],
 
 
 def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
-               timeout: float = 60.0,
-               on_record: Callable[[Record], None] | None = None) -> list[Record]:
+               timeout: float = 60.0) -> list[Record]:
     """The committed records of ``topic`` in ``[start, end)`` of each partition, in log
     order per partition. Records of transactions still open below ``end`` are waited
-    for until their transaction commits (they are included) or aborts (they are not).
-    With ``on_record``, each record goes to it as it is read and none is kept (a long
-    span would fill memory)."""
+    for until their transaction commits (they are included) or aborts (they are not)."""
+    return list(iter_spans(bootstrap, topic, spans, timeout))
+
+
+def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
+               timeout: float = 60.0) -> Iterator[Record]:
+    """``read_spans``, one record at a time as they are read: a long span is never held
+    whole."""
     todo = {p: span for p, span in spans.items() if span[0] < span[1]}
     if not todo:
-        return []
+        return
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
                          **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_committed",
                          **NO_NAGLE})
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, (start, _) in todo.items()])
-        records: list[Record] = []
         deadline = time.monotonic() + timeout
         while todo:
             if time.monotonic() > deadline:
@@ -1101,16 +1104,12 @@ def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
             for record in _poll(consumer, 5000, 0.2):
                 span = todo.get(record.position.partition)
                 if span is not None and record.position.offset < span[1]:
-                    if on_record is None:
-                        records.append(record)
-                    else:
-                        on_record(record)
+                    yield record
             # Aborted records and transaction markers are never delivered: the position
             # tells when a partition's span has been read.
             for tp in consumer.position([TopicPartition(topic, p) for p in list(todo)]):
                 if tp.offset >= todo[tp.partition][1]:
                     del todo[tp.partition]
-        return records
     finally:
         consumer.close()
 
@@ -1118,14 +1117,13 @@ def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
 def scan_partitions(
     bootstrap: str, topic: str, partitions: list[int], since_ms: int | dict[int, int],
     timeout: float = 60.0, ends: dict[int, int] | None = None,
-    on_record: Callable[[Record], None] | None = None,
-) -> list[Record]:
+) -> Iterator[Record]:
     """Every committed record of ``topic``'s ``partitions`` from time ``since_ms`` (one for
     all, or per partition) to their true end now (or to ``ends``): a record written before
-    the call is in the answer unless its transaction aborts (``read_spans``; as there,
-    ``on_record`` takes the records instead)."""
+    the call is in the answer unless its transaction aborts. The span is fixed by the
+    call; its records come one at a time (``iter_spans``)."""
     if not partitions:
-        return []
+        return iter(())
     if ends is None:
         ends = high_watermarks(bootstrap, topic, partitions)
     since = since_ms if isinstance(since_ms, dict) else dict.fromkeys(partitions, since_ms)
@@ -1139,7 +1137,7 @@ def scan_partitions(
         consumer.close()
     spans = {tp.partition: (int(tp.offset), ends[tp.partition]) for tp in starts
              if tp.offset >= 0}  # -1: nothing that recent
-    return read_spans(bootstrap, topic, spans, timeout, on_record)
+    return iter_spans(bootstrap, topic, spans, timeout)
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:

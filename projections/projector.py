@@ -228,9 +228,10 @@ class Projector:
         self.group = group or settings.group
         self._quiet = QuietLog(log)
         self._positions: dict[TP, int] = {}  # what is stored, as far as this process knows
-        # Stored positions of partitions just assigned, to mirror into Kafka once: a
-        # projector that starts at the log's end moves none of them, and the group's lag
-        # as lag tools read it stayed where an earlier process had left it.
+        # Stored positions not yet mirrored into Kafka for lag tools: those applied or
+        # skipped since the last report, and those of partitions just assigned (a
+        # projector that starts at the log's end moves none, and lag tools saw the group
+        # where an earlier process had left it).
         self._unmirrored: dict[TP, int] = {}
 
     def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
@@ -266,7 +267,6 @@ class Projector:
         conn: psycopg.AsyncConnection | None = None
         backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
         records: list[Record] = []  # polled, not yet applied
-        unreported: dict[TP, int] = {}  # applied positions not yet mirrored into Kafka
         last_report = last_skip = 0.0
         try:
             while not stop.is_set():
@@ -281,12 +281,12 @@ class Projector:
                     if records:
                         positions = await self._apply(conn, producer, records)
                         self._positions.update(positions)
-                        unreported.update(positions)
+                        self._unmirrored.update(positions)
                         records = []
                     if time.monotonic() - last_skip > SKIPPED_INTERVAL_S:
                         # Also while records keep coming: a turn streaming for seconds
                         # would hold back ``GET /v1/sessions`` that long otherwise.
-                        unreported.update(await self._store_skipped(conn, consumer))
+                        self._unmirrored.update(await self._store_skipped(conn, consumer))
                         last_skip = time.monotonic()
                     backoff.reset()
                 except (psycopg.Error, OSError, ProduceError) as exc:
@@ -304,8 +304,7 @@ class Projector:
                     continue
                 last_report = time.monotonic()
                 unmirrored, self._unmirrored = self._unmirrored, {}
-                await self._commit_for_lag_tools(consumer, unmirrored | unreported)
-                unreported = {}
+                await self._commit_for_lag_tools(consumer, unmirrored)
                 behind = sum((await consumer.call(consumer.lag_sync)).values())
                 self.metrics.lag_events.set(behind)
                 self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)

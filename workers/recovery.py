@@ -137,7 +137,8 @@ class LogFolder:
 
 def from_log(values: Iterable[bytes | None]) -> dict[str, Recovered]:
     """``fold`` over the values of ``chat.generations`` records, in log order, decoding
-    only terminal events and the records of turns that did not end."""
+    only terminal events and the records of turns that did not end; ``values`` are
+    folded as they come (``LogFolder``), so a generator over a scan is never held whole."""
     folder = LogFolder()
     for value in values:
         folder.add(value)

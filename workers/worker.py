@@ -77,7 +77,7 @@ from workers.control import ControlBook
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.offsets import OffsetTracker
 from workers.plan import Action, Progress, plan_start, stop_at
-from workers.recovery import LogFolder, Recovered
+from workers.recovery import Recovered, from_log
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -255,10 +255,10 @@ class Worker:
         # What earlier owners wrote (committed, or resolved if still open: read_spans).
         # Open transactions of an earlier owner end within the transaction timeout.
         wait_s = max(60.0, 3 * self.transaction_timeout_ms / 1000)
-        folder = LogFolder()  # the records fold as they come: a busy window holds millions
-        scan_partitions(self.bootstrap, GENERATIONS, list(since), since, wait_s,
-                        on_record=lambda record: folder.add(record.value))
-        found = {rid: rec for rid, rec in folder.result().items() if rid not in self.in_flight}
+        # Folded as they are read: a busy window holds millions of records.
+        records = scan_partitions(self.bootstrap, GENERATIONS, list(since), since, wait_s)
+        found = {rid: rec for rid, rec in from_log(r.value for r in records).items()
+                 if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
         # The recent control events, so a turn cancelled or abandoned while its prompt
         # waited is known before the prompt comes up; control is read on from there.
