@@ -79,7 +79,8 @@ def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
     _save(out, "capacity", "Pipeline capacity with the SIMULATED engine", figures, table,
           "The worker is the SIMULATED engine, so the pipeline (gateway, Kafka, worker "
           f"loop, projector) is what is measured, on {figures['machine']}: the load "
-          "generator, the broker, PostgreSQL and every process share these cores. "
+          "generator, the broker, PostgreSQL and every process share these cores. One "
+          "unrecorded point at 256 x 20 runs first to warm the broker's JIT. "
           f"Measured with `pipeline bench capacity{' --quick' if quick else ''}`.")
     return table
 
