@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -1085,9 +1085,10 @@ def read_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
 
 
 def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
-               timeout: float = 60.0) -> Iterator[Record]:
+               timeout: float = 60.0) -> Generator[Record, None, None]:
     """``read_spans``, one record at a time as they are read: a long span is never held
-    whole."""
+    whole. ``timeout`` bounds a wait with no progress (a transaction left open below a
+    span's end), not the whole read, which may be long."""
     todo = {p: span for p, span in spans.items() if span[0] < span[1]}
     if not todo:
         return
@@ -1097,10 +1098,12 @@ def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
                          **NO_NAGLE})
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, (start, _) in todo.items()])
+        positions = {p: start for p, (start, _) in todo.items()}
         deadline = time.monotonic() + timeout
         while todo:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic} {sorted(todo)} did not finish")
+                raise TimeoutError(f"reading {topic} {sorted(todo)} made no progress "
+                                   f"for {timeout:.0f} s")
             for record in _poll(consumer, 5000, 0.2):
                 span = todo.get(record.position.partition)
                 if span is not None and record.position.offset < span[1]:
@@ -1108,10 +1111,29 @@ def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
             # Aborted records and transaction markers are never delivered: the position
             # tells when a partition's span has been read.
             for tp in consumer.position([TopicPartition(topic, p) for p in list(todo)]):
+                if tp.offset > positions[tp.partition]:
+                    positions[tp.partition] = tp.offset
+                    deadline = time.monotonic() + timeout
                 if tp.offset >= todo[tp.partition][1]:
                     del todo[tp.partition]
     finally:
         consumer.close()
+
+
+def first_records(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
+                  timeout: float = 60.0) -> dict[int, Record]:
+    """The first committed record in ``[start, end)`` of each partition that has one (a
+    consumer's committed offset may be a transaction marker's, or an aborted record's)."""
+    found: dict[int, Record] = {}
+    records = iter_spans(bootstrap, topic, spans, timeout)
+    try:
+        for record in records:
+            found.setdefault(record.position.partition, record)
+            if len(found) == len(spans):
+                break
+    finally:
+        records.close()
+    return found
 
 
 def scan_partitions(

@@ -380,6 +380,52 @@ def test_a_rebalance_while_a_worker_is_full_leaves_no_partition_paused(sim: SimP
             service.stop()
 
 
+def test_workers_back_after_their_recovery_window_resume_and_honour_departures(
+    sim: SimPipeline,
+) -> None:
+    """Every worker is down for longer than the recovery window while two turns are
+    mid-generation; one turn's client waits, the other's leaves. The worker that comes
+    back continues the first (attempt 1, its seqs carrying on, the exact text) and ends
+    the second without running it: it reads back to the oldest unfinished prompt, not
+    just the window (which had the first run again from seq 0 and the second to its
+    end)."""
+    sim.stop_workers()
+    started = []
+    env = {"WORKER_SIM_TOKENS_PER_S": str(SIM_RATE), "WORKER_RECOVERY_WINDOW_S": "1",
+           "WORKER_SESSION_TIMEOUT_MS": "6000"}
+    try:
+        e_metrics = free_port()
+        e = start_service(sim.stack, "sim-worker-e", "worker", "--engine", "sim",
+                          "--max-num-seqs", "8", "--metrics-port", str(e_metrics), **env)
+        started.append(e)
+        e_url = f"http://127.0.0.1:{e_metrics}/metrics"
+        wait_for(lambda: _scrapes(e_url) and metric(e_url, "worker_assigned_partitions") == 3,
+                 60, "worker e to own every partition")
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(stream_chat, sim.url, chat(300, 60))
+            left = stream_chat(sim.url, chat(301, 60), stop_after=3)
+            wait_for(lambda: metric(e_url, "worker_generated_tokens_total") >= 10, 20,
+                     "both turns to be mid-generation")
+            e.kill()  # within the leaving client's grace (1 s): its turn still ran
+            killed = time.monotonic()
+            time.sleep(max(0.0, killed + 3 - time.monotonic()))  # past the window
+            started.append(start_service(sim.stack, "sim-worker-f", "worker", "--engine",
+                                         "sim", "--max-num-seqs", "8", **env))
+            result = waiting.result()
+        assert result.done and result.text == expected_sim_text(60), result
+        assert assert_log_seqs_exact(sim.stack, [result])[result.request_id] >= 1
+        events = [e for _, e in read_events(sim.stack.bootstrap, GENERATIONS)
+                  if e.request_id == left.request_id]
+        seqs = [e.seq for e in events if isinstance(e, TokenDelta)]
+        assert sorted(seqs) == list(range(len(seqs))) and len(seqs) < 60, seqs
+        assert [e.attempt for e in events if isinstance(e, GenerationStarted)] == [0]
+        ends = [e for e in events if isinstance(e, GenerationFinished)]
+        assert [e.finish_reason for e in ends] == ["abort"], ends
+    finally:
+        for service in started:
+            service.stop()
+
+
 def _has_written(stack: Stack, pid: int) -> bool:
     """Whether the worker process ``pid`` has a turn with deltas in the log."""
     events = [e for _, e in read_events(stack.bootstrap, GENERATIONS)]

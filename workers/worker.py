@@ -42,6 +42,7 @@ from pipeline.kafka import (
     KafkaException,
     Record,
     TransactionalProducer,
+    first_records,
     group_committed,
     high_watermarks,
     read_spans,
@@ -282,14 +283,23 @@ class Worker:
     def _scan_starts(self, committed: dict[TP, int]) -> dict[int, int]:
         """Per prompt partition with unfinished prompts, the time to scan from: the oldest
         uncommitted prompt's (what its turn and later ones wrote came after it), less
-        clock skew, and within the recovery window. Partitions whose prompts are all
+        clock skew, however long ago: a turn whose history was read in part would run
+        again from its start, under seqs its readers have seen (and one whose clients
+        left would run on). The recovery window applies only to a partition with no
+        readable prompt past its committed offset. Partitions whose prompts are all
         committed need no scan."""
         ends = high_watermarks(self.bootstrap, PROMPTS, [p for _, p in committed])
-        spans = {p: (o, o + 1) for (_, p), o in committed.items() if o < ends[p]}
-        oldest = {r.position.partition: r.timestamp_ms
-                  for r in read_spans(self.bootstrap, PROMPTS, spans)}
-        floor = int((time.time() - self.recovery_window_s) * 1000)
-        return {p: max(oldest.get(p, floor) - CLOCK_SKEW_MS, floor) for p in spans}
+        spans = {p: (o, ends[p]) for (_, p), o in committed.items() if o < ends[p]}
+        oldest = {p: r.timestamp_ms
+                  for p, r in first_records(self.bootstrap, PROMPTS, spans).items()}
+        now_ms = int(time.time() * 1000)
+        window_ms = int(self.recovery_window_s * 1000)
+        starts = {p: oldest.get(p, now_ms - window_ms) - CLOCK_SKEW_MS for p in spans}
+        if starts and now_ms - min(starts.values()) > window_ms + CLOCK_SKEW_MS:
+            log.warning("taking over: reading chat.generations back %.0f s, to the oldest "
+                        "unfinished prompt (past the %.0f s recovery window)",
+                        (now_ms - min(starts.values())) / 1000, self.recovery_window_s)
+        return starts
 
     def _on_revoke(self, revoked: list[TP]) -> None:
         assert self._loop is not None and self.writer is not None
