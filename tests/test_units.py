@@ -4,6 +4,7 @@ simulated engine, the engine's scheduling priority."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import random
@@ -25,7 +26,8 @@ from gateway.openai_api import parse_chat_request
 from infra.process import free_port
 from launch.cli import service_down
 from pipeline import sketch
-from pipeline.codec import DecodeError, decode, encode
+from pipeline.codec import DecodeError, Position, decode, encode
+from pipeline.kafka import Record
 from pipeline.metrics import LoopWatch, serve_metrics
 from pipeline.rollout import Figures, Health, HealthPolicy, Rollout, judge, newer_rollout, route
 from pipeline.settings import CommonSettings
@@ -47,6 +49,7 @@ from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
 from workers.recovery import LogFolder, Recovered, fold, from_log
 from workers.sim_engine import SimEngine, sim_token_text
+from workers.worker import reported
 
 CONV = uuid.uuid4()
 
@@ -457,3 +460,14 @@ def test_of_two_rollouts_started_at_once_exactly_one_goes_on() -> None:
     older = record("old", 50.0, 50.0)
     assert newer_rollout([older, a], a) is None
     assert newer_rollout([older, a], older) == a
+
+
+def test_a_long_takeover_read_logs_how_far_it_has_come(caplog: pytest.LogCaptureFixture) -> None:
+    since = int(time.time() * 1000) - 100_000
+    records = [Record(Position("chat.generations", 0, i), None, b"{}", since + i * 25_000)
+               for i in range(4)]
+    with caplog.at_level(logging.INFO, logger="workers.worker"):
+        assert list(reported(records, since, "reading chat.generations", every_s=0)) == records
+    assert [r.getMessage() for r in caplog.records] == [
+        f"taking over: reading chat.generations: {i + 1} records in 0 s, {25 * i}% of the way "
+        "to now" for i in range(4)]

@@ -29,6 +29,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -257,7 +258,9 @@ class Worker:
         # Open transactions of an earlier owner end within the transaction timeout.
         wait_s = max(60.0, 3 * self.transaction_timeout_ms / 1000)
         # Folded as they are read: a busy window holds millions of records.
-        records = scan_partitions(self.bootstrap, GENERATIONS, list(since), since, wait_s)
+        records = reported(scan_partitions(self.bootstrap, GENERATIONS, list(since), since,
+                                           wait_s), min(since.values(), default=0),
+                           f"reading {GENERATIONS}")
         found = {rid: rec for rid, rec in from_log(r.value for r in records).items()
                  if rid not in self.in_flight}
         self.recovered = found  # an assignment is whole: earlier findings are stale
@@ -711,6 +714,22 @@ class Worker:
             while len(self.ended) > ENDED_MEMORY:
                 self.ended.popitem(last=False)
             self._start_waiting()  # the slot is free now, not at the loop's next turn
+
+
+def reported(records: Iterable[Record], since_ms: int, what: str,
+             every_s: float = 10.0) -> Iterator[Record]:
+    """``records`` (written from ``since_ms`` on), with a line logged every ``every_s``
+    of a long read: how many so far, and how far through the time they span."""
+    started = last = time.monotonic()
+    span_ms = max(time.time() * 1000 - since_ms, 1.0)
+    for count, record in enumerate(records, 1):
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            done = min(max((record.timestamp_ms - since_ms) / span_ms, 0.0), 1.0)
+            log.info("taking over: %s: %d records in %.0f s, %.0f%% of the way to now",
+                     what, count, now - started, 100 * done)
+        yield record
 
 
 def _ids(prompt: PromptSubmitted) -> EventIds:
