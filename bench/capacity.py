@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -141,10 +142,12 @@ def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways:
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
            "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **worker_env}
     log_dir.mkdir(parents=True, exist_ok=True)
+    worker_metrics = free_port()
     procs = []
     for label, cmd in (
             ("projector", ["projector"]),
-            ("worker", ["worker", "--engine", "sim", "--max-num-seqs", str(max_num_seqs)]),
+            ("worker", ["worker", "--engine", "sim", "--max-num-seqs", str(max_num_seqs),
+                        "--metrics-port", str(worker_metrics)]),
             ("gateway", ["gateway", "--port", str(port), "--workers", str(gateways)])):
         with open(log_dir / f"capacity-{label}.log", "wb") as log:
             procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT,
@@ -154,6 +157,10 @@ def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways:
         wait_projected(bootstrap)
         yield f"http://127.0.0.1:{port}", {"projector": procs[0].pid, "worker": procs[1].pid,
                                            "gateway": procs[2].pid}
+        # Turns whose clients left (the held streams) are stopped by the worker: stopped
+        # before it is, they would be left open in the log for the next run's worker to
+        # read back to and end.
+        _wait_idle(f"http://127.0.0.1:{worker_metrics}/metrics")
     finally:
         for p in procs:
             p.terminate()
@@ -163,6 +170,19 @@ def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways:
             except subprocess.TimeoutExpired:  # never left running into the next part
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def _wait_idle(metrics_url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+            running = next((float(line.split()[1]) for line in resp.read().decode().splitlines()
+                            if line.startswith("worker_running_sequences ")), 0.0)
+        if not running:
+            return
+        time.sleep(0.5)
+    print(f"the worker still ran {running:.0f} turns after {timeout:.0f} s; left to the next run",
+          file=sys.stderr)
 
 
 def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
