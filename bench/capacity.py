@@ -172,12 +172,17 @@ def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways:
                 p.wait()
 
 
+def _sample(metrics: str, name: str) -> float:
+    """An unlabelled sample's value in Prometheus text (0 if absent)."""
+    return next((float(line.split()[1]) for line in metrics.splitlines()
+                 if line.startswith(f"{name} ")), 0.0)
+
+
 def _wait_idle(metrics_url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-            running = next((float(line.split()[1]) for line in resp.read().decode().splitlines()
-                            if line.startswith("worker_running_sequences ")), 0.0)
+            running = _sample(resp.read().decode(), "worker_running_sequences")
         if not running:
             return
         time.sleep(0.5)
@@ -358,9 +363,9 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
             for task in (*tasks, opening):
                 task.cancel()
             await asyncio.gather(*tasks, opening, return_exceptions=True)
-    active = next(float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("gateway_active_streams "))
-    return {"streams": streams, "gateway_active_streams": active, "open_seconds": seconds,
+    return {"streams": streams,
+            "gateway_active_streams": _sample(metrics, "gateway_active_streams"),
+            "open_seconds": seconds,
             "rss_mb_before": baseline, "rss_mb_held": held,
             "kb_per_stream": (held - baseline) * 1024 / streams}
 

@@ -1125,11 +1125,12 @@ def first_records(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
     """The first committed record in ``[start, end)`` of each partition that has one (a
     consumer's committed offset may be a transaction marker's, or an aborted record's)."""
     found: dict[int, Record] = {}
+    wanted = sum(start < end for start, end in spans.values())
     records = iter_spans(bootstrap, topic, spans, timeout)
     try:
         for record in records:
             found.setdefault(record.position.partition, record)
-            if len(found) == len(spans):
+            if len(found) == wanted:
                 break
     finally:
         records.close()

@@ -298,10 +298,11 @@ class Worker:
         now_ms = int(time.time() * 1000)
         window_ms = int(self.recovery_window_s * 1000)
         starts = {p: oldest.get(p, now_ms - window_ms) - CLOCK_SKEW_MS for p in spans}
-        if starts and now_ms - min(starts.values()) > window_ms + CLOCK_SKEW_MS:
-            log.warning("taking over: reading chat.generations back %.0f s, to the oldest "
-                        "unfinished prompt (past the %.0f s recovery window)",
-                        (now_ms - min(starts.values())) / 1000, self.recovery_window_s)
+        back_ms = now_ms - min(starts.values(), default=now_ms)
+        if back_ms > window_ms + CLOCK_SKEW_MS:
+            log.warning("taking over: reading %s back %.0f s, to the oldest unfinished "
+                        "prompt (past the %.0f s recovery window)", GENERATIONS,
+                        back_ms / 1000, self.recovery_window_s)
         return starts
 
     def _on_revoke(self, revoked: list[TP]) -> None:
