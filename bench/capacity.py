@@ -132,15 +132,19 @@ def _rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways: int = 1,
-           **worker_env: str) -> Iterator[tuple[str, dict[str, int]]]:
+def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: int = 8192,
+           gateways: int = 1, tree: Path | None = None) -> Iterator[tuple[str, dict[str, int]]]:
     """A simulated worker, a projector and a gateway (``gateways`` processes on its port,
     ``pipeline gateway --workers``); yields the URL and their pids, once the projector has
-    caught up with whatever earlier runs left in the log."""
+    caught up with whatever earlier runs left in the log. ``env``: settings added to the
+    three's environment; ``tree``: a checkout whose code they run (this one's by default),
+    for comparing two versions of the code."""
     port = free_port()
     exe = [sys.executable, "-m", "launch"]
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
-           "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **worker_env}
+           "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **env}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tree), env.get("PYTHONPATH"))))
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_metrics = free_port()
     procs = []
@@ -151,7 +155,7 @@ def _stack(bootstrap: str, log_dir: Path, *, max_num_seqs: int = 8192, gateways:
             ("gateway", ["gateway", "--port", str(port), "--workers", str(gateways)])):
         with open(log_dir / f"capacity-{label}.log", "wb") as log:
             procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, start_new_session=True))
+                                          env=env, cwd=tree, start_new_session=True))
     try:
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
         wait_projected(bootstrap)
@@ -256,12 +260,15 @@ async def _load(url: str, streams: int, rounds: int, max_tokens: int, keep_ids: 
 
 
 def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
-                  tokens_per_s: float) -> dict[str, Any]:
-    """``streams`` streams of about 4 s each, staggered over one stream's length."""
+                  tokens_per_s: float, tree: Path | None = None,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``streams`` streams of about 4 s each, staggered over one stream's length; the
+    stack runs ``tree``'s code with ``env`` added to its environment (see ``_stack``)."""
     max_tokens = max(20, round(tokens_per_s * 4))
     stream_s = max_tokens / tokens_per_s
     spawn = multiprocessing.get_context("spawn")
-    with _stack(bootstrap, log_dir, WORKER_SIM_TOKENS_PER_S=str(tokens_per_s)) as (url, pids), \
+    with _stack(bootstrap, log_dir, {**(env or {}), "WORKER_SIM_TOKENS_PER_S": str(tokens_per_s)},
+                tree=tree) as (url, pids), \
             concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as side:
         probe = side.submit(os.getpid).result()  # started before the load
         roots = {**pids, "bench probe": probe}
@@ -306,8 +313,8 @@ def throughput(bootstrap: str, log_dir: Path, streams: int, rounds: int,
                gateways: int = 1) -> dict[str, Any]:
     """Streams fast enough to saturate the machine through ``gateways`` gateway processes
     on one port: the tokens/s their clients get, and the gateways' CPU."""
-    with _stack(bootstrap, log_dir, gateways=gateways, WORKER_SIM_TOKENS_PER_S="1000",
-                WORKER_SIM_TTFT_MS="0") as (url, pids):
+    with _stack(bootstrap, log_dir, {"WORKER_SIM_TOKENS_PER_S": "1000", "WORKER_SIM_TTFT_MS": "0"},
+                gateways=gateways) as (url, pids):
         roots = {"gateway": pids["gateway"]}
         before = _cpu_snapshot(roots)
         requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 1000, False))
@@ -373,8 +380,8 @@ async def _hold(url: str, streams: int, gateway: int) -> dict[str, Any]:
 def open_streams(bootstrap: str, log_dir: Path, streams: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per stream, twice
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * streams + 1024)), hard))
-    with _stack(bootstrap, log_dir, max_num_seqs=max(streams, 8192),
-                WORKER_SIM_TOKENS_PER_S="0.2", WORKER_SIM_TTFT_MS="0") as (url, pids):
+    with _stack(bootstrap, log_dir, {"WORKER_SIM_TOKENS_PER_S": "0.2", "WORKER_SIM_TTFT_MS": "0"},
+                max_num_seqs=max(streams, 8192)) as (url, pids):
         return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 
@@ -393,7 +400,7 @@ def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
     }
 
 
-def _total(lat: dict[str, Any]) -> float:
+def total_per_token(lat: dict[str, Any]) -> float:
     per: dict[str, float] = lat["cpu_us_per_token"]
     return sum(per.get(name, 0.0) for name in COMPONENTS)
 
@@ -401,7 +408,7 @@ def _total(lat: dict[str, Any]) -> float:
 def _by_component(figures: dict[str, Any], after: dict[str, Any] | None = None) -> list[str]:
     """The per-component CPU table; given the figures of a later run, a last column with
     the later total over this one at the same load."""
-    later = {(lat["streams"], lat["tokens_per_s_per_stream"]): _total(lat)
+    later = {(lat["streams"], lat["tokens_per_s_per_stream"]): total_per_token(lat)
              for lat in (after or {}).get("delta_latency", []) if lat.get("cpu_us_per_token")}
     out = ["| streams x tokens/s each | tokens/delta | " + " | ".join(COMPONENTS)
            + " | total (all but the load generator) | load generator |"
@@ -411,7 +418,7 @@ def _by_component(figures: dict[str, Any], after: dict[str, Any] | None = None) 
         per = lat.get("cpu_us_per_token")
         if not per:
             continue
-        total = _total(lat)
+        total = total_per_token(lat)
         ratio = later.get((lat["streams"], lat["tokens_per_s_per_stream"]))
         out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
                    f"{lat['tokens'] / max(lat['deltas'], 1):.2f} | "

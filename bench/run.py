@@ -99,6 +99,21 @@ def analytics(common: CommonSettings, quick: bool, out: Path) -> str:
                common.state_dir / "bench-logs")
 
 
+def pair(common: CommonSettings, out: Path, label: str, sides: tuple[Any, Any], *,
+         rate: float, pairs: int, rounds: int) -> str:
+    from bench import pair as bench
+
+    figures = bench.run(common.kafka_bootstrap, common.state_dir / "bench-logs", *sides,
+                        rate=rate, pairs=pairs, rounds=rounds)
+    figures |= {"measured_at": _now(), "machine": _machine(), "label": label}
+    report = bench.report(figures)
+    _save(out, f"pair-{label}", f"A change's effect, in pairs: {label}", figures, report,
+          f"On {figures['machine']}. Each figure is a process's user + system CPU from "
+          "/proc over the measured window, per token the clients received; the load "
+          "generator's ratio shows the host's drift. Measured with `pipeline bench pair`.")
+    return report
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 

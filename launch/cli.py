@@ -14,6 +14,7 @@
                                      promoted or rolled back; `rollout status` shows them
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
     pipeline bench [--quick] [PART]  serving, capacity, projection and analytics figures
+    pipeline bench pair --b-env N=V  a change's cost per token, before / after, in pairs
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
@@ -168,12 +169,44 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
-                            "(simulated engine), projection, analytics; default: all")
+                            "(simulated engine), projection, analytics; default: all; or "
+                            "pair, alone (below)")
     bench.add_argument("--quick", action="store_true",
                        help="small loads, a few minutes; figures under .state/bench")
     bench.add_argument("--out", type=Path, help="where to write (default docs/benchmarks)")
+    ab = bench.add_argument_group(
+        "pair", "pipeline bench pair: one change's effect as before / after ratios measured "
+        "in one run, side A (before) then B (after), alternating; figures under .state/bench")
+    for side in ("a", "b"):
+        ab.add_argument(f"--{side}-env", action="append", default=[], type=_setting,
+                        metavar="NAME=VALUE", help=f"a setting for side {side.upper()}'s "
+                        "stack (repeatable)")
+        ab.add_argument(f"--{side}-tree", type=_checkout, metavar="PATH",
+                        help=f"a checkout whose code side {side.upper()} runs (default: "
+                             "this one)")
+    ab.add_argument("--rate", type=float, default=20.0,
+                    help="tokens/s per stream, 256 streams (default %(default)s)")
+    ab.add_argument("--pairs", type=_positive, default=2, help="default %(default)s")
+    ab.add_argument("--rounds", type=_positive, default=3,
+                    help="rounds of 256 streams per run (default %(default)s)")
+    ab.add_argument("--label", default="pair", help="names the report: pair-LABEL.md")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
+
+
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _checkout(text: str) -> Path:
+    path = Path(text).resolve()
+    if not (path / "launch" / "__main__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a checkout of this project "
+                                         "(no launch/__main__.py)")
+    return path
 
 
 def _share(text: str) -> float:
@@ -291,10 +324,27 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from bench import run as bench
     from launch.local import infra_up
 
-    unknown = set(args.part) - set(bench.PARTS)
+    unknown = set(args.part) - {*bench.PARTS, "pair"}
     if unknown:
         raise SystemExit(f"unknown bench part(s): {', '.join(sorted(unknown))}; "
-                         f"choose from {', '.join(bench.PARTS)}")
+                         f"choose from {', '.join(bench.PARTS)}, or pair")
+    pairing = args.a_env or args.b_env or args.a_tree or args.b_tree
+    if "pair" in args.part:
+        if len(args.part) > 1:
+            raise SystemExit("pipeline bench pair runs alone")
+        if not pairing:
+            raise SystemExit("pipeline bench pair: the sides are the same; give side B (or "
+                             "A) a setting (--b-env NAME=VALUE) or a checkout (--b-tree PATH)")
+        from bench.pair import Side
+
+        infra_up(common, "DATABASE_URL" in os.environ)
+        sides = (Side("A", dict(args.a_env), args.a_tree), Side("B", dict(args.b_env), args.b_tree))
+        report = bench.pair(common, args.out or common.state_dir / "bench", args.label, sides,
+                            rate=args.rate, pairs=args.pairs, rounds=args.rounds)
+        print(f"\n{report}")
+        return 0
+    if pairing:
+        raise SystemExit("--a-env, --b-env, --a-tree and --b-tree are for pipeline bench pair")
     infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
     out = args.out or (common.state_dir / "bench" if args.quick else Path("docs/benchmarks"))
     bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out, resolve_model)

@@ -471,3 +471,39 @@ def test_a_long_takeover_read_logs_how_far_it_has_come(caplog: pytest.LogCapture
     assert [r.getMessage() for r in caplog.records] == [
         f"taking over: reading chat.generations: {i + 1} records in 0 s, {25 * i}% of the way "
         "to now" for i in range(4)]
+
+
+def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ratio() -> None:
+    from bench import pair
+
+    assert pair.order(3) == ["A", "B", "B", "A", "A", "B"]
+
+    def point(broker: float, gateway: float, p99: float) -> dict[str, object]:
+        return {"cpu_us_per_token": {"kafka broker": broker, "gateway": gateway,
+                                     "load generator": 50.0},
+                "ms": {"p50": p99 / 2, "p99": p99}, "kafka_hop_ms": {"p99": p99 / 3}}
+
+    # Side B halves the broker in the first pair, costs it a quarter less in the second
+    # and a third less in the third; the gateway is the same on both sides.
+    brokers = [(100.0, 50.0), (80.0, 60.0), (90.0, 60.0)]
+    runs = [{"side": side, "pair": i // 2,
+             "figures": pair.figures(point(brokers[i // 2][side == "B"], 70.0, 40.0))}
+            for i, side in enumerate(pair.order(3))]
+    runs.append({"side": "A", "pair": 3, "figures": pair.figures(point(1.0, 1.0, 1.0))})
+    summary = pair.summarise(runs)  # the unpaired last run counts in nothing
+    assert summary["kafka broker"] == pytest.approx(
+        {"A": 90.0, "B": 60.0, "ratio": 2 / 3, "least": 0.5, "most": 0.75})
+    assert summary["gateway"]["ratio"] == summary["load generator"]["ratio"] == 1.0
+    assert summary["total"]["A"] == 160.0 and summary["total"]["B"] == 130.0
+    assert summary["p99 ms"]["ratio"] == 1.0
+    assert "| kafka broker µs/token | 90.0 | 60.0 | 0.67x (0.50 - 0.75) |" in pair.table(summary)
+
+
+def test_a_pair_bench_whose_sides_are_the_same_says_so_and_runs_nothing() -> None:
+    done = subprocess.run([sys.executable, "-m", "launch", "bench", "pair"], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "the sides are the same" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "launch", "bench", "capacity", "--b-env",
+                           "WORKER_TRANSACTION_INTERVAL_MS=10"], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "are for pipeline bench pair" in done.stderr
