@@ -34,9 +34,9 @@ class Side:
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in sorted(self.env.items())]
-        if self.tree is not None:
-            parts.append(f"the code in {self.tree} ({checkout(self.tree)})")
-        return ", ".join(parts) or "this checkout, as configured"
+        tree = self.tree or Path.cwd()  # the stack's processes run from the current folder
+        where = "the code" if self.tree is None else f"the code in {self.tree}"
+        return ", ".join([f"{where} ({checkout(tree)})", *parts])
 
 
 def checkout(tree: Path) -> str:
