@@ -75,19 +75,27 @@ def stop_pid(pid: int, timeout: float = 20.0) -> None:
         return
 
 
+class StartupFailed(RuntimeError):
+    """A process started for a command exited, or never answered, during its start-up."""
+
+
 def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
     """Until ``url`` answers 200; fail at once if one of ``procs`` exits meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a component exited during start-up; see its log")
+        exited = next((p for p in procs if p.poll() is not None), None)
+        if exited is not None:
+            command = " ".join(map(str, exited.args if isinstance(exited.args, list)
+                                   else [exited.args]))
+            raise StartupFailed(f"`{command}` exited with code {exited.returncode} during "
+                                "start-up; see its log")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:
                     return
         except OSError:
             time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
+    raise StartupFailed(f"{url} did not answer within {timeout:.0f}s")
 
 
 def wait_until(

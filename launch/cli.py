@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
         ab.add_argument(f"--{side}-tree", type=_checkout, metavar="PATH",
                         help=f"a checkout whose code side {side.upper()} runs (default: "
                              "this one)")
-    ab.add_argument("--rate", type=float, default=20.0,
+    ab.add_argument("--rate", type=_rate, default=20.0,
                     help="tokens/s per stream, 256 streams (default %(default)s)")
     ab.add_argument("--pairs", type=_positive, default=2, help="default %(default)s")
     ab.add_argument("--rounds", type=_positive, default=3,
@@ -207,6 +207,16 @@ def _checkout(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is not a checkout of this project "
                                          "(no launch/__main__.py)")
     return path
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1000:
+        raise argparse.ArgumentTypeError("tokens/s per stream: above 0 and at most 1000")
+    return value
 
 
 def _share(text: str) -> float:
@@ -322,6 +332,7 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
 
 def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from bench import run as bench
+    from infra.process import StartupFailed
     from launch.local import infra_up
 
     unknown = set(args.part) - {*bench.PARTS, "pair"}
@@ -335,19 +346,25 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
         if not pairing:
             raise SystemExit("pipeline bench pair: the sides are the same; give side B (or "
                              "A) a setting (--b-env NAME=VALUE) or a checkout (--b-tree PATH)")
-        from bench.pair import Side
-
-        infra_up(common, "DATABASE_URL" in os.environ)
-        sides = (Side("A", dict(args.a_env), args.a_tree), Side("B", dict(args.b_env), args.b_tree))
-        report = bench.pair(common, args.out or common.state_dir / "bench", args.label, sides,
-                            rate=args.rate, pairs=args.pairs, rounds=args.rounds)
-        print(f"\n{report}")
-        return 0
-    if pairing:
+    elif pairing:
         raise SystemExit("--a-env, --b-env, --a-tree and --b-tree are for pipeline bench pair")
     infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
-    out = args.out or (common.state_dir / "bench" if args.quick else Path("docs/benchmarks"))
-    bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out, resolve_model)
+    try:
+        if "pair" in args.part:
+            from bench.pair import Side
+
+            sides = (Side("A", dict(args.a_env), args.a_tree),
+                     Side("B", dict(args.b_env), args.b_tree))
+            report = bench.pair(common, args.out or common.state_dir / "bench", args.label,
+                                sides, rate=args.rate, pairs=args.pairs, rounds=args.rounds)
+            print(f"\n{report}")
+        else:
+            out = args.out or (common.state_dir / "bench" if args.quick
+                               else Path("docs/benchmarks"))
+            bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
+                      resolve_model)
+    except StartupFailed as exc:
+        raise SystemExit(f"pipeline bench: {exc}") from None
     return 0
 
 
