@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import uuid
 from datetime import UTC, datetime
@@ -189,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     ab.add_argument("--pairs", type=_positive, default=2, help="default %(default)s")
     ab.add_argument("--rounds", type=_positive, default=3,
                     help="rounds of 256 streams per run (default %(default)s)")
-    ab.add_argument("--label", default="pair", help="names the report: pair-LABEL.md")
+    ab.add_argument("--label", default="pair", type=_label,
+                    help="names the report: pair-LABEL.md (letters, digits, . _ -)")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
 
@@ -207,6 +209,13 @@ def _checkout(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is not a checkout of this project "
                                          "(no launch/__main__.py)")
     return path
+
+
+def _label(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):
+        raise argparse.ArgumentTypeError("letters, digits, '.', '_' and '-', at most 64, "
+                                         "starting with a letter or digit")
+    return text
 
 
 def _rate(text: str) -> float:

@@ -499,11 +499,17 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
     assert "| kafka broker µs/token | 90.0 | 60.0 | 0.67x (0.50 - 0.75) |" in pair.table(summary)
 
 
-def test_a_pair_bench_whose_sides_are_the_same_says_so_and_runs_nothing() -> None:
-    done = subprocess.run([sys.executable, "-m", "launch", "bench", "pair"], timeout=120,
+@pytest.mark.parametrize(("argv", "code", "said"), [
+    (["pair"], 1, "the sides are the same"),
+    (["capacity", "--b-env", "WORKER_TRANSACTION_INTERVAL_MS=10"], 1,
+     "are for pipeline bench pair"),
+    (["pair", "--b-env", "WORKER_TRANSACTION_INTERVAL_MS"], 2, "expected NAME=VALUE"),
+    (["pair", "--b-env", "A=1", "--rate", "0"], 2, "above 0 and at most 1000"),
+    (["pair", "--b-env", "A=1", "--label", "../elsewhere"], 2, "letters, digits"),
+    (["pair", "--b-tree", "/"], 2, "not a checkout of this project"),
+])
+def test_a_pair_bench_given_what_it_cannot_run_says_why_and_runs_nothing(
+        argv: list[str], code: int, said: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "launch", "bench", *argv], timeout=120,
                           capture_output=True, text=True)
-    assert done.returncode == 1 and "the sides are the same" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "launch", "bench", "capacity", "--b-env",
-                           "WORKER_TRANSACTION_INTERVAL_MS=10"], timeout=120,
-                          capture_output=True, text=True)
-    assert done.returncode == 1 and "are for pipeline bench pair" in done.stderr
+    assert done.returncode == code and said in done.stderr, done.stderr
