@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from bench.stack import wait_projected
-from infra.process import StartupFailed, free_port, wait_http
+from infra.process import free_port, wait_http
 from pipeline.codec import decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
 from pipeline.topics import GENERATIONS
@@ -157,10 +157,8 @@ def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: 
             procs.append(subprocess.Popen([*exe, *cmd], stdout=log, stderr=subprocess.STDOUT,
                                           env=env, cwd=tree, start_new_session=True))
     try:
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120)
-        except StartupFailed as exc:
-            raise StartupFailed(f"{exc} (the stack's logs: {log_dir}/capacity-*.log)") from None
+        wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120,
+                  logs=f"the stack's logs, {log_dir}/capacity-*.log")
         wait_projected(bootstrap)
         yield f"http://127.0.0.1:{port}", {"projector": procs[0].pid, "worker": procs[1].pid,
                                            "gateway": procs[2].pid}

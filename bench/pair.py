@@ -23,7 +23,8 @@ from typing import Any
 from bench.capacity import COMPONENTS, delta_latency, total_per_token
 
 STREAMS = 256
-FIGURES = (*COMPONENTS, "total", "load generator")
+# µs per token, then ms.
+FIGURES = (*COMPONENTS, "total", "load generator", "p50 ms", "p99 ms", "hop p99 ms")
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         by_pair.setdefault(run["pair"], {})[run["side"]] = run["figures"]
     whole = [p for p in by_pair.values() if {"A", "B"} <= set(p)]
     out = {}
-    for name in (*FIGURES, "p50 ms", "p99 ms", "hop p99 ms"):
+    for name in FIGURES:
         ratios = [p["B"][name] / p["A"][name] for p in whole if p["A"][name]]
         out[name] = {
             "A": statistics.median(p["A"][name] for p in whole) if whole else float("nan"),

@@ -79,16 +79,18 @@ class StartupFailed(RuntimeError):
     """A process started for a command exited, or never answered, during its start-up."""
 
 
-def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """Until ``url`` answers 200; fail at once if one of ``procs`` exits meanwhile."""
+def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
+              logs: str = "its log") -> None:
+    """Until ``url`` answers 200; fail at once if one of ``procs`` exits meanwhile
+    (``logs``: where the failure names their output to be)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         exited = next((p for p in procs if p.poll() is not None), None)
         if exited is not None:
-            command = " ".join(map(str, exited.args if isinstance(exited.args, list)
-                                   else [exited.args]))
+            args = exited.args
+            command = " ".join(map(str, args)) if isinstance(args, list) else str(args)
             raise StartupFailed(f"`{command}` exited with code {exited.returncode} during "
-                                "start-up; see its log")
+                                f"start-up; see {logs}")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:

@@ -18,7 +18,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool) -> int:
-    from infra.process import wait_http
+    from infra.process import StartupFailed, wait_http
 
     # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited ignored.
     signal.signal(signal.SIGINT, _interrupt)
@@ -33,7 +33,7 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     try:
         try:
             wait_http(f"{base}/health", list(procs.values()), timeout=120)
-        except RuntimeError as exc:
+        except StartupFailed as exc:
             raise SystemExit(str(exc)) from None
         print(_demo_banner(base, gateway.models[0],
                            _keys_exist(common.database_url)), flush=True)
