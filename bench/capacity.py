@@ -133,9 +133,11 @@ def _rss_mb(pid: int) -> float:
 
 @contextlib.contextmanager
 def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: int = 8192,
-           gateways: int = 1, tree: Path | None = None) -> Iterator[tuple[str, dict[str, int]]]:
+           gateways: int = 1, tree: Path | None = None
+           ) -> Iterator[tuple[str, dict[str, int], str]]:
     """A simulated worker, a projector and a gateway (``gateways`` processes on its port,
-    ``pipeline gateway --workers``); yields the URL and their pids, once the projector has
+    ``pipeline gateway --workers``); yields the URL, their pids and the worker's metrics
+    URL, once the projector has
     caught up with whatever earlier runs left in the log. ``env``: settings added to the
     three's environment; ``tree``: a checkout whose code they run (this one's by default),
     for comparing two versions of the code."""
@@ -160,8 +162,9 @@ def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: 
         wait_http(f"http://127.0.0.1:{port}/health", procs, timeout=120,
                   logs=f"the stack's logs, {log_dir}/capacity-*.log")
         wait_projected(bootstrap)
-        yield f"http://127.0.0.1:{port}", {"projector": procs[0].pid, "worker": procs[1].pid,
-                                           "gateway": procs[2].pid}
+        yield (f"http://127.0.0.1:{port}", {"projector": procs[0].pid, "worker": procs[1].pid,
+                                            "gateway": procs[2].pid},
+               f"http://127.0.0.1:{worker_metrics}/metrics")
         # Turns whose clients left (the held streams) are stopped by the worker: stopped
         # before it is, they would be left open in the log for the next run's worker to
         # read back to and end.
@@ -183,11 +186,15 @@ def _sample(metrics: str, name: str) -> float:
                  if line.startswith(f"{name} ")), 0.0)
 
 
+def _scrape(metrics_url: str, name: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return _sample(resp.read().decode(), name)
+
+
 def _wait_idle(metrics_url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-            running = _sample(resp.read().decode(), "worker_running_sequences")
+        running = _scrape(metrics_url, "worker_running_sequences")
         if not running:
             return
         time.sleep(0.5)
@@ -269,14 +276,16 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
     stream_s = max_tokens / tokens_per_s
     spawn = multiprocessing.get_context("spawn")
     with _stack(bootstrap, log_dir, {**(env or {}), "WORKER_SIM_TOKENS_PER_S": str(tokens_per_s)},
-                tree=tree) as (url, pids), \
+                tree=tree) as (url, pids, worker_metrics), \
             concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as side:
         probe = side.submit(os.getpid).result()  # started before the load
         roots = {**pids, "bench probe": probe}
         snapshots: dict[bool, tuple[dict[str, dict[int, float]], tuple[int, int]]] = {}
+        transactions: dict[bool, float] = {}
 
         def measured(starting: bool) -> None:  # the window every CPU figure covers
             snapshots[starting] = _cpu_snapshot(roots), _machine_busy()
+            transactions[starting] = _scrape(worker_metrics, "worker_transactions")
 
         hop = side.submit(_kafka_hop, bootstrap, stream_s * (rounds + 2))
         requests, seconds, client_cpu = asyncio.run(
@@ -300,6 +309,8 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
             "offered_tokens_per_s": streams * tokens_per_s, "deltas": len(latencies),
             "seconds": seconds, "failures": sum(r.error is not None for r in requests),
             "deltas_per_s": len(latencies) / seconds,
+            # The worker's Kafka transactions: each has a fixed cost on the broker.
+            "transactions_per_s": (transactions[False] - transactions[True]) / seconds,
             "ms": {f"p{q}": percentile(latencies, q) for q in (50, 90, 99)} | {
                 "max": max(latencies, default=float("nan"))},
             "kafka_hop_ms": {f"p{q}": percentile(hop_ms, q) for q in (50, 90, 99)},
@@ -315,7 +326,7 @@ def throughput(bootstrap: str, log_dir: Path, streams: int, rounds: int,
     """Streams fast enough to saturate the machine through ``gateways`` gateway processes
     on one port: the tokens/s their clients get, and the gateways' CPU."""
     with _stack(bootstrap, log_dir, {"WORKER_SIM_TOKENS_PER_S": "1000", "WORKER_SIM_TTFT_MS": "0"},
-                gateways=gateways) as (url, pids):
+                gateways=gateways) as (url, pids, _):
         roots = {"gateway": pids["gateway"]}
         before = _cpu_snapshot(roots)
         requests, seconds, client_cpu = asyncio.run(_load(url, streams, rounds, 1000, False))
@@ -382,7 +393,7 @@ def open_streams(bootstrap: str, log_dir: Path, streams: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per stream, twice
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * streams + 1024)), hard))
     with _stack(bootstrap, log_dir, {"WORKER_SIM_TOKENS_PER_S": "0.2", "WORKER_SIM_TTFT_MS": "0"},
-                max_num_seqs=max(streams, 8192)) as (url, pids):
+                max_num_seqs=max(streams, 8192)) as (url, pids, _):
         return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 

@@ -24,7 +24,8 @@ from bench.capacity import COMPONENTS, delta_latency, total_per_token
 
 STREAMS = 256
 # µs per token, then ms.
-FIGURES = (*COMPONENTS, "total", "load generator", "p50 ms", "p99 ms", "hop p99 ms")
+FIGURES = (*COMPONENTS, "total", "load generator", "p50 ms", "p99 ms", "hop p99 ms",
+           "transactions/s")
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,14 @@ def order(pairs: int) -> list[str]:
 
 
 def figures(point: dict[str, Any]) -> dict[str, float]:
-    """One run's figures: µs per token for each component and the total, latency in ms."""
+    """One run's figures: µs per token for each component and the total, latency in ms,
+    and the worker's transactions per second."""
     per = point["cpu_us_per_token"]
     return {**{name: per.get(name, 0.0) for name in COMPONENTS},
             "total": total_per_token(point), "load generator": per.get("load generator", 0.0),
             "p50 ms": point["ms"]["p50"], "p99 ms": point["ms"]["p99"],
-            "hop p99 ms": point["kafka_hop_ms"]["p99"]}
+            "hop p99 ms": point["kafka_hop_ms"]["p99"],
+            "transactions/s": point["transactions_per_s"]}
 
 
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -88,7 +91,7 @@ def table(summary: dict[str, dict[str, float]]) -> str:
     out = ["| figure | A (median) | B (median) | B / A, median of pairs (least - most) |",
            "|---|---|---|---|"]
     for name, row in summary.items():
-        unit = "" if name.endswith("ms") else " µs/token"
+        unit = "" if name.endswith(("ms", "/s")) else " µs/token"
         out.append(f"| {name}{unit} | {row['A']:,.1f} | {row['B']:,.1f} | "
                    f"{row['ratio']:.2f}x ({row['least']:.2f} - {row['most']:.2f}) |")
     return "\n".join(out)
