@@ -255,6 +255,27 @@ def test_simulated_engine_keeps_its_pace_when_the_reader_runs_late() -> None:
     assert elapsed < 0.26
 
 
+def test_simulated_engine_steps_every_sequence_together_as_a_gpu_batch_does() -> None:
+    """Sequences started at different moments get their tokens at the same steps, so
+    the reader wakes once per step, not once per token."""
+    engine = SimEngine(ttft_ms=5, tokens_per_s=50)  # a step every 20 ms
+
+    async def times(request_id: str, after_s: float) -> list[float]:
+        await asyncio.sleep(after_s)
+        request = EngineRequest(request_id, (ChatMessage(role="user", content="hi"),),
+                                SamplingParams(max_tokens=4))
+        return [asyncio.get_running_loop().time() async for _ in engine.generate(request)]
+
+    async def both() -> list[list[float]]:
+        return list(await asyncio.gather(times("r1", 0.0), times("r2", 0.007)))
+
+    first, second = asyncio.run(both())
+    # A clock per sequence would give r2 each token 7 ms after r1's; one clock gives
+    # them together (r2's first token may come a step later than r1's).
+    together = [t for t in second if any(abs(t - u) < 0.002 for u in first)]
+    assert len(together) >= 3, (first, second)
+
+
 def test_session_priority_changes_only_a_session_of_its_own() -> None:
     own = subprocess.Popen(["sleep", "30"], start_new_session=True)
     shared = subprocess.Popen(["sleep", "30"])  # in this session: left alone

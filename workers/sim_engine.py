@@ -9,16 +9,22 @@ worker) makes the engine die, as a GPU fault would, for fault tests. Its default
 resemble a GPU serving a small model: 50 ms to first token, 50 tokens/s per
 sequence, 256 sequences.
 
-Token times are fixed when a sequence starts running (its first token ``ttft_ms``
-later, then one per step), as a GPU's steps do not wait for the process reading
-their outputs: a worker whose event loop runs late receives the tokens due
-meanwhile at once, and the sequence still ends on time. (Sleeping a step after
-each token instead would charge every delay in the reader's loop to the engine.)
+The sequences share one step clock, as the sequences of a GPU's batch do: every
+``1 / tokens_per_s`` seconds, each running sequence gets its next token, all at once
+(a sequence's first token comes at the first step ``ttft_ms`` after it starts). vLLM
+hands the worker a step's outputs together in the same way. (A clock per sequence
+would wake the worker once per token instead of once per step, and charge it for
+wake-ups no batched engine causes.) Token times are fixed when a sequence starts
+running, as a GPU's steps do not wait for the process reading their outputs: a
+worker whose event loop runs late receives the tokens due meanwhile at once, and the
+sequence still ends on time. (Sleeping a step after each token instead would charge
+every delay in the reader's loop to the engine.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
@@ -75,8 +81,8 @@ class SimEngine:
             async with self._slots:
                 self._running.add(request.request_id)
                 loop = asyncio.get_running_loop()
-                due = loop.time() + self._ttft
-                await asyncio.sleep(self._ttft)
+                due = math.ceil((loop.time() + self._ttft) / self._step) * self._step
+                await asyncio.sleep(max(due - loop.time(), 0.0))
                 for index in range(start, wanted):
                     if self._dead:
                         raise EngineDead("simulated engine crashed")
