@@ -314,6 +314,13 @@ class TransactionalProducer:
     again: if that transaction was a commit whose answer was lost, which had happened,
     the log holds a copy, which every reader drops.
 
+    Transactions are spaced ``interval_ms`` apart at least (counted from one's begin to
+    the next's), so that more records share each one's fixed cost. A sender that
+    ``gathers`` also says, with ``gathered``, when what it has to write for now is all
+    queued (a worker: an engine step's deltas); a transaction then waits for that, though
+    never past ``interval_ms`` after its first record was queued, rather than taking part
+    of a step and leaving the rest a whole interval for the next.
+
     Records carry the ``epoch`` they were queued in: ``new_epoch`` (on revocation or
     fencing) drops every record of older epochs, so nothing written for turns this
     process gave up can reach the log after it gave them up.
@@ -334,6 +341,7 @@ class TransactionalProducer:
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
         on_fenced: Callable[[], None] = lambda: None, timeout_ms: int = 10_000,
         own_id: bool = True, interval_ms: float = 0.0, max_queued: int = 20_000,
+        gathers: bool = False,
     ) -> None:
         self._config = {
             "bootstrap.servers": bootstrap,
@@ -373,6 +381,9 @@ class TransactionalProducer:
         # more records share its fixed cost (its round trips and markers) on the broker.
         self._interval_s = interval_ms / 1000
         self._last_began = 0.0
+        self._gathers = gathers  # see the class
+        self._gathered = False
+        self._first_queued = 0.0  # when the oldest queued record was queued (monotonic)
         self._generation = 0  # bumped when a stuck transaction thread is abandoned
         # Records queued past this bound make ``room()`` wait until a transaction takes them.
         self._max_queued = max_queued
@@ -427,7 +438,25 @@ class TransactionalProducer:
                 _settle(item, Fenced("written for turns this worker gave up"))
                 return
             self._queue.append(item)
-            self._cond.notify_all()
+            if len(self._queue) == 1:  # the transaction thread waits for a first record
+                self._first_queued = time.monotonic()
+                self._cond.notify_all()
+
+    def gathered(self) -> None:
+        """What the sender has to write for now is queued (see ``gathers``)."""
+        with self._cond:
+            if self._queue and not self._gathered:
+                self._gathered = True
+                self._cond.notify_all()
+
+    def _may_begin(self, now: float) -> float:
+        """(Holding the lock.) 0 if a transaction may begin now, else how long to wait."""
+        wait = self._last_began + self._interval_s - now
+        if wait > 0:
+            return wait
+        if not self._gathers or self._gathered or not self._queue:
+            return 0.0
+        return max(self._first_queued + self._interval_s - now, 0.0)
 
     @property
     def backlogged(self) -> bool:
@@ -472,7 +501,7 @@ class TransactionalProducer:
         """Drop every record not yet in a transaction; later ones need the new epoch."""
         with self._cond:
             self._epoch += 1
-            dropped, self._queue = self._queue, []
+            dropped, self._queue, self._gathered = self._queue, [], False
             self._emptied()
         for item in dropped:
             _settle(item, Fenced("written for turns this worker gave up"))
@@ -495,10 +524,9 @@ class TransactionalProducer:
             with self._cond:
                 while not self._queue and not self._commit_wanted and not self._stop:
                     self._cond.wait()
-            wait = self._last_began + self._interval_s - time.monotonic()
-            if wait > 0 and not self._stop:
-                time.sleep(wait)  # what is queued meanwhile joins this transaction
             with self._cond:
+                while not self._stop and (wait := self._may_begin(time.monotonic())):
+                    self._cond.wait(wait)  # what is queued meanwhile joins this transaction
                 if generation != self._generation:
                     return  # abandoned while registering: a newer thread runs
                 if not self._queue and not self._commit_wanted:
@@ -510,6 +538,7 @@ class TransactionalProducer:
                 batch = [q for q in self._queue if q.epoch == self._epoch and not q.late(now)]
                 late = [q for q in self._queue if q.late(now)]
                 self._queue, self._busy, self._commit_wanted = [], True, False
+                self._gathered = False
                 self._emptied()
             for item in stale:
                 _settle(item, Fenced("written for turns this worker gave up"))

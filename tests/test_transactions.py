@@ -105,6 +105,51 @@ def test_transactions_begin_no_closer_than_the_interval_and_lose_nothing(
         [f"r{i}".encode() for i in range(50)]
 
 
+def test_a_sender_that_gathers_gets_one_transaction_for_each_burst_it_says_is_in(
+        sim_stack: Stack) -> None:
+    """Bursts of records queued over some 60 ms each (a worker's turns emitting one
+    engine step), each followed by ``gathered``: one transaction per burst, where a
+    transaction begun on the first record would take part of it and leave the rest for
+    the next. A record never followed by ``gathered`` waits for it no longer than the
+    interval."""
+    sink = f"gathered.out.{uuid.uuid4().hex[:8]}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
+
+    async def scenario(gathers: bool) -> tuple[int, float]:
+        writer = TransactionalProducer(sim_stack.bootstrap, f"gathered-{uuid.uuid4().hex[:8]}",
+                                       interval_ms=500, gathers=gathers)
+        writer.start()
+        assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
+        sent = []
+        for burst in range(4):
+            for i in range(20):
+                sent.append(writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(),
+                                                             request_id=f"{gathers}-{burst}-{i}")))
+                await asyncio.sleep(0.003)
+            writer.gathered()
+            await asyncio.sleep(0.6)  # past the interval: the next burst may begin one
+        await asyncio.gather(*sent)
+        bursts = writer.transactions
+        started = time.monotonic()
+        await writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(),
+                                               request_id=f"{gathers}-alone"))
+        alone_s = time.monotonic() - started
+        await asyncio.to_thread(writer.close)
+        return bursts, alone_s
+
+    gathered, alone_s = asyncio.run(scenario(True))
+    ungathered, _ = asyncio.run(scenario(False))
+    assert gathered == 4, gathered
+    assert ungathered > 4  # each burst's first record begins a transaction of its own
+    assert 0.4 < alone_s < 5, alone_s  # held for the interval, then written
+    written = [v.split(b'"request_id":"')[1].split(b'"')[0]
+               for _, v, _ in read_records(sim_stack.bootstrap, sink)]
+    for gathers in (True, False):
+        assert [w for w in written if w.startswith(f"{gathers}-".encode())] == \
+            [f"{gathers}-{b}-{i}".encode() for b in range(4) for i in range(20)] + \
+            [f"{gathers}-alone".encode()]
+
+
 def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_come(
         sim_stack: Stack) -> None:
     """A worker's turns stop queueing tokens past ``max_queued`` records: a flood of

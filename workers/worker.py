@@ -211,6 +211,7 @@ class Worker:
         self.ledgers: dict[int, _Ledger] = {}
         self.writer: TransactionalProducer | None = None
         self.metrics = WorkerMetrics(registry, self)
+        self._gathering = False  # a call to ``_gather`` is scheduled
         self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
         self._quiet = QuietLog(log)
@@ -352,7 +353,7 @@ class Worker:
             self.bootstrap, self.transactional_id, self.tracker.positions,
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
             timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id,
-            interval_ms=self.transaction_interval_ms)
+            interval_ms=self.transaction_interval_ms, gathers=True)
         await asyncio.to_thread(self.writer.start)
         heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=self._on_assign,
@@ -621,6 +622,7 @@ class Worker:
             writer.send_nowait(GENERATIONS, TokenDelta(
                 **ids, attempt=attempt, seq=len(progress.parts), text=text,
                 token_ids=token_ids), epoch, key)
+            self._gather_soon()
             progress.parts.append(text)
             progress.token_ids.extend(token_ids)
 
@@ -682,13 +684,28 @@ class Worker:
                                      message=type(exc).__name__)
         await self._finish(prompt, tp, offset, final, epoch)
 
+    def _gather_soon(self) -> None:
+        """Tell the writer, once the turns this loop has ready have run, that what they
+        wrote is queued: an engine step's outputs wake its turns together, so the step's
+        deltas share one transaction (see ``TransactionalProducer``)."""
+        if not self._gathering:
+            self._gathering = True
+            asyncio.get_running_loop().call_soon(self._gather)
+
+    def _gather(self) -> None:
+        self._gathering = False
+        if self.writer is not None:
+            self.writer.gathered()
+
     async def _finish(self, prompt: PromptSubmitted, tp: TP, offset: int,
                       final: GenerationFinished | GenerationFailed, epoch: int) -> None:
         """Write the turn's terminal event; once it is committed, so is (in the next
         transaction) the prompt's offset."""
         assert self.writer is not None
         try:
-            await self.writer.send(GENERATIONS, final, epoch)
+            written = self.writer.send(GENERATIONS, final, epoch)
+            self._gather_soon()
+            await written
         except asyncio.CancelledError:
             self._forget(prompt.request_id)
             raise
