@@ -42,7 +42,7 @@ from pipeline.codec import decode
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
 from pipeline.topics import GENERATIONS
 from schemas import TokenDelta
-from workers.sim_engine import sim_token_text
+from workers.sim_engine import SIM_CLOCK, sim_token_text
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -404,6 +404,7 @@ def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
     # twice the broker CPU per token of the same point run again.
     delta_latency(bootstrap, log_dir, 256, 1, 20)
     return {
+        "sim_clock": SIM_CLOCK,
         "delta_latency": [delta_latency(bootstrap, log_dir, 256, 1 if quick else 4, rate)
                           for rate in rates],
         "throughput": [throughput(bootstrap, log_dir, 64 if quick else 128, 1 if quick else 3,
@@ -463,8 +464,12 @@ def tables(figures: dict[str, Any], before: dict[str, Any] | None = None) -> str
     if before:
         machine = ("the same machine" if before.get("machine") == figures.get("machine")
                    else before.get("machine", "another machine"))
+        then = before.get("sim_clock", "a clock per sequence")
+        engine = ("same engine" if then == figures.get("sim_clock") else
+                  f"the SIMULATED engine then had {then}, now {figures.get('sim_clock')}, so "
+                  "the ratios include that change")
         out += ["", f"Before ({before['measured_at']}, {before.get('code', 'earlier code')}; "
-                f"{machine}, same load and engine):", "", *_by_component(before, figures)]
+                f"{machine}, same load; {engine}):", "", *_by_component(before, figures)]
     out += ["", "| figure | value | load generator CPU | gateway CPU |", "|---|---|---|---|"]
     for thr in figures["throughput"]:
         processes = f"{thr['gateways']} gateway process{'es' * (thr['gateways'] > 1)}"

@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator
 from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
 
 SIM_VOCAB_BASE = 1000
+# How its token times are made, for benchmark reports that set runs side by side.
+SIM_CLOCK = "one step clock for all its sequences"
 
 
 def sim_token_text(index: int) -> str:
