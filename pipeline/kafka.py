@@ -309,10 +309,11 @@ class TransactionalProducer:
     commit whose answer was lost is asked again until the broker says; a transaction
     that failed for a passing reason is aborted and its records sent again (aborted
     records are never visible, so each is written once); one refused for ownership is
-    dropped (``Fenced``) and ``on_fenced`` is called. A producer fenced by its epoch (Kafka
-    4 bumps it when it ends a transaction itself) is replaced, and its records are sent
-    again: if that transaction was a commit whose answer was lost, which had happened,
-    the log holds a copy, which every reader drops.
+    dropped (``Fenced``) and ``on_fenced`` is called, with whether the group said a
+    rebalance is under way (one that will assign the partitions anew). A producer
+    fenced by its epoch (Kafka 4 bumps it when it ends a transaction itself) is
+    replaced, and its records are sent again: if that transaction was a commit whose
+    answer was lost, which had happened, the log holds a copy, which every reader drops.
 
     Transactions are spaced ``interval_ms`` apart at least (counted from one's begin to
     the next's), so that more records share each one's fixed cost. A sender that
@@ -339,7 +340,7 @@ class TransactionalProducer:
         self, bootstrap: str, transactional_id: str,
         offsets: Callable[[], dict[TP, int]] | None = None, *,
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
-        on_fenced: Callable[[], None] = lambda: None, timeout_ms: int = 10_000,
+        on_fenced: Callable[[bool], None] = lambda _rebalancing: None, timeout_ms: int = 10_000,
         own_id: bool = True, interval_ms: float = 0.0, max_queued: int = 20_000,
         gathers: bool = False,
     ) -> None:
@@ -735,7 +736,7 @@ class TransactionalProducer:
                 log.warning("transaction refused, this worker no longer owns its partitions: "
                             "%s", err)
                 self.new_epoch()
-                self._on_fenced()
+                self._on_fenced(code == KafkaError.REBALANCE_IN_PROGRESS)
             return False  # (else: records of turns already given up at a revocation)
         self._quiet.warning("transaction aborted, sending its %d records again: %s",
                             len(batch), err)
@@ -810,6 +811,8 @@ class AsyncConsumer:
         }
         config.update(extra)
         self._consumer = Consumer(config)
+        # What ``subscribe`` was given, for ``rejoin_sync``.
+        self._subscription: tuple[list[str], Callable[..., None], Callable[..., None]] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"kafka-consumer-{group_id}"
         )
@@ -841,6 +844,16 @@ class AsyncConsumer:
             if on_revoke is not None:
                 on_revoke([(p.topic, p.partition) for p in parts])
 
+        self._subscription = (topics, assigned, revoked)
+        self._consumer.subscribe(topics, on_assign=assigned, on_revoke=revoked)
+
+    def rejoin_sync(self) -> None:
+        """Leave the group and join it again, with the same topics and callbacks: the
+        assignment is revoked and made anew (callbacks run in the polls that follow),
+        whether or not the group had moved on without this member."""
+        assert self._subscription is not None, "rejoin_sync before subscribe"
+        topics, assigned, revoked = self._subscription
+        self._consumer.unsubscribe()
         self._consumer.subscribe(topics, on_assign=assigned, on_revoke=revoked)
 
     # The methods below run on the consumer thread (from callbacks, or via ``call``).

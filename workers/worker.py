@@ -214,6 +214,7 @@ class Worker:
         self._gathering = False  # a call to ``_gather`` is scheduled
         self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
+        self._rejoin = False  # a refusal that no rebalance answers: leave and rejoin
         self._quiet = QuietLog(log)
         self._progress: dict[TP, tuple[int | None, float]] = {}  # position, since when
         self._fatal: BaseException | None = None
@@ -333,9 +334,10 @@ class Worker:
         if flights:
             log.info("handed %d unfinished turns to the next owner", len(flights))
 
-    def _on_fenced(self) -> None:
+    def _on_fenced(self, rebalancing: bool) -> None:
         """The broker refused a transaction (called on the writer's thread)."""
         self.metrics.fenced.inc()
+        self._rejoin = self._rejoin or not rebalancing
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._fenced.set)
 
@@ -364,8 +366,19 @@ class Worker:
         try:
             while not stop.is_set() and self._fatal is None:
                 if self._fenced.is_set():
+                    # The group refused a transaction: this worker may have lost its
+                    # partitions, so it drops its turns, and only a takeover's scan
+                    # starts them again. A rebalance under way brings one; a refused
+                    # generation need not (a coordinator back from a pause refused one
+                    # the group still had): then rejoin, so an assignment comes to this
+                    # worker or to another. (Rejoining on every refusal would refuse the
+                    # other workers' transactions with a rebalance, and they would
+                    # rejoin in turn.)
                     self._fenced.clear()
+                    rejoin, self._rejoin = self._rejoin, False
                     await self._abandon(list(self.ledgers))
+                    if rejoin:
+                        await consumer.call(consumer.rejoin_sync)
                 full = len(self.in_flight) + len(self.waiting) >= self.capacity
                 # A new assignment may hold partitions paused before a rebalance, or
                 # none paused while the engine is full: set the state anew each time.
