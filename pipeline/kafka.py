@@ -658,8 +658,14 @@ class TransactionalProducer:
                 self._committing = True
             self._commit()
         except KafkaException as exc:
-            if generation != self._generation:
-                return False
+            with self._cond:
+                if generation != self._generation:
+                    return False
+                # The call returned: this thread is not stuck and handles the failure
+                # itself, so the watchdog leaves it be. (A watchdog that replaced the
+                # producer as the call returned left two threads renewing it, each
+                # fencing the other's; seen once in CI, a worker's turns then stalled.)
+                self._began = None
             return self._failed(exc.args[0], batch)
         finally:
             with self._cond:
