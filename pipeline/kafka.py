@@ -309,8 +309,8 @@ class TransactionalProducer:
     commit whose answer was lost is asked again until the broker says; a transaction
     that failed for a passing reason is aborted and its records sent again (aborted
     records are never visible, so each is written once); one refused for ownership is
-    dropped (``Fenced``) and ``on_fenced`` is called, with whether the group said a
-    rebalance is under way (one that will assign the partitions anew). A producer
+    dropped (``Fenced``) and ``on_fenced`` is called, with whether an assignment answers
+    the refusal: one under way, or one made since that transaction's. A producer
     fenced by its epoch (Kafka 4 bumps it when it ends a transaction itself) is
     replaced, and its records are sent again: if that transaction was a commit whose
     answer was lost, which had happened, the log holds a copy, which every reader drops.
@@ -340,7 +340,7 @@ class TransactionalProducer:
         self, bootstrap: str, transactional_id: str,
         offsets: Callable[[], dict[TP, int]] | None = None, *,
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
-        on_fenced: Callable[[bool], None] = lambda _rebalancing: None, timeout_ms: int = 10_000,
+        on_fenced: Callable[[bool], None] = lambda _answered: None, timeout_ms: int = 10_000,
         own_id: bool = True, interval_ms: float = 0.0, max_queued: int = 20_000,
         gathers: bool = False,
     ) -> None:
@@ -635,6 +635,7 @@ class TransactionalProducer:
         with self._cond:
             self._current, self._committing, self._doomed = batch, False, False
             self._began = self._last_began = time.monotonic()
+        group = self._group  # the assignment this transaction shows the broker
         try:
             p.begin_transaction()
             for item in batch:
@@ -643,12 +644,12 @@ class TransactionalProducer:
                 raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "records not delivered"))
             if self._offsets is not None:
                 offsets = self._offsets()
-                if not offsets or self._group is None:
+                if not offsets or group is None:
                     raise KafkaException(KafkaError(KafkaError._STATE,
                                                     "no partition to fence with"))
                 p.send_offsets_to_transaction(
                     [TopicPartition(t, part, o) for (t, part), o in offsets.items()],
-                    self._group, self._step_s)
+                    group, self._step_s)
             with self._cond:
                 if generation != self._generation:
                     return False  # abandoned: never commit on a replaced producer
@@ -666,7 +667,7 @@ class TransactionalProducer:
                 # producer as the call returned left two threads renewing it, each
                 # fencing the other's; seen once in CI, a worker's turns then stalled.)
                 self._began = None
-            return self._failed(exc.args[0], batch)
+            return self._failed(exc.args[0], batch, group)
         finally:
             with self._cond:
                 if generation == self._generation:
@@ -712,9 +713,10 @@ class TransactionalProducer:
             except BufferError:  # the local queue is full: let deliveries drain it
                 self._producer.poll(0.01)
 
-    def _failed(self, err: KafkaError, batch: list[_Queued]) -> bool:
-        """Handle a failed transaction; True if its records must be sent again. Its records
-        are never visible (aborted), so sending them again writes each exactly once."""
+    def _failed(self, err: KafkaError, batch: list[_Queued], group: Any) -> bool:
+        """Handle a failed transaction (``group``: the metadata it showed the broker); True
+        if its records must be sent again. Its records are never visible (aborted), so
+        sending them again writes each exactly once."""
         code = err.code()
         if code in _PRODUCER_FENCING and not self._own_id:
             # A shared, stable transactional id: a newer process took it over.
@@ -742,7 +744,10 @@ class TransactionalProducer:
                 log.warning("transaction refused, this worker no longer owns its partitions: "
                             "%s", err)
                 self.new_epoch()
-                self._on_fenced(code == KafkaError.REBALANCE_IN_PROGRESS)
+                # Answered by an assignment: one under way (a rebalance, or no partitions
+                # held), or one made since this transaction's.
+                self._on_fenced(code in (KafkaError.REBALANCE_IN_PROGRESS, KafkaError._STATE)
+                                or group is not self._group)
             return False  # (else: records of turns already given up at a revocation)
         self._quiet.warning("transaction aborted, sending its %d records again: %s",
                             len(batch), err)

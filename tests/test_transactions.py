@@ -27,7 +27,7 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
     async def scenario() -> tuple[list[str], int]:
         fenced_calls = 0
 
-        def on_fenced(_rebalancing: bool) -> None:
+        def on_fenced(_answered: bool) -> None:
             nonlocal fenced_calls
             fenced_calls += 1
 

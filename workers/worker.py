@@ -334,10 +334,11 @@ class Worker:
         if flights:
             log.info("handed %d unfinished turns to the next owner", len(flights))
 
-    def _on_fenced(self, rebalancing: bool) -> None:
-        """The broker refused a transaction (called on the writer's thread)."""
+    def _on_fenced(self, answered: bool) -> None:
+        """The broker refused a transaction (called on the writer's thread); ``answered``:
+        an assignment under way, or made since, starts the dropped turns again."""
         self.metrics.fenced.inc()
-        self._rejoin = self._rejoin or not rebalancing
+        self._rejoin = self._rejoin or not answered
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._fenced.set)
 
@@ -368,12 +369,12 @@ class Worker:
                 if self._fenced.is_set():
                     # The group refused a transaction: this worker may have lost its
                     # partitions, so it drops its turns, and only a takeover's scan
-                    # starts them again. A rebalance under way brings one; a refused
-                    # generation need not (a coordinator back from a pause refused one
-                    # the group still had): then rejoin, so an assignment comes to this
-                    # worker or to another. (Rejoining on every refusal would refuse the
-                    # other workers' transactions with a rebalance, and they would
-                    # rejoin in turn.)
+                    # starts them again. An assignment under way or made since brings
+                    # one; a refusal of the current one need not (a coordinator back
+                    # from a pause refused a generation the group still had): then
+                    # rejoin, so an assignment comes to this worker or to another.
+                    # (Rejoining on every refusal would refuse the other workers'
+                    # transactions with a rebalance, and they would rejoin in turn.)
                     self._fenced.clear()
                     rejoin, self._rejoin = self._rejoin, False
                     await self._abandon(list(self.ledgers))
