@@ -31,7 +31,7 @@ from gateway.errors import (
     problem_handler,
     unexpected_error_handler,
 )
-from gateway.eventstream import Streams
+from gateway.eventstream import ServerSend, Streams
 from gateway.fleet import Fleet
 from gateway.http import Resources, resources
 from gateway.metrics import GatewayMetrics
@@ -193,7 +193,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
     ]
     if not settings.metrics_port:
         routes.append(Route("/metrics", metrics, methods=["GET"]))
-    app = Starlette(
+    app = ServerSend(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={

@@ -9,10 +9,15 @@ import uuid
 from collections.abc import AsyncGenerator
 
 import pytest
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.cursor import Cursor
 from gateway.errors import api_error
-from gateway.eventstream import Streams
+from gateway.eventstream import ServerSend, Streams
 from gateway.problems import InvalidLastEventId
 from gateway.tail import Delivered, Overflow, Subscription
 from pipeline.codec import Position
@@ -240,3 +245,51 @@ def test_an_event_stream_answers_head_with_its_headers_only() -> None:
     sent, seen = _asgi_stream(5, None, None, method="HEAD")
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[1]["body"] == b"" and seen == []  # never started
+
+
+def test_an_event_streams_body_skips_the_middleware_which_still_sees_its_start() -> None:
+    """Under ``ServerSend`` a stream's start passes every middleware (headers they add
+    arrive) and its body goes to the server's own send, whole and in order."""
+    seen_by_middleware: list[str] = []
+    server: list[Message] = []
+    streams = Streams(send_timeout_s=5)
+
+    class Tagging:
+        def __init__(self, app: ASGIApp) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            async def tagging_send(message: Message) -> None:
+                seen_by_middleware.append(message["type"])
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message["headers"], (b"x-tag", b"1")]
+                await send(message)
+
+            await self.app(scope, receive, tagging_send)
+
+    async def messages() -> AsyncGenerator[bytes, None]:
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+
+    async def endpoint(request: Request) -> Response:
+        return streams.response(messages(), {})
+
+    app = ServerSend(routes=[Route("/s", endpoint, methods=["GET"])],
+                     middleware=[Middleware(Tagging)])
+
+    async def send(message: Message) -> None:
+        server.append(message)
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "GET", "path": "/s", "root_path": "", "headers": [],
+             "query_string": b"", "scheme": "http", "server": ("testserver", 80)}
+    asyncio.run(app(scope, receive, send))
+
+    assert seen_by_middleware == ["http.response.start"]
+    assert (b"x-tag", b"1") in server[0]["headers"]
+    assert [m["body"] for m in server[1:]] == [b"data: 0\n\n", b"data: 1\n\n",
+                                                b"data: 2\n\n", b""]
+    assert server[-1]["more_body"] is False
