@@ -281,11 +281,12 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
         probe = side.submit(os.getpid).result()  # started before the load
         roots = {**pids, "bench probe": probe}
         snapshots: dict[bool, tuple[dict[str, dict[int, float]], tuple[int, int]]] = {}
-        transactions: dict[bool, float] = {}
+        transactions: dict[bool, tuple[float, float]] = {}
 
         def measured(starting: bool) -> None:  # the window every CPU figure covers
             snapshots[starting] = _cpu_snapshot(roots), _machine_busy()
-            transactions[starting] = _scrape(worker_metrics, "worker_transactions")
+            transactions[starting] = (_scrape(worker_metrics, "worker_transactions"),
+                                      _scrape(f"{url}/metrics", "gateway_prompt_transactions"))
 
         hop = side.submit(_kafka_hop, bootstrap, stream_s * (rounds + 2))
         requests, seconds, client_cpu = asyncio.run(
@@ -309,8 +310,14 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
             "offered_tokens_per_s": streams * tokens_per_s, "deltas": len(latencies),
             "seconds": seconds, "failures": sum(r.error is not None for r in requests),
             "deltas_per_s": len(latencies) / seconds,
-            # The worker's Kafka transactions: each has a fixed cost on the broker.
-            "transactions_per_s": (transactions[False] - transactions[True]) / seconds,
+            # The worker's and the gateway's Kafka transactions: each has a fixed cost on
+            # the broker.
+            "transactions_per_s": (transactions[False][0] - transactions[True][0]) / seconds,
+            "gateway_transactions_per_s":
+                (transactions[False][1] - transactions[True][1]) / seconds,
+            # From a request sent to its first content (the SIMULATED engine's TTFT is in it).
+            "ttft_ms": {f"p{q}": percentile([r.ttft * 1000 for r in requests
+                                             if r.ttft is not None], q) for q in (50, 99)},
             "ms": {f"p{q}": percentile(latencies, q) for q in (50, 90, 99)} | {
                 "max": max(latencies, default=float("nan"))},
             "kafka_hop_ms": {f"p{q}": percentile(hop_ms, q) for q in (50, 90, 99)},
@@ -447,8 +454,8 @@ def tables(figures: dict[str, Any], before: dict[str, Any] | None = None) -> str
     out = ["| streams x tokens/s each | deltas/s delivered | worker -> SSE client p50 / p90 "
            "/ p99 / max (ms) | of which worker -> Kafka consumer p50 / p90 / p99 (ms) | "
            "machine CPU (2 = all cores) | gateway CPU | load generator CPU | replies with "
-           "every token once, in order |",
-           "|---|---|---|---|---|---|---|---|"]
+           "every token once, in order | Kafka transactions/s, worker / gateway |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for lat in figures["delta_latency"]:
         ms, hop = lat["ms"], lat["kafka_hop_ms"]
         out.append(f"| {lat['streams']} x {lat['tokens_per_s_per_stream']:g} | "
@@ -457,7 +464,9 @@ def tables(figures: dict[str, Any], before: dict[str, Any] | None = None) -> str
                    f"{hop['p90']:.1f} / {hop['p99']:.1f} | "
                    f"{lat['machine_cpu'] * (os.cpu_count() or 1):.2f} | "
                    f"{lat['gateway_cpu']:.0%} | {lat['client_cpu']:.0%} | "
-                   f"{lat.get('intact', 0):,} of {lat.get('replies', 0):,} |")
+                   f"{lat.get('intact', 0):,} of {lat.get('replies', 0):,} | "
+                   f"{lat.get('transactions_per_s', 0):.0f} / "
+                   f"{lat.get('gateway_transactions_per_s', 0):.0f} |")
     out += ["", "CPU per delivered token, by component (µs; each process's user + system time "
             "from /proc over the measured window, divided by the tokens the clients got):", "",
             *_by_component(figures)]

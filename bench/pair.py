@@ -25,7 +25,7 @@ from bench.capacity import COMPONENTS, delta_latency, total_per_token
 STREAMS = 256
 # µs per token, then ms.
 FIGURES = (*COMPONENTS, "total", "load generator", "p50 ms", "p99 ms", "hop p99 ms",
-           "transactions/s")
+           "transactions/s", "gateway transactions/s", "ttft p50 ms")
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,15 @@ def order(pairs: int) -> list[str]:
 
 def figures(point: dict[str, Any]) -> dict[str, float]:
     """One run's figures: µs per token for each component and the total, latency in ms,
-    and the worker's transactions per second."""
+    the worker's and the gateway's transactions per second, and the clients' TTFT."""
     per = point["cpu_us_per_token"]
     return {**{name: per.get(name, 0.0) for name in COMPONENTS},
             "total": total_per_token(point), "load generator": per.get("load generator", 0.0),
             "p50 ms": point["ms"]["p50"], "p99 ms": point["ms"]["p99"],
             "hop p99 ms": point["kafka_hop_ms"]["p99"],
-            "transactions/s": point["transactions_per_s"]}
+            "transactions/s": point["transactions_per_s"],
+            "gateway transactions/s": point.get("gateway_transactions_per_s", 0.0),
+            "ttft p50 ms": point.get("ttft_ms", {}).get("p50", 0.0)}
 
 
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:

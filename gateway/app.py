@@ -106,7 +106,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
                                  timeout_ms=int(timeout_s * 1000))
         prompts = TransactionalProducer(
             common.kafka_bootstrap, f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
-            timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000))
+            timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
+            interval_ms=settings.transaction_interval_ms)
         prompts.start()
         meta = AsyncConsumer(common.kafka_bootstrap, f"gateway-meta-{label}")
         reader = AsyncConsumer(common.kafka_bootstrap, f"gateway-reader-{label}",
@@ -146,6 +147,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             health.start()
             gateway_metrics.backlog.set_function(lambda: fleet.backlog)
             gateway_metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
+            gateway_metrics.prompt_transactions.set_function(lambda: prompts.transactions)
             guard = Guard(pool, settings.require_auth, timeout_s=timeout_s)
             await _say_whether_keys_are_required(guard)
             chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,

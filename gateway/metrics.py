@@ -38,6 +38,10 @@ class GatewayMetrics:
         self.idempotent_replays = Counter("gateway_idempotent_replays",
                                           "Retried requests answered with their original turn",
                                           registry=registry)
+        self.prompt_transactions = Gauge(
+            "gateway_prompt_transactions",
+            "Kafka transactions committed with accepted prompts (each costs the broker "
+            "the same round trips however many prompts it holds)", registry=registry)
         self.tailed_partitions = Gauge("gateway_tailed_partitions",
                                        "Generation partitions this process reads",
                                        registry=registry)

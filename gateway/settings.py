@@ -28,6 +28,11 @@ class GatewaySettings(BaseSettings):
     # committed transaction by then is never written: the answer is 503, and the turn
     # never runs.
     accept_timeout_s: float = Field(default=10.0, gt=0)
+    # The least time between the starts of two of the prompt writer's transactions (0:
+    # back to back). Each transaction costs the broker the same round trips however few
+    # prompts it holds; a floor puts more prompts in each and adds up to that much to
+    # the time a turn waits to be accepted.
+    transaction_interval_ms: float = Field(default=0.0, ge=0, le=1000)
     # How long a request waits for its generation to finish, all told.
     generation_timeout_s: float = Field(default=300.0, gt=0)
     max_body_bytes: int = Field(default=1_000_000, ge=1024)

@@ -140,6 +140,10 @@ def test_metrics_and_health(pipeline: Pipeline) -> None:
     accepted = next(line for line in body.splitlines()
                     if line.startswith("gateway_turns_accepted_total"))
     assert float(accepted.split()[1]) >= 1
+    # Each accepted prompt was committed in one of the gateway's transactions, and
+    # prompts accepted together may share one.
+    gateway = scrape(f"{pipeline.url}/metrics")
+    assert 1 <= gateway["gateway_prompt_transactions"] <= gateway["gateway_turns_accepted_total"]
     worker = scrape(pipeline.worker_metrics)  # the vLLM worker's own
     assert worker["worker_generated_tokens_total"] > 0
     assert 'worker_model_info{model="tiny-random-llama"}' in worker

@@ -503,7 +503,8 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
         return {"cpu_us_per_token": {"kafka broker": broker, "gateway": gateway,
                                      "load generator": 50.0},
                 "ms": {"p50": p99 / 2, "p99": p99}, "kafka_hop_ms": {"p99": p99 / 3},
-                "transactions_per_s": broker / 2}
+                "transactions_per_s": broker / 2, "gateway_transactions_per_s": gateway / 2,
+                "ttft_ms": {"p50": p99 + 50}}
 
     # Side B halves the broker in the first pair, costs it a quarter less in the second
     # and a third less in the third; the gateway is the same on both sides.
@@ -520,6 +521,8 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
     assert summary["p99 ms"]["ratio"] == 1.0
     assert "| kafka broker µs/token | 90.0 | 60.0 | 0.67x (0.50 - 0.75) |" in pair.table(summary)
     assert "| transactions/s | 45.0 | 30.0 | 0.67x (0.50 - 0.75) |" in pair.table(summary)
+    assert "| gateway transactions/s | 35.0 | 35.0 | 1.00x (1.00 - 1.00) |" in pair.table(summary)
+    assert "| ttft p50 ms | 90.0 | 90.0 | 1.00x (1.00 - 1.00) |" in pair.table(summary)
 
 
 @pytest.mark.parametrize(("argv", "code", "said"), [
