@@ -38,7 +38,7 @@ from schemas import (
 )
 from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
 from tests.logread import end_offsets, read_events, read_records
-from tests.sse import resume_chat, scrape, stream_chat
+from tests.sse import Streamed, resume_chat, scrape, stream_chat
 from workers.sim_engine import sim_token_text
 
 pytestmark = pytest.mark.integration
@@ -367,6 +367,33 @@ def test_several_gateway_processes_share_one_port(gw: Gateways) -> None:
         for service in started:
             service.stop()
 
+
+
+def test_a_transaction_floor_lets_prompts_sent_apart_share_a_transaction(gw: Gateways) -> None:
+    """``GATEWAY_TRANSACTION_INTERVAL_MS``: ten prompts sent 50 ms apart, which back to
+    back would each get a transaction of their own, share the floor's (at most two), and
+    each is accepted and served whole."""
+    port = free_port()
+    spaced = start_gateway(gw.stack, "gateway-spaced", port,
+                           GATEWAY_TRANSACTION_INTERVAL_MS="1000")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [spaced], timeout=60)
+        # A new writer's first transaction finds its coordinator and partitions, which
+        # takes long enough for prompts queued meanwhile to share the next one anyway.
+        assert stream_chat(url, chat("warm", 1)).done
+        before = scrape(f"{url}/metrics")["gateway_prompt_transactions"]
+
+        def one(i: int) -> Streamed:
+            time.sleep(0.05 * i)
+            return stream_chat(url, chat(f"spaced {i}", 2))
+
+        with ThreadPoolExecutor(10) as pool:
+            done = list(pool.map(one, range(10)))
+        assert all(d.done and d.text == expected(2) for d in done), done
+        assert scrape(f"{url}/metrics")["gateway_prompt_transactions"] - before <= 2
+    finally:
+        spaced.stop()
 
 # -- sessions ---------------------------------------------------------------------
 def test_second_turn_sees_the_first_reply_while_the_projector_is_stopped(gw: Gateways) -> None:
