@@ -281,12 +281,16 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
         probe = side.submit(os.getpid).result()  # started before the load
         roots = {**pids, "bench probe": probe}
         snapshots: dict[bool, tuple[dict[str, dict[int, float]], tuple[int, int]]] = {}
-        transactions: dict[bool, tuple[float, float]] = {}
+        # The worker's and the gateway's Kafka transactions: each has a fixed cost on the
+        # broker. Counted at the window's start and end.
+        counters = {"transactions_per_s": (worker_metrics, "worker_transactions"),
+                    "gateway_transactions_per_s": (f"{url}/metrics",
+                                                   "gateway_prompt_transactions")}
+        transactions: dict[bool, dict[str, float]] = {}
 
         def measured(starting: bool) -> None:  # the window every CPU figure covers
             snapshots[starting] = _cpu_snapshot(roots), _machine_busy()
-            transactions[starting] = (_scrape(worker_metrics, "worker_transactions"),
-                                      _scrape(f"{url}/metrics", "gateway_prompt_transactions"))
+            transactions[starting] = {name: _scrape(*where) for name, where in counters.items()}
 
         hop = side.submit(_kafka_hop, bootstrap, stream_s * (rounds + 2))
         requests, seconds, client_cpu = asyncio.run(
@@ -310,11 +314,8 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
             "offered_tokens_per_s": streams * tokens_per_s, "deltas": len(latencies),
             "seconds": seconds, "failures": sum(r.error is not None for r in requests),
             "deltas_per_s": len(latencies) / seconds,
-            # The worker's and the gateway's Kafka transactions: each has a fixed cost on
-            # the broker.
-            "transactions_per_s": (transactions[False][0] - transactions[True][0]) / seconds,
-            "gateway_transactions_per_s":
-                (transactions[False][1] - transactions[True][1]) / seconds,
+            **{key: (transactions[False][key] - transactions[True][key]) / seconds
+               for key in counters},
             # From a request sent to its first content (the SIMULATED engine's TTFT is in it).
             "ttft_ms": {f"p{q}": percentile([r.ttft * 1000 for r in requests
                                              if r.ttft is not None], q) for q in (50, 99)},

@@ -66,8 +66,8 @@ def figures(point: dict[str, Any]) -> dict[str, float]:
             "p50 ms": point["ms"]["p50"], "p99 ms": point["ms"]["p99"],
             "hop p99 ms": point["kafka_hop_ms"]["p99"],
             "transactions/s": point["transactions_per_s"],
-            "gateway transactions/s": point.get("gateway_transactions_per_s", 0.0),
-            "ttft p50 ms": point.get("ttft_ms", {}).get("p50", 0.0)}
+            "gateway transactions/s": point["gateway_transactions_per_s"],
+            "ttft p50 ms": point["ttft_ms"]["p50"]}
 
 
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -368,7 +368,6 @@ def test_several_gateway_processes_share_one_port(gw: Gateways) -> None:
             service.stop()
 
 
-
 def test_a_transaction_floor_lets_prompts_sent_apart_share_a_transaction(gw: Gateways) -> None:
     """``GATEWAY_TRANSACTION_INTERVAL_MS``: ten prompts sent 50 ms apart, which back to
     back would each get a transaction of their own, share the floor's (at most two), and
@@ -394,6 +393,7 @@ def test_a_transaction_floor_lets_prompts_sent_apart_share_a_transaction(gw: Gat
         assert scrape(f"{url}/metrics")["gateway_prompt_transactions"] - before <= 2
     finally:
         spaced.stop()
+
 
 # -- sessions ---------------------------------------------------------------------
 def test_second_turn_sees_the_first_reply_while_the_projector_is_stopped(gw: Gateways) -> None:
