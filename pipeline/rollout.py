@@ -119,6 +119,8 @@ class RolloutBook:
             except ValidationError as exc:
                 log.warning("unreadable rollout record at offset %s: %s", msg.offset(), exc)
                 continue
+            if stale(self.latest.get(record.alias), record):
+                continue
             self.latest[record.alias] = record
             self.history.append(record)
         return dict(self.latest)
@@ -139,6 +141,15 @@ class RolloutBook:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def stale(known: Rollout | None, record: Rollout) -> bool:
+    """Whether ``record`` is a progress record of a rollout whose end ``known`` already
+    is. An end is final: a command watching the rollout may have written its progress
+    just as another ended it (``--abort``), and that record must not set it running
+    again (seen in CI: both watching commands then ran on, blind to the abort)."""
+    return (known is not None and known.id == record.id and not known.running
+            and record.running)
 
 
 def newer_rollout(history: list[Rollout], record: Rollout) -> Rollout | None:

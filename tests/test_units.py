@@ -29,7 +29,16 @@ from pipeline import sketch
 from pipeline.codec import DecodeError, Position, decode, encode
 from pipeline.kafka import Record
 from pipeline.metrics import LoopWatch, serve_metrics
-from pipeline.rollout import Figures, Health, HealthPolicy, Rollout, judge, newer_rollout, route
+from pipeline.rollout import (
+    Figures,
+    Health,
+    HealthPolicy,
+    Rollout,
+    judge,
+    newer_rollout,
+    route,
+    stale,
+)
 from pipeline.settings import CommonSettings
 from pipeline.usage import UsageError, UsageQuery
 from projections.projection import project
@@ -481,6 +490,18 @@ def test_of_two_rollouts_started_at_once_exactly_one_goes_on() -> None:
     older = record("old", 50.0, 50.0)
     assert newer_rollout([older, a], a) is None
     assert newer_rollout([older, a], older) == a
+
+
+def test_a_rollouts_end_stands_against_progress_written_after_it() -> None:
+    """A watching command's progress record, written just after an operator's abort,
+    does not set the rollout running again; a new rollout's records are not stale."""
+    running = Rollout(alias="chat", id="a", stable="v1", candidate="v2", share=0.5,
+                      started_at=100.0, updated_at=100.0)
+    ended = running.model_copy(update={"status": "rolled_back", "updated_at": 104.0})
+    progress = running.model_copy(update={"updated_at": 105.0})
+    assert stale(ended, progress)
+    assert not stale(running, progress) and not stale(running, ended) and not stale(None, running)
+    assert not stale(ended, progress.model_copy(update={"id": "b"}))
 
 
 def test_a_long_takeover_read_logs_how_far_it_has_come(caplog: pytest.LogCaptureFixture) -> None:
