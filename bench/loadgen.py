@@ -14,7 +14,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,36 @@ class Request:
     # Gaps between content chunks, as vLLM's benchmark client measures its ITL (only a
     # request made through that client has them).
     chunk_gaps: list[float] = field(default_factory=list)
+    # An SSE response's body as read, (time, bytes) per read, parsed after the run
+    # (``parse``); None for a request that was not an SSE stream.
+    reads: list[tuple[float, bytes]] | None = field(default=None, repr=False)
+    keep_ids: bool = False
+
+    def parse(self) -> None:
+        """Fill in the timings, tokens, ids and text from the SSE stream's reads (once)."""
+        if self.reads is None:
+            return
+        reads, self.reads = self.reads, None
+        for now, message in sse_messages(reads):
+            for raw in message.split(b"\n"):
+                if raw.startswith(b"data: "):
+                    self._data(raw, now)
+        if self.ended is None and self.error is None:
+            self.error = "no [DONE]"
+
+    def _data(self, raw: bytes, now: float) -> None:
+        if self.keep_ids and b'"event_id":"' in raw:
+            chunk = json.loads(raw[6:])
+            self.arrivals.append((chunk["event_id"], now))
+            self.text.extend(choice["delta"].get("content") or "" for choice in chunk["choices"])
+        if self.first is None and b'"content":"' in raw and b'"content":""' not in raw:
+            self.first = now
+        elif b'"usage":{' in raw and b'"choices":[]' in raw:
+            self.tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
+        elif raw.startswith(b"data: [DONE]"):
+            self.ended = now
+        elif b'"error":' in raw and b'"error":null' not in raw:
+            self.error = json.loads(raw[6:])["error"].get("code", "error")
 
     @property
     def ttft(self) -> float | None:
@@ -107,36 +137,37 @@ def chat_body(model: str, prompt: str, max_tokens: int, seed: int) -> dict[str, 
 
 async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, Any],
                       keep_ids: bool = False) -> Request:
-    """One streaming chat request, timed."""
-    request = Request(time.perf_counter())
+    """One streaming chat request, timed. While it streams, each read from the socket is
+    only kept with the time it returned; ``Request.parse`` reads the SSE messages out of
+    them later (``run_load`` calls it once the timed run is over). Parsing each message as
+    it came made the client itself a stage of the pipeline it measured: one process
+    reading 256 streams worked through a step's burst of deltas in turn, and the last of
+    them waited for the JSON of the others."""
+    request = Request(time.perf_counter(), reads=[], keep_ids=keep_ids)
     try:
         async with client.post(f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
                 await resp.read()
                 request.error = f"HTTP {resp.status}"
                 return request
-            async for raw in resp.content:
-                if raw.startswith(b"data: "):
-                    now = time.perf_counter()
-                    if keep_ids and b'"event_id":"' in raw:
-                        chunk = json.loads(raw[6:])
-                        request.arrivals.append((chunk["event_id"], now))
-                        request.text.extend(choice["delta"].get("content") or ""
-                                            for choice in chunk["choices"])
-                    if request.first is None and b'"content":"' in raw and \
-                            b'"content":""' not in raw:
-                        request.first = now
-                    elif b'"usage":{' in raw and b'"choices":[]' in raw:
-                        request.tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
-                    elif raw.startswith(b"data: [DONE]"):
-                        request.ended = now
-                    elif b'"error":' in raw and b'"error":null' not in raw:
-                        request.error = json.loads(raw[6:])["error"].get("code", "error")
+            reads = request.reads
+            assert reads is not None
+            async for data in resp.content.iter_any():
+                reads.append((time.perf_counter(), data))
     except (aiohttp.ClientError, TimeoutError) as exc:
         request.error = type(exc).__name__
-    if request.ended is None and request.error is None:
-        request.error = "no [DONE]"
     return request
+
+
+def sse_messages(reads: list[tuple[float, bytes]]) -> Iterator[tuple[float, bytes]]:
+    """The SSE messages in ``reads`` (socket reads with the time each returned), each
+    with the time of the read that completed it; CRLF line ends are taken as LF."""
+    pending = b""
+    for at, data in reads:
+        pending = (pending + data).replace(b"\r\n", b"\n")
+        *whole, pending = pending.split(b"\n\n")
+        for message in whole:
+            yield at, message
 
 
 MakeRequest = Callable[[int], Awaitable[Request]]
@@ -179,8 +210,10 @@ async def run_load(make: MakeRequest, concurrency: int, rounds: int,
 
     cpu, started = time.process_time(), time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(concurrency)))
-    return Load(concurrency, results, time.perf_counter() - started,
-                time.process_time() - cpu)
+    load = Load(concurrency, results, time.perf_counter() - started, time.process_time() - cpu)
+    for request in results:  # after the clock stopped
+        request.parse()
+    return load
 
 
 async def closed_loop(make: MakeRequest, concurrency: int, rounds: int,

@@ -560,3 +560,67 @@ def test_a_pair_bench_given_what_it_cannot_run_says_why_and_runs_nothing(
     done = subprocess.run([sys.executable, "-m", "launch", "bench", *argv], timeout=120,
                           capture_output=True, text=True)
     assert done.returncode == code and said in done.stderr, done.stderr
+
+
+def test_the_load_generator_reads_sse_messages_split_anyhow_and_times_each_by_its_last_read(
+) -> None:
+    """The bench's client keeps each socket read with its time and parses after the run:
+    a message is timed by the read that completed it, whatever the split (CRLF too)."""
+    from aiohttp import web
+
+    from bench.loadgen import http_client, run_load, stream_once
+
+    def data(payload: str, event_id: str | None = None) -> bytes:
+        with_id = f',"event_id":"{event_id}"' if event_id else ""
+        return f'data: {{"choices":[{{"delta":{{"content":"{payload}"}}}}]{with_id}}}'.encode()
+
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":2}}'
+    writes = [data("", "0-1") + b"\n\n" + data("t0 ", "0-2")[:20],  # role, half a token
+              data("t0 ", "0-2")[20:] + b"\r\n\r\n" + data("t1 ", "0-3") + b"\r",
+              b"\n\r\n" + usage + b"\n\n",  # a CRLF blank line split across reads
+              b"data: [DONE]\n\n"]
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in writes:
+            await resp.write(chunk)
+            await asyncio.sleep(0.05)  # each write its own read
+        return resp
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", sse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with http_client(2) as client:
+                load = await run_load(lambda _i: stream_once(
+                    client, f"http://127.0.0.1:{port}", {}, keep_ids=True), 1, 1)
+        finally:
+            await runner.cleanup()
+        (request,) = load.requests
+        assert request.error is None and request.reads is None  # parsed, and let go
+        assert request.text == ["", "t0 ", "t1 "] and request.tokens == 2
+        ids = [event_id for event_id, _ in request.arrivals]
+        times = [at for _, at in request.arrivals]
+        assert ids == ["0-1", "0-2", "0-3"]
+        # "0-2" was completed by the second read, "0-3" by the third, ~50 ms apart each.
+        assert times[1] - times[0] > 0.03 and times[2] - times[1] > 0.03
+        assert request.first == times[1]  # the first content, not the role chunk
+        assert request.ended is not None and request.ended - times[2] > 0.03
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_the_load_generator_read_without_its_done_is_an_error() -> None:
+    from bench.loadgen import Request
+
+    cut = Request(0.0, reads=[(1.0, b'data: {"choices":[{"delta":{"content":"t0 "}}]}\n\n')])
+    cut.parse()
+    assert cut.error == "no [DONE]" and cut.first == 1.0
+    untimed = Request(0.0, ended=2.0)  # not an SSE stream (an engine's own request)
+    untimed.parse()
+    assert untimed.error is None
