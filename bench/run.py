@@ -80,7 +80,9 @@ def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
           "The worker is the SIMULATED engine, so the pipeline (gateway, Kafka, worker "
           f"loop, projector) is what is measured, on {figures['machine']}: the load "
           "generator, the broker, PostgreSQL and every process share these cores. One "
-          "unrecorded point at 256 x 20 runs first to warm the broker's JIT. "
+          "unrecorded point at 256 x 20 runs first to warm the broker's JIT. The load "
+          "generator (aiohttp, one process for all the streams) times each SSE message by "
+          "the socket read that completed it and parses the messages after the run. "
           f"Measured with `pipeline bench capacity{' --quick' if quick else ''}`.")
     return table
 
