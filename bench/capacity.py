@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -33,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from bench.stack import wait_projected
@@ -410,19 +411,56 @@ def open_streams(bootstrap: str, log_dir: Path, streams: int) -> dict[str, Any]:
         return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 
+T = TypeVar("T")
+
+
+def _step(what: str, measure: Callable[[], T], found: Callable[[T], str]) -> T:
+    """One step of the bench, said before it runs and with what it found after: a full
+    run takes minutes, and each step's stack a while to start."""
+    print(f"capacity: {what} ...", flush=True)
+    started = time.monotonic()
+    result = measure()
+    print(f"capacity: {what}: {found(result)} ({time.monotonic() - started:.0f} s)",
+          flush=True)
+    return result
+
+
+def _latency_found(lat: dict[str, Any]) -> str:
+    return (f"p50 / p99 {lat['ms']['p50']:.1f} / {lat['ms']['p99']:.1f} ms, "
+            f"{total_per_token(lat):,.0f} µs per token, "
+            f"{lat['intact']:,} of {lat['replies']:,} replies intact")
+
+
 def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
     rates = (5, 50) if quick else (5, 10, 20, 50)
+    held = 500 if quick else 10_000
+    steps = len(rates) + 4
     # Not recorded: a broker started minutes before spends its first minutes compiling
     # (its JIT); a run straight after ``pipeline infra up`` charged the first point
     # twice the broker CPU per token of the same point run again.
-    delta_latency(bootstrap, log_dir, 256, 1, 20)
+    _step(f"[1/{steps}] warming the broker at 256 x 20, not recorded",
+          lambda: delta_latency(bootstrap, log_dir, 256, 1, 20), _latency_found)
+    latency = []
+    for i, rate in enumerate(rates, start=2):
+        latency.append(_step(
+            f"[{i}/{steps}] delta latency at 256 streams x {rate} tokens/s",
+            functools.partial(delta_latency, bootstrap, log_dir, 256, 1 if quick else 4,
+                              rate),
+            _latency_found))
+    gateway_tps = []
+    for i, gateways in enumerate((1, 2), start=len(rates) + 2):
+        gateway_tps.append(_step(
+            f"[{i}/{steps}] tokens/s of {gateways} gateway process{'es' * (gateways > 1)}",
+            functools.partial(throughput, bootstrap, log_dir, 64 if quick else 128,
+                              1 if quick else 3, gateways),
+            lambda thr: f"{thr['tokens_per_s']:,.0f} tokens/s"))
     return {
         "sim_clock": SIM_CLOCK,
-        "delta_latency": [delta_latency(bootstrap, log_dir, 256, 1 if quick else 4, rate)
-                          for rate in rates],
-        "throughput": [throughput(bootstrap, log_dir, 64 if quick else 128, 1 if quick else 3,
-                                  gateways) for gateways in (1, 2)],
-        "open_streams": open_streams(bootstrap, log_dir, 500 if quick else 10_000),
+        "delta_latency": latency,
+        "throughput": gateway_tps,
+        "open_streams": _step(f"[{steps}/{steps}] {held:,} streams held open in one gateway",
+                              lambda: open_streams(bootstrap, log_dir, held),
+                              lambda held: f"{held['kb_per_stream']:.0f} KB per stream"),
     }
 
 

@@ -109,8 +109,9 @@ class Paired:
 
 
 async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
-                 per_client: int | None = None) -> Paired:
-    """``per_client``: requests per client in a round (default ``rounds``)."""
+                 per_client: int | None = None, names: tuple[str, str] = ("a", "b")) -> Paired:
+    """``per_client``: requests per client in a round (default ``rounds``); ``names``:
+    the two modes', for the progress lines."""
     out = Paired([], [], [])
     for c in levels:
         n = per_client or rounds(c, quick)
@@ -126,6 +127,9 @@ async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
                 loads[side].add(load)
                 await asyncio.sleep(SETTLE_S)
             level.append(rates[1] / rates[0])
+            print(f"serving: {names[1]} / {names[0]} at {c} clients, pair {i + 1} of "
+                  f"{pairs(quick)}: {rates[1]:,.0f} / {rates[0]:,.0f} tokens/s = {level[-1]:.0%}",
+                  flush=True)
         out.a.append(loads[0].summary())
         out.b.append(loads[1].summary())
         out.ratios.append(level)
@@ -282,7 +286,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
     try:
         async with kafka_client(bootstrap, name, max_tokens) as worker, \
                 engine_client(VllmEngine(settings, model, name), max_tokens) as engine:
-            first = await paired(engine, worker, levels, quick)
+            first = await paired(engine, worker, levels, quick, names=("engine", "worker"))
         port, serve_port = free_port(), free_port()
         serve = _start({"vllm-serve": [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -304,12 +308,14 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
                                    connections) as vllm_serve, \
                 http_client_for(f"http://127.0.0.1:{port}", name, max_tokens,
                                 connections) as pipeline:
-            second = await paired(vllm_serve, pipeline, levels, quick)
+            second = await paired(vllm_serve, pipeline, levels, quick,
+                                  names=("vllm serve", "pipeline"))
         async with vllm_bench_client(f"http://127.0.0.1:{serve_port}", name, max_tokens,
                                      connections) as vllm_serve, \
                 vllm_bench_client(f"http://127.0.0.1:{port}", name, max_tokens,
                                   connections) as pipeline:
-            clients = await paired(vllm_serve, pipeline, levels, quick, per_client=2)
+            clients = await paired(vllm_serve, pipeline, levels, quick, per_client=2,
+                                   names=("vllm serve, vLLM's client", "pipeline, vLLM's client"))
     finally:
         _stop(procs)
     third = await _paired_simulated(bootstrap, levels, max_tokens, quick, log_dir)
@@ -340,7 +346,8 @@ async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, 
         async with kafka_client(bootstrap, SIM_NAME, max_tokens) as worker, \
                 engine_client(SimEngine(SIM_NAME, tokens_per_s=SIM_TOKENS_PER_S),
                               max_tokens) as engine:
-            return await paired(engine, worker, levels, quick, per_client=2 if quick else 4)
+            return await paired(engine, worker, levels, quick, per_client=2 if quick else 4,
+                                names=("SIMULATED engine", "SIMULATED worker"))
     finally:
         _stop(procs)
 

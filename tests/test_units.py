@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psycopg
@@ -624,3 +625,27 @@ def test_a_stream_the_load_generator_read_without_its_done_is_an_error() -> None
     untimed = Request(0.0, ended=2.0)  # not an SSE stream (an engine's own request)
     untimed.parse()
     assert untimed.error is None
+
+
+def test_a_paired_serving_bench_says_each_pair_as_it_ends(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import serving
+    from bench.loadgen import Request
+
+    monkeypatch.setattr(serving, "SETTLE_S", 0.0)
+
+    def maker(tokens: int) -> Callable[[int], Awaitable[Request]]:
+        async def one(_seed: int) -> Request:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            return Request(now - 0.01, first=now - 0.005, ended=now, tokens=tokens)
+        return one
+
+    out = asyncio.run(serving.paired(maker(10), maker(5), [1, 2], quick=True, per_client=2,
+                                     names=("engine", "worker")))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("serving:")]
+    assert [line.split(":")[1] for line in lines] == [
+        f" worker / engine at {c} clients, pair {i} of 3" for c in (1, 2) for i in (1, 2, 3)]
+    assert all(line.endswith("%") for line in lines)
+    assert [len(level) for level in out.ratios] == [3, 3]
+    assert all(0.3 < ratio < 0.7 for level in out.ratios for ratio in level)  # 5 / 10 tokens
