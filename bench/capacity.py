@@ -134,16 +134,17 @@ def _rss_mb(pid: int) -> float:
 
 @contextlib.contextmanager
 def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: int = 8192,
-           gateways: int = 1, tree: Path | None = None
+           gateways: int = 1, tree: Path | None = None, python: Path | None = None
            ) -> Iterator[tuple[str, dict[str, int], str]]:
     """A simulated worker, a projector and a gateway (``gateways`` processes on its port,
     ``pipeline gateway --workers``); yields the URL, their pids and the worker's metrics
     URL, once the projector has
     caught up with whatever earlier runs left in the log. ``env``: settings added to the
     three's environment; ``tree``: a checkout whose code they run (this one's by default),
-    for comparing two versions of the code."""
+    for comparing two versions of the code; ``python``: the interpreter they run (this
+    process's by default)."""
     port = free_port()
-    exe = [sys.executable, "-m", "launch"]
+    exe = [str(python or sys.executable), "-m", "launch"]
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
            "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **env}
     if tree is not None:
@@ -275,14 +276,15 @@ async def _load(url: str, streams: int, rounds: int, max_tokens: int, keep_ids: 
 
 def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
                   tokens_per_s: float, tree: Path | None = None,
-                  env: dict[str, str] | None = None) -> dict[str, Any]:
+                  env: dict[str, str] | None = None, python: Path | None = None
+                  ) -> dict[str, Any]:
     """``streams`` streams of about 4 s each, staggered over one stream's length; the
     stack runs ``tree``'s code with ``env`` added to its environment (see ``_stack``)."""
     max_tokens = max(20, round(tokens_per_s * 4))
     stream_s = max_tokens / tokens_per_s
     spawn = multiprocessing.get_context("spawn")
     with _stack(bootstrap, log_dir, {**(env or {}), "WORKER_SIM_TOKENS_PER_S": str(tokens_per_s)},
-                tree=tree) as (url, pids, worker_metrics), \
+                tree=tree, python=python) as (url, pids, worker_metrics), \
             concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as side:
         probe = side.submit(os.getpid).result()  # started before the load
         roots = {**pids, "bench probe": probe}

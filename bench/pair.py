@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +34,21 @@ class Side:
     name: str  # "A" or "B"
     env: dict[str, str] = field(default_factory=dict)
     tree: Path | None = None
+    python: Path | None = None  # the interpreter its processes run (None: this one)
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in sorted(self.env.items())]
         tree = self.tree or Path.cwd()  # the stack's processes run from the current folder
         where = "the code" if self.tree is None else f"the code in {self.tree}"
-        return ", ".join([f"{where} ({checkout(tree)})", *parts])
+        return ", ".join([f"{where} ({checkout(tree)})", interpreter(self.python), *parts])
+
+
+def interpreter(python: Path | None) -> str:
+    """Which Python ``python`` (None: this process's) is: its version and executable."""
+    done = subprocess.run([str(python or sys.executable), "-c", "import platform, sys; "
+                           "print(platform.python_version(), sys.executable)"],
+                          capture_output=True, text=True)
+    return f"Python {done.stdout.strip() or '?'}"
 
 
 def checkout(tree: Path) -> str:
@@ -104,12 +114,13 @@ def run(bootstrap: str, log_dir: Path, a: Side, b: Side, *, rate: float, pairs: 
     sides = {"A": a, "B": b}
     print(f"warming the broker (one unrecorded point, side A) at {STREAMS} x {rate:g}",
           flush=True)
-    delta_latency(bootstrap, log_dir, STREAMS, 1, rate, a.tree, a.env)
+    delta_latency(bootstrap, log_dir, STREAMS, 1, rate, a.tree, a.env, a.python)
     runs: list[dict[str, Any]] = []
     sequence = order(pairs)
     for i, name in enumerate(sequence):
         side = sides[name]
-        point = delta_latency(bootstrap, log_dir, STREAMS, rounds, rate, side.tree, side.env)
+        point = delta_latency(bootstrap, log_dir, STREAMS, rounds, rate, side.tree, side.env,
+                              side.python)
         run_figures = figures(point)
         runs.append({"side": name, "pair": i // 2, "figures": run_figures,
                      "intact": point["intact"], "replies": point["replies"],

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime
@@ -185,6 +186,10 @@ def _parser() -> argparse.ArgumentParser:
         ab.add_argument(f"--{side}-tree", type=_checkout, metavar="PATH",
                         help=f"a checkout whose code side {side.upper()} runs (default: "
                              "this one)")
+        ab.add_argument(f"--{side}-python", type=_interpreter, metavar="PATH",
+                        help=f"the Python side {side.upper()}'s processes run, a virtual "
+                             "environment's bin/python with this project installed "
+                             "(default: this one's)")
     ab.add_argument("--rate", type=_rate, default=20.0,
                     help="tokens/s per stream, 256 streams (default %(default)s)")
     ab.add_argument("--pairs", type=_positive, default=2, help="default %(default)s")
@@ -208,6 +213,21 @@ def _checkout(text: str) -> Path:
     if not (path / "launch" / "__main__.py").is_file():
         raise argparse.ArgumentTypeError(f"{text} is not a checkout of this project "
                                          "(no launch/__main__.py)")
+    return path
+
+
+def _interpreter(text: str) -> Path:
+    path = Path(text).absolute()  # a venv's python is a link: keep the venv's own path
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not an executable file")
+    try:
+        done = subprocess.run([str(path), "-c", "import launch, confluent_kafka; print('ok')"],
+                              capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise argparse.ArgumentTypeError(f"{text} cannot run this project ({exc})") from None
+    if done.stdout.strip() != "ok":
+        said = (done.stderr.strip().splitlines() or ["it is not a Python"])[-1]
+        raise argparse.ArgumentTypeError(f"{text} cannot run this project ({said})")
     return path
 
 
@@ -348,22 +368,25 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown bench part(s): {', '.join(sorted(unknown))}; "
                          f"choose from {', '.join(bench.PARTS)}, or pair")
-    pairing = args.a_env or args.b_env or args.a_tree or args.b_tree
+    pairing = (args.a_env or args.b_env or args.a_tree or args.b_tree or args.a_python
+               or args.b_python)
     if "pair" in args.part:
         if len(args.part) > 1:
             raise SystemExit("pipeline bench pair runs alone")
         if not pairing:
             raise SystemExit("pipeline bench pair: the sides are the same; give side B (or "
-                             "A) a setting (--b-env NAME=VALUE) or a checkout (--b-tree PATH)")
+                             "A) a setting (--b-env NAME=VALUE), a checkout (--b-tree PATH) "
+                             "or an interpreter (--b-python PATH)")
     elif pairing:
-        raise SystemExit("--a-env, --b-env, --a-tree and --b-tree are for pipeline bench pair")
+        raise SystemExit("--a-env, --b-env, --a-tree, --b-tree, --a-python and --b-python are "
+                         "for pipeline bench pair")
     infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
     try:
         if "pair" in args.part:
             from bench.pair import Side
 
-            sides = (Side("A", dict(args.a_env), args.a_tree),
-                     Side("B", dict(args.b_env), args.b_tree))
+            sides = (Side("A", dict(args.a_env), args.a_tree, args.a_python),
+                     Side("B", dict(args.b_env), args.b_tree, args.b_python))
             report = bench.pair(common, args.out or common.state_dir / "bench", args.label,
                                 sides, rate=args.rate, pairs=args.pairs, rounds=args.rounds)
             print(f"\n{report}")

@@ -555,6 +555,9 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
     (["pair", "--b-env", "A=1", "--rate", "0"], 2, "above 0 and at most 1000"),
     (["pair", "--b-env", "A=1", "--label", "../elsewhere"], 2, "letters, digits"),
     (["pair", "--b-tree", "/"], 2, "not a checkout of this project"),
+    (["pair", "--b-python", "/nonexistent/python"], 2, "not an executable file"),
+    (["pair", "--b-python", "/bin/true"], 2, "cannot run this project (it is not a Python)"),
+    (["capacity", "--a-python", sys.executable], 1, "are for pipeline bench pair"),
 ])
 def test_a_pair_bench_given_what_it_cannot_run_says_why_and_runs_nothing(
         argv: list[str], code: int, said: str) -> None:
