@@ -46,6 +46,7 @@ from schemas import TokenDelta
 from workers.sim_engine import SIM_CLOCK, sim_token_text
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
 
 
 def _cpu_s(pid: int) -> float:
@@ -413,9 +414,6 @@ def open_streams(bootstrap: str, log_dir: Path, streams: int) -> dict[str, Any]:
         return asyncio.run(_hold(url, streams, pids["gateway"]))
 
 
-T = TypeVar("T")
-
-
 def _step(what: str, measure: Callable[[], T], found: Callable[[T], str]) -> T:
     """One step of the bench, said before it runs and with what it found after: a full
     run takes minutes, and each step's stack a while to start."""
@@ -462,7 +460,7 @@ def run(bootstrap: str, quick: bool, log_dir: Path) -> dict[str, Any]:
         "throughput": gateway_tps,
         "open_streams": _step(f"[{steps}/{steps}] {held:,} streams held open in one gateway",
                               lambda: open_streams(bootstrap, log_dir, held),
-                              lambda held: f"{held['kb_per_stream']:.0f} KB per stream"),
+                              lambda found: f"{found['kb_per_stream']:.0f} KB per stream"),
     }
 
 

@@ -143,15 +143,14 @@ async def stream_once(client: aiohttp.ClientSession, url: str, body: dict[str, A
     it came made the client itself a stage of the pipeline it measured: one process
     reading 256 streams worked through a step's burst of deltas in turn, and the last of
     them waited for the JSON of the others."""
-    request = Request(time.perf_counter(), reads=[], keep_ids=keep_ids)
+    reads: list[tuple[float, bytes]] = []
+    request = Request(time.perf_counter(), reads=reads, keep_ids=keep_ids)
     try:
         async with client.post(f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
                 await resp.read()
                 request.error = f"HTTP {resp.status}"
                 return request
-            reads = request.reads
-            assert reads is not None
             async for data in resp.content.iter_any():
                 reads.append((time.perf_counter(), data))
     except (aiohttp.ClientError, TimeoutError) as exc:
