@@ -34,18 +34,21 @@ from confluent_kafka import (
 # cimpl module without marking the re-export (strict mypy wants that marked).
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
     NewTopic,
 )
 
 from pipeline.codec import TP, Position, encode, key_of
 from pipeline.retry import QuietLog, RepeatFilter
-from pipeline.topics import TopicSpec
+from pipeline.topics import DEADLETTER_HEADROOM, TopicSpec
 from schemas import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 __all__ = ["AsyncConsumer", "EventProducer", "Fenced", "GroupStatus", "KafkaException",
-           "ProduceError", "Record", "TransactionalProducer"]
+           "Outgoing", "ProduceError", "Record", "RecordTooLarge", "TransactionalProducer"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,18 @@ class Record:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A record to write (``TransactionalProducer.send_together``): to ``partition`` if
+    given (else the key's), with an answer when its transaction ends if ``answer``."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    partition: int | None = None
+    answer: bool = False
 
 
 class ProduceError(RuntimeError):
@@ -70,9 +85,11 @@ class Fenced(ProduceError):
 NO_NAGLE = {"socket.nagle.disable": True}
 
 
-def _producer_config(bootstrap: str, linger_ms: float, timeout_ms: int) -> dict[str, Any]:
+def _producer_config(bootstrap: str, linger_ms: float, timeout_ms: int,
+                     compression: str) -> dict[str, Any]:
     return {
         "bootstrap.servers": bootstrap,
+        "compression.type": compression,
         "acks": "all",
         "enable.idempotence": True,
         "linger.ms": linger_ms,
@@ -112,9 +129,13 @@ class EventProducer:
     in transactions). A producer that failed for good is replaced."""
 
     def __init__(self, bootstrap: str, *, linger_ms: float = 1.0,
-                 timeout_ms: int = 30_000) -> None:
-        self._config = {**_producer_config(bootstrap, linger_ms, timeout_ms),
-                        **client_logging("producer"), "error_cb": self._on_error}
+                 timeout_ms: int = 30_000, max_record_bytes: int = 8 * 2**20,
+                 compression: str = "zstd") -> None:
+        # Dead letters are records read elsewhere plus headers: room for both.
+        self._max_record_bytes = max_record_bytes + DEADLETTER_HEADROOM
+        self._config = {**_producer_config(bootstrap, linger_ms, timeout_ms, compression),
+                        **client_logging("producer"), "error_cb": self._on_error,
+                        "message.max.bytes": self._max_record_bytes + RECORD_OVERHEAD}
         self._failed = False
         self._producer = Producer(self._config)
         self._stop = threading.Event()
@@ -163,6 +184,11 @@ class EventProducer:
         if err.fatal():
             self._failed = True
 
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record (key, value, headers) this producer sends."""
+        return self._max_record_bytes
+
     def _produce(self, topic: str, **record: Any) -> None:
         """Hand the record to librdkafka; if its queue is full, to the overflow (never
         dropped, never waited for here)."""
@@ -186,6 +212,10 @@ class EventProducer:
     ) -> asyncio.Future[Position]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Position] = loop.create_future()
+        size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
+        if size > self._max_record_bytes:  # refused alone, at once: never queued
+            future.set_exception(RecordTooLarge(topic, size, self._max_record_bytes))
+            return future
 
         def settle(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
@@ -274,16 +304,44 @@ class _Queued:
     headers: list[tuple[str, str | bytes | None]]
     future: asyncio.Future[Position] | None
     deadline: float | None = None  # time.monotonic(): answered NotAccepted after this
+    partition: int | None = None  # None: the key's
     position: Position | None = None  # where it landed (set by its delivery report)
     settled: bool = False  # its sender has had the answer
+    refused: KafkaError | None = None  # the broker refused this record itself (its size)
 
     def late(self, now: float) -> bool:
         return self.deadline is not None and self.deadline < now and not self.settled
+
+    @property
+    def size(self) -> int:
+        """Its bytes as a record limit counts them (less the batch's own overhead)."""
+        return (len(self.value or b"") + len(self.key or b"")
+                + sum(len(k) + len(v or b"") for k, v in self.headers))
 
 
 class NotAccepted(ProduceError):
     """A record whose deadline passed before its transaction asked to commit: that
     transaction is aborted, never committed, so the record is never visible."""
+
+
+class RecordTooLarge(ProduceError):
+    """A record larger than its topic takes: refused alone, at once, and never retried
+    (it never enters a transaction, so it holds back no other record). ``limit``: the
+    topic's max.message.bytes (a record's own bytes must leave room for its batch's)."""
+
+    def __init__(self, topic: str, size: int, limit: int) -> None:
+        super().__init__(f"a record of {size:,} bytes is larger than {topic} takes "
+                         f"({limit:,} bytes, less {RECORD_OVERHEAD} for its batch)")
+        self.topic, self.size, self.limit = topic, size, limit
+
+
+# What a Kafka record costs beyond its key, value and headers (its batch's header, the
+# record's own fields): kept free under a topic's max.message.bytes.
+RECORD_OVERHEAD = 512
+# The broker refusing a record for what it is, not for the moment: the record alone is at
+# fault, and sending it again gives the same answer.
+_RECORD_REFUSED = {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
+                   KafkaError.INVALID_RECORD}
 
 
 class TransactionalProducer:
@@ -342,13 +400,17 @@ class TransactionalProducer:
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
         on_fenced: Callable[[bool], None] = lambda _answered: None, timeout_ms: int = 10_000,
         own_id: bool = True, interval_ms: float = 0.0, max_queued: int = 20_000,
-        gathers: bool = False,
+        gathers: bool = False, max_record_bytes: int = 8 * 2**20,
+        limits: dict[str, int] | None = None,
+        offset_metadata: Callable[[TP], str] | None = None, compression: str = "zstd",
     ) -> None:
         self._config = {
             "bootstrap.servers": bootstrap,
+            "compression.type": compression,
             "transactional.id": transactional_id,
             "transaction.timeout.ms": timeout_ms,
             "linger.ms": 1,
+            "message.max.bytes": max_record_bytes + RECORD_OVERHEAD,
             "partitioner": "murmur2_random",
             # A transaction begun right after the previous one's commit is refused with
             # CONCURRENT_TRANSACTIONS until the broker has written that one's markers; the
@@ -361,10 +423,16 @@ class TransactionalProducer:
             **NO_NAGLE,
         }
         self._producer = Producer(self._config)
+        # Per topic, the largest record it takes (its max.message.bytes, as read from the
+        # cluster); the others, ``max_record_bytes``. A larger record is refused alone.
+        self._max_record_bytes = max_record_bytes
+        self._limits = dict(limits or {})
         # A transactional id this process made for itself: if its producer is fenced, no
         # one else holds the id, so a new producer may take it up again.
         self._own_id = own_id
         self._offsets = offsets
+        # What each committed offset says besides itself (the group's offset metadata).
+        self._offset_metadata = offset_metadata
         self._on_committed = on_committed
         self._on_fenced = on_fenced
         self._timeout_s = timeout_ms / 1000
@@ -421,25 +489,50 @@ class TransactionalProducer:
                     key: bytes | None = None) -> None:
         """Queue ``event`` with no answer (its turn's terminal event is awaited instead);
         ``key``: its record key if the caller has it (``key_of(event)`` otherwise)."""
-        self._enqueue(_Queued(epoch, topic, key or key_of(event), encode(event), [], None))
+        self._enqueue([_Queued(epoch, topic, key or key_of(event), encode(event), [], None)])
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None,
                  headers: Sequence[tuple[str, bytes]], epoch: int = 0,
                  deadline: float | None = None) -> asyncio.Future[Position]:
         future: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
-        self._enqueue(_Queued(epoch, topic, key, value, list(headers), future, deadline))
+        self._enqueue([_Queued(epoch, topic, key, value, list(headers), future, deadline)])
         return future
 
-    def _enqueue(self, item: _Queued) -> None:
+    def send_together(self, records: Sequence[Outgoing], epoch: int = 0
+                      ) -> list[asyncio.Future[Position] | None]:
+        """Queue ``records`` so that one transaction holds them all: none is visible
+        without the others. Each that wants an answer (``Outgoing.answer``) gets a future,
+        as ``send`` gives."""
+        loop = asyncio.get_running_loop()
+        items = [_Queued(epoch, r.topic, r.key, r.value, [],
+                         loop.create_future() if r.answer else None, partition=r.partition)
+                 for r in records]
+        self._enqueue(items)
+        return [item.future for item in items]
+
+    def limit(self, topic: str) -> int:
+        """The largest record (key, value and headers) ``topic`` takes from this producer."""
+        return self.topic_limit(topic) - RECORD_OVERHEAD
+
+    def topic_limit(self, topic: str) -> int:
+        """``topic``'s own limit (its max.message.bytes), batch overhead included."""
+        return self._limits.get(topic, self._max_record_bytes)
+
+    def _enqueue(self, items: list[_Queued]) -> None:
         with self._cond:
-            if self.failed is not None:
-                _settle(item, ProduceError(f"the producer failed: {self.failed}"))
+            for item in items:
+                if self.failed is not None:
+                    _settle(item, ProduceError(f"the producer failed: {self.failed}"))
+                elif item.epoch < self._epoch:
+                    _settle(item, Fenced("written for turns this worker gave up"))
+                elif item.size > self.limit(item.topic):
+                    _refuse(item, RecordTooLarge(item.topic, item.size,
+                                                 self.topic_limit(item.topic)))
+            items = [item for item in items if not item.settled]
+            if not items:
                 return
-            if item.epoch < self._epoch:
-                _settle(item, Fenced("written for turns this worker gave up"))
-                return
-            self._queue.append(item)
-            if len(self._queue) == 1:  # the transaction thread waits for a first record
+            self._queue += items
+            if len(self._queue) == len(items):  # the transaction thread waits for a first one
                 self._first_queued = time.monotonic()
                 self._cond.notify_all()
 
@@ -647,9 +740,11 @@ class TransactionalProducer:
                 if not offsets or group is None:
                     raise KafkaException(KafkaError(KafkaError._STATE,
                                                     "no partition to fence with"))
+                describe = self._offset_metadata
                 p.send_offsets_to_transaction(
-                    [TopicPartition(t, part, o) for (t, part), o in offsets.items()],
-                    group, self._step_s)
+                    [TopicPartition(t, part, o, metadata=describe((t, part)))
+                     if describe else TopicPartition(t, part, o)
+                     for (t, part), o in offsets.items()], group, self._step_s)
             with self._cond:
                 if generation != self._generation:
                     return False  # abandoned: never commit on a replaced producer
@@ -700,24 +795,45 @@ class TransactionalProducer:
             if err is None:
                 item.position = Position(msg.topic() or item.topic, msg.partition() or 0,
                                          msg.offset() or 0)
+            elif err.code() in _RECORD_REFUSED:
+                item.refused = err
 
-        record: dict[str, Any] = {"value": item.value, "key": item.key}
+        record: dict[str, Any] = {"value": item.value, "key": item.key,
+                                  "on_delivery": delivered}
         if item.headers:
             record["headers"] = item.headers
-        if item.future is not None:
-            record["on_delivery"] = delivered
+        if item.partition is not None:
+            record["partition"] = item.partition
         while True:
             try:
                 self._producer.produce(item.topic, **record)
                 return
             except BufferError:  # the local queue is full: let deliveries drain it
                 self._producer.poll(0.01)
+            except KafkaException as exc:
+                if exc.args[0].code() not in _RECORD_REFUSED:
+                    raise
+                # Refused by the client itself (its message.max.bytes): alone, at once.
+                _refuse(item, RecordTooLarge(item.topic, item.size,
+                                             self.topic_limit(item.topic)))
+                return
 
     def _failed(self, err: KafkaError, batch: list[_Queued], group: Any) -> bool:
         """Handle a failed transaction (``group``: the metadata it showed the broker); True
         if its records must be sent again. Its records are never visible (aborted), so
         sending them again writes each exactly once."""
         code = err.code()
+        refused = [item for item in batch if item.refused is not None]
+        if refused:
+            # The broker refuses a whole batch for its size: the largest of its records
+            # is the one that cannot fit (a topic set lower than this producer was told),
+            # refused alone; the others are sent again (if one of them cannot fit either,
+            # the next refusal finds it).
+            guilty = max(refused, key=lambda item: item.size)
+            _refuse(guilty, RecordTooLarge(guilty.topic, guilty.size,
+                                           self.topic_limit(guilty.topic)))
+            for item in refused:
+                item.refused = None
         if code in _PRODUCER_FENCING and not self._own_id:
             # A shared, stable transactional id: a newer process took it over.
             return self._give_up(err, batch)
@@ -773,6 +889,13 @@ class TransactionalProducer:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+
+def _refuse(item: _Queued, error: RecordTooLarge) -> None:
+    """Answer a record refused for itself; one nobody waits for is said in the log."""
+    if item.future is None:
+        log.error("a record for %s was dropped: %s", item.topic, error)
+    _settle(item, error)
 
 
 def _settle(item: _Queued, error: BaseException | None) -> None:
@@ -1038,6 +1161,45 @@ class AsyncConsumer:
         finally:
             self._consumer.unassign()
 
+    def read_at_sync(self, wanted: Sequence[tuple[str, int, int]],
+                     timeout: float = 30.0) -> dict[tuple[str, int, int], Record | None]:
+        """The records at these exact positions (topic, partition, offset), read at once;
+        None for a position that holds no committed record (an aborted one, a marker, or
+        one the topic no longer keeps)."""
+        todo = {(t, p): o for t, p, o in wanted}
+        if len(todo) != len(set(wanted)):
+            raise ValueError("read_at_sync reads one offset per partition")
+        found: dict[tuple[str, int, int], Record | None] = dict.fromkeys(wanted)
+        if not todo:
+            return found
+        self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in todo.items()])
+        deadline = time.monotonic() + timeout
+        try:
+            while todo:
+                for record in _poll(self._consumer, 100, 0.2):
+                    pos = record.position
+                    want = todo.get((pos.topic, pos.partition))
+                    if want is None or pos.offset < want:
+                        continue
+                    if pos.offset == want:
+                        found[(pos.topic, pos.partition, want)] = record
+                    del todo[(pos.topic, pos.partition)]
+                for tp in self._consumer.position(
+                        [TopicPartition(t, p) for t, p in list(todo)]):
+                    if (tp.topic, tp.partition) in todo and tp.offset > todo[(tp.topic,
+                                                                              tp.partition)]:
+                        del todo[(tp.topic, tp.partition)]  # passed over: nothing there
+                for (t, p), o in list(todo.items()):
+                    low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p),
+                                                                      cached=True)
+                    if 0 <= high <= o or 0 <= o < low:  # not written yet, or gone
+                        del todo[(t, p)]
+                if todo and time.monotonic() > deadline:
+                    raise TimeoutError(f"reading {sorted(todo)} timed out")
+        finally:
+            self._consumer.unassign()
+        return found
+
     def offset_for_time_sync(self, topic: str, partition: int, ms: int,
                              timeout: float = 10.0) -> int:
         """The first offset at or after time ``ms`` (the end of the partition if none)."""
@@ -1084,6 +1246,14 @@ class GroupStatus:
         committed counts from its start (or, ``uncommitted_at_end``, as caught up).
         Two requests whatever the number of partitions: the committed offsets, and the
         ends in one ListOffsets (a gateway measures this four times a second)."""
+        return {p: (start, end) for p, (start, end, _) in self.committed_and_ends(
+            topic, timeout, uncommitted_at_end).items()}
+
+    def committed_and_ends(self, topic: str, timeout: float = 5.0,
+                           uncommitted_at_end: bool = False
+                           ) -> dict[int, tuple[int, int, str]]:
+        """``per_partition``, with what each commit said besides its offset (its
+        metadata; empty if none)."""
         parts = [TopicPartition(topic, p) for p in self._partitions(topic, timeout)]
         committed = self._consumer.committed(parts, timeout=timeout)
         ends = {tp.partition: int(tp.offset) for tp in self._consumer.offsets_for_times(
@@ -1097,7 +1267,7 @@ class GroupStatus:
                 start = high
             else:
                 start = int(self._consumer.get_watermark_offsets(tp, timeout=timeout)[0])
-            out[tp.partition] = (start, high)
+            out[tp.partition] = (start, high, tp.metadata or "")
         return out
 
     def _partitions(self, topic: str, timeout: float) -> list[int]:
@@ -1240,10 +1410,57 @@ def broker_count(bootstrap: str, timeout: float = 10.0) -> int:
     return len(admin.list_topics(timeout=timeout).brokers)
 
 
+def topic_limits(bootstrap: str, topics: Sequence[str], default: int,
+                 timeout: float = 10.0) -> dict[str, int]:
+    """Each topic's largest record (its ``max.message.bytes`` as the cluster has it): what
+    a producer may send there. ``default`` for a topic the cluster does not say (a
+    DescribeConfigs refused, say)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    out = dict.fromkeys(topics, default)
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t)
+                                      for t in topics], request_timeout=timeout)
+    for resource, future in futures.items():
+        try:
+            entry = future.result().get("max.message.bytes")
+        except (KafkaException, ValueError) as exc:
+            log.warning("could not read %s's record limit (taking %d bytes): %s",
+                        resource.name, default, exc)
+            continue
+        if entry is not None and entry.value is not None:
+            out[resource.name] = int(entry.value)
+    return out
+
+
+def _raise_limits(bootstrap: str, admin: AdminClient, specs: list[TopicSpec],
+                  existing: set[str]) -> None:
+    """Bring an existing topic's ``max.message.bytes`` up to its spec's (a topic made by an
+    earlier version, at the broker's default): never lowered."""
+    wanted = {s.name: int(s.config["max.message.bytes"]) for s in specs
+              if s.name in existing and "max.message.bytes" in s.config}
+    if not wanted:
+        return
+    limits = topic_limits(bootstrap, list(wanted), default=0)
+    low = [name for name, limit in wanted.items() if limits.get(name, 0) < limit]
+    if not low:
+        return
+    resources = []
+    for name in low:
+        resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+        resource.add_incremental_config(ConfigEntry(
+            "max.message.bytes", str(wanted[name]),
+            incremental_operation=AlterConfigOpType.SET))
+        resources.append(resource)
+    for future in admin.incremental_alter_configs(resources).values():
+        future.result()
+    log.info("raised max.message.bytes of %s", ", ".join(low))
+
+
 def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> list[str]:
-    """Create missing topics; return the names created. Existing ones are left as they are."""
+    """Create missing topics; return the names created. Existing ones are left as they are,
+    but for their record limit, which is raised to the spec's."""
     admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
     existing = set(admin.list_topics(timeout=10).topics)
+    _raise_limits(bootstrap, admin, specs, existing)
     new = [
         NewTopic(s.name, num_partitions=s.partitions,
                  replication_factor=s.replication if s.replication is not None else -1,

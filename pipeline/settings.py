@@ -5,7 +5,7 @@ command (``launch``). Each service owns its own (``gateway.settings``,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -36,12 +36,22 @@ class CommonSettings(BaseSettings):
     retention_ms: int = Field(default=-1, ge=-1)
     retention_bytes: int = Field(default=-1, ge=-1)
     deadletter_retention_ms: int = Field(default=14 * 24 * 3600 * 1000, ge=60_000)
+    # How long the live stream (chat.live) keeps a turn's deltas: resuming a stream works
+    # that long (after it, a finished turn is sent whole from the durable record).
+    live_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=3600 * 1000)
+    # The largest record a chat topic takes (max.message.bytes, and the producers'
+    # message.max.bytes). A prompt past it is refused with 413, a reply with a failure.
+    max_record_bytes: int = Field(default=8 * 2**20, ge=2**20, le=2**30)
+    # How producers compress record batches (the broker keeps them as they come): zstd
+    # keeps the durable record near the compressed size of its text.
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "zstd"
     state_dir: Path = REPO_ROOT / ".state"
 
     def topic_policy(self) -> TopicPolicy:
         return TopicPolicy(self.partitions, self.replication_factor, self.min_insync_replicas,
                            self.retention_ms, self.retention_bytes,
-                           self.deadletter_retention_ms)
+                           self.deadletter_retention_ms, self.live_retention_ms,
+                           self.max_record_bytes)
 
 
 def _split_commas(value: Any) -> Any:
