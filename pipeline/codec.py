@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from schemas import EVENT_ADAPTER, Event
+from schemas.live import LIVE_ADAPTER, LiveBatch
 from schemas.versions import is_current, upcast
 
 # A topic and one of its partitions.
@@ -30,7 +31,9 @@ class DecodeError(ValueError):
 
 
 def encode(event: Event) -> bytes:
-    return event.model_dump_json().encode()
+    """The event as its record's value: JSON, fields that are None left out (a reader
+    takes them as None: every such field defaults to it)."""
+    return event.model_dump_json(exclude_none=True).encode()
 
 
 def decode(data: bytes | None) -> Event:
@@ -53,6 +56,18 @@ def decode(data: bytes | None) -> Event:
         raise DecodeError(_summarise(first_error or exc)) from exc
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"not an event: {exc}") from None
+
+
+def decode_live(data: bytes | None) -> LiveBatch:
+    """The ``LiveBatch`` in a ``chat.live`` record's value."""
+    if data is None:
+        raise DecodeError("empty record value")
+    try:
+        return LIVE_ADAPTER.validate_json(data)
+    except ValidationError as exc:
+        raise DecodeError(_summarise(exc)) from None
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(f"not a live batch: {exc}") from None
 
 
 def _summarise(exc: ValidationError) -> str:

@@ -1,8 +1,9 @@
 """The event contract for third-party consumers, generated from the code: a JSON Schema
-of every event (from the pydantic models) and an AsyncAPI 3 document of the topics
-(keys, partitioning, ordering, headers, retention, and what a reader may see twice).
+of every event of the durable record and one of the live stream's records (from the
+pydantic models), and an AsyncAPI 3 document of the topics (keys, partitioning,
+ordering, headers, retention, and what a reader may see twice).
 
-``pipeline contract`` writes both under ``docs/contract/``; ``pipeline contract --check``
+``pipeline contract`` writes them under ``docs/contract/``; ``pipeline contract --check``
 (and the test suite) fails when the files no longer match the code.
 """
 
@@ -13,21 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import TypeAdapter
 
 from pipeline.rollout import Rollout
 from pipeline.topics import (
     CONTROL,
     DEADLETTER,
     GENERATIONS,
+    LIVE,
     PROMPTS,
     ROLLOUTS,
     TopicPolicy,
     topic_specs,
 )
 from schemas import EVENT_ADAPTER
+from schemas.live import LIVE_ADAPTER
 
 CONTRACT_DIR = Path("docs") / "contract"
 SCHEMA_FILE = "events.schema.json"
+LIVE_SCHEMA_FILE = "live.schema.json"
 ASYNCAPI_FILE = "asyncapi.yaml"
 _KAFKA = {"bindingVersion": "0.5.0"}
 
@@ -35,15 +40,20 @@ TOPIC_EVENTS = {
     PROMPTS: ["PromptSubmitted"],
     CONTROL: ["GenerationCancelled", "ClientDetached", "ClientAttached", "SessionCreated",
               "SessionDeleted"],
-    GENERATIONS: ["GenerationStarted", "TokenDelta", "GenerationFinished", "GenerationFailed"],
+    GENERATIONS: ["GenerationStarted", "GenerationFinished", "GenerationFailed", "TokenDelta"],
 }
 TOPIC_ABOUT = {
-    PROMPTS: "Turns the gateway accepted (a 2xx answer means the prompt is here). The "
-             "workers' consumer group reads it; its lag is the backlog.",
+    PROMPTS: "Turns the gateway accepted (a 2xx answer means the prompt is here): each "
+             "turn's new messages, and its session's history by reference to the previous "
+             "turn (or inline). The workers' consumer groups read it; what their commits "
+             "say waits (offset metadata next=N;waiting=W) is the backlog.",
     CONTROL: "Facts about turns and sessions: cancel, a client detached or attached, a "
              "session created or deleted. Broker-stamped (LogAppendTime).",
-    GENERATIONS: "What the workers generate, written in Kafka transactions: read with "
-                 "isolation.level=read_committed, or you will see aborted attempts.",
+    GENERATIONS: "Each turn's start (at its first token) and end, with its whole text, "
+                 "usage and timings, or its failure: the durable record of what the workers "
+                 "generated, written in Kafka transactions: read with "
+                 "isolation.level=read_committed, or you will see aborted attempts. "
+                 "TokenDelta events are only in logs written before chat.live existed.",
 }
 # What a reader may see more than once, and how to drop the copies.
 SEEN_TWICE = {
@@ -52,9 +62,9 @@ SEEN_TWICE = {
                        "per request_id.",
     "GenerationStarted": "Once per attempt: a turn taken over by another worker has one "
                          "with attempt n > 0. Count a turn's start once per request_id.",
-    "TokenDelta": "A (request_id, seq) may appear twice when a worker's producer was "
-                  "replaced; an attempt never repeats a seq an earlier one wrote. Keep the "
-                  "first per (request_id, seq).",
+    "TokenDelta": "(Logs from before chat.live.) A (request_id, seq) may appear twice "
+                  "when a worker's producer was replaced; an attempt never repeats a seq an "
+                  "earlier one wrote. Keep the first per (request_id, seq).",
     "GenerationFinished": "At most one per turn is meant; a replaced producer can repeat "
                           "it. Keep the first per request_id.",
     "GenerationFailed": "As GenerationFinished: keep the first end per request_id.",
@@ -68,16 +78,27 @@ DEADLETTER_HEADERS = {
 }
 
 
-def event_schema() -> dict[str, Any]:
-    schema = EVENT_ADAPTER.json_schema(ref_template="#/$defs/{model}")
+def _schema(adapter: TypeAdapter[Any], name: str, title: str,
+            description: str) -> dict[str, Any]:
+    schema = adapter.json_schema(ref_template="#/$defs/{model}")
     return {"$schema": "https://json-schema.org/draft/2020-12/schema",
-            "$id": "https://chat-pipeline.invalid/contract/events.schema.json",
-            "title": "Chat pipeline event",
-            "description": "Every record value on chat.prompts, chat.control and "
-                           "chat.generations: UTF-8 JSON, one event, told apart by "
-                           "`type`. Readers must ignore fields they do not know (a newer "
-                           "writer may add some; `v` counts each event type's versions).",
-            **schema}
+            "$id": f"https://chat-pipeline.invalid/contract/{name}.schema.json",
+            "title": title, "description": description, **schema}
+
+
+def live_schema() -> dict[str, Any]:
+    return _schema(LIVE_ADAPTER, "live", "Chat pipeline live batch",
+                   "Every record value on chat.live: UTF-8 JSON, the entries many "
+                   "turns of one partition made in one window (schemas/live.py). "
+                   "Readers must ignore fields they do not know.")
+
+
+def event_schema() -> dict[str, Any]:
+    return _schema(EVENT_ADAPTER, "events", "Chat pipeline event",
+                   "Every record value on chat.prompts, chat.control and "
+                   "chat.generations: UTF-8 JSON, one event, told apart by "
+                   "`type`. Readers must ignore fields they do not know (a newer "
+                   "writer may add some; `v` counts each event type's versions).")
 
 
 def asyncapi() -> dict[str, Any]:
@@ -109,6 +130,31 @@ def asyncapi() -> dict[str, Any]:
             "summary": f"Read {topic} (in a consumer group of your own).",
             "messages": [{"$ref": f"#/channels/{name}/messages/{e}"} for e in events],
         }
+    live = specs[LIVE]
+    channels["live"] = {
+        "address": LIVE, "title": LIVE,
+        "description": "The text of running turns as it comes, for clients following a "
+                       "turn, resumes and takeovers: one LiveBatch per partition per "
+                       "engine step, many turns to a record, written in the same "
+                       "transactions as chat.generations (read_committed). No key: each "
+                       "record goes to the partition number its conversations have in the "
+                       "other chat topics. An entry names its turn by its reference, the "
+                       "offset of the turn's prompt in chat.prompts (GenerationStarted.ref "
+                       "gives it too; a start entry gives the request id). Kept for a "
+                       "bounded window (PIPELINE_LIVE_RETENTION_MS, 7 days by default): the "
+                       "durable record has every turn's whole text forever.",
+        "messages": {"LiveBatch": {"$ref": "#/components/messages/LiveBatch"}},
+        "bindings": {"kafka": {
+            "topic": LIVE, "partitions": live.partitions, "replicas": live.replication,
+            "topicConfiguration": {"cleanup.policy": ["delete"],
+                                   "retention.ms": int(live.config["retention.ms"]),
+                                   "retention.bytes": int(live.config["retention.bytes"])},
+            **_KAFKA}},
+    }
+    operations["readLive"] = {
+        "action": "receive", "channel": {"$ref": "#/channels/live"},
+        "summary": f"Read {LIVE} (assign the partitions you need).",
+        "messages": [{"$ref": "#/channels/live/messages/LiveBatch"}]}
     dead = specs[DEADLETTER]
     channels["deadletter"] = {
         "address": DEADLETTER, "title": DEADLETTER,
@@ -143,7 +189,9 @@ def asyncapi() -> dict[str, Any]:
         "action": "receive", "channel": {"$ref": "#/channels/rollouts"},
         "messages": [{"$ref": "#/channels/rollouts/messages/Rollout"}]}
     rollout_schema = Rollout.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = {**defs, **rollout_schema.pop("$defs", {}), "Rollout": rollout_schema}
+    live_batch = LIVE_ADAPTER.json_schema(ref_template="#/components/schemas/{model}")
+    defs = {**defs, **rollout_schema.pop("$defs", {}), "Rollout": rollout_schema,
+            **live_batch.pop("$defs", {}), "LiveBatch": live_batch}
     messages: dict[str, Any] = {}
     for events in TOPIC_EVENTS.values():
         for e in events:
@@ -157,6 +205,16 @@ def asyncapi() -> dict[str, Any]:
                     "key": {"type": "string", "format": "uuid",
                             "description": "conversation_id, UTF-8"}, **_KAFKA}},
             }
+    messages["LiveBatch"] = {
+        "name": "LiveBatch", "title": "LiveBatch", "contentType": "application/json",
+        "summary": "What the running turns of one partition produced in one window.",
+        "description": "Delivery: a replaced producer can repeat a record; keep the first "
+                       "delta per (turn, seq), the first start per (turn, attempt), the "
+                       "first end per turn. An attempt never repeats a seq an earlier one "
+                       "wrote.",
+        "payload": {"$ref": "#/components/schemas/LiveBatch"},
+        "bindings": {"kafka": {"key": {"type": "null"}, **_KAFKA}},
+    }
     messages["DeadLetter"] = {
         "name": "DeadLetter", "title": "DeadLetter",
         "summary": "A record parked by a consumer: the original key and value.",
@@ -182,12 +240,14 @@ def asyncapi() -> dict[str, Any]:
                 "partitioned with Kafka's default murmur2 partitioner, so one "
                 "conversation's events are in one partition of each topic, in order; "
                 "there is no order across conversations or topics. Read "
-                "`read_committed`. Values are JSON events (components/schemas; the JSON "
-                "Schema is events.schema.json beside this file). Topics keep records "
-                "forever by default (retention -1; PIPELINE_RETENTION_MS changes it); "
-                "dead letters 14 days. Every reader must tolerate the copies each "
-                "message's description names: de-duplicate by request_id, and TokenDelta "
-                "by (request_id, seq)."),
+                "`read_committed`. Values are JSON (components/schemas; the JSON "
+                "Schemas are events.schema.json and live.schema.json beside this file). "
+                "Two retention classes: the durable record (chat.prompts, chat.control, "
+                "chat.generations) is kept forever by default (retention -1; "
+                "PIPELINE_RETENTION_MS changes it); the live stream (chat.live) for 7 days "
+                "(PIPELINE_LIVE_RETENTION_MS); dead letters 14 days. Every reader must "
+                "tolerate the copies each message's description names: de-duplicate by "
+                "request_id, and deltas by (turn, seq)."),
         },
         "defaultContentType": "application/json",
         "servers": {"local": {"host": "127.0.0.1:9092", "protocol": "kafka",
@@ -202,6 +262,7 @@ def render() -> dict[str, str]:
     """Each file's text, as it must be checked in."""
     return {
         SCHEMA_FILE: json.dumps(event_schema(), indent=2, ensure_ascii=False) + "\n",
+        LIVE_SCHEMA_FILE: json.dumps(live_schema(), indent=2, ensure_ascii=False) + "\n",
         ASYNCAPI_FILE: "# Generated by `pipeline contract` from pipeline/contract.py: do not "
                        "edit.\n" + yaml.safe_dump(asyncapi(), sort_keys=False,
                                                  allow_unicode=True, width=88),

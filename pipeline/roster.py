@@ -32,11 +32,15 @@ KNOWN_S = 3600.0
 
 
 class Heartbeat:
-    """A worker's side: ``beat()`` every ``HEARTBEAT_S``, ``leave()`` when stopping."""
+    """A worker's side: ``beat()`` every ``HEARTBEAT_S``, ``leave()`` when stopping. A
+    heartbeat also tells the model's context length and the most bytes of text one of its
+    tokens stands for, when the engine knows them (``Roster.limits``)."""
 
-    def __init__(self, bootstrap: str, worker: str, model: str) -> None:
+    def __init__(self, bootstrap: str, worker: str, model: str,
+                 context: int | None = None, token_bytes: int | None = None) -> None:
         self.worker = worker
         self.model = model
+        self._limits = {"context": context, "token_bytes": token_bytes}
         self._last = 0.0
         self._quiet = QuietLog(log)
         self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0,
@@ -48,7 +52,8 @@ class Heartbeat:
         now = time.monotonic()
         if now - self._last >= HEARTBEAT_S:
             self._last = now
-            self._send(json.dumps({"model": self.model, "at": time.time()}).encode())
+            self._send(json.dumps({"model": self.model, "at": time.time(),
+                                   **self._limits}).encode())
         self._producer.poll(0)
 
     def leave(self) -> None:
@@ -67,6 +72,13 @@ class Heartbeat:
             self._quiet.warning("heartbeat not delivered: %s", err)
 
 
+def _sizes(beat: dict[str, object]) -> tuple[int, int] | None:
+    context, token_bytes = beat.get("context"), beat.get("token_bytes")
+    if type(context) is int and type(token_bytes) is int and context > 0 and token_bytes > 0:
+        return context, token_bytes
+    return None
+
+
 class Roster:
     """A gateway's side: the models live workers serve, from the heartbeats read so far,
     and the models served within ``KNOWN_S`` (``known``). ``refresh()`` reads what
@@ -79,6 +91,8 @@ class Roster:
         self._assigned = False
         self._seen: dict[str, tuple[str, float]] = {}  # worker -> (model, last heard)
         self._known: dict[str, float] = {}  # model -> last heard (wall clock)
+        # worker -> (context, token bytes), as its latest heartbeat said
+        self._sizes: dict[str, tuple[int, int]] = {}
 
     @property
     def known(self) -> set[str]:
@@ -109,6 +123,11 @@ class Roster:
                 model, at = str(beat["model"]), float(beat["at"])
             except (ValueError, KeyError, TypeError):
                 continue
+            sizes = _sizes(beat)
+            if sizes is None:
+                self._sizes.pop(worker, None)
+            else:
+                self._sizes[worker] = sizes
             self._known[model] = max(self._known.get(model, 0.0), at)
             # Alive while its heartbeats keep coming: an old one read at start-up counts
             # from when it was sent.
@@ -117,6 +136,15 @@ class Roster:
         now = time.monotonic()
         self._seen = {w: (m, at) for w, (m, at) in self._seen.items() if now - at < EXPIRY_S}
         return {m for m, _ in self._seen.values()}
+
+    def limits(self, model: str) -> tuple[int, int] | None:
+        """The largest context and token the live workers of ``model`` said they have
+        (None: none said both)."""
+        said = [sizes for w, (m, _) in list(self._seen.items())
+                if m == model and (sizes := self._sizes.get(w)) is not None]
+        if not said:
+            return None
+        return max(c for c, _ in said), max(b for _, b in said)
 
     def close(self) -> None:
         self._consumer.close()

@@ -7,7 +7,12 @@ of ``chat.control`` (range assignment).
 * ``chat.control``: facts about turns and sessions (cancel, a client detached or
   attached, a session created or deleted). A full worker stops fetching prompts but
   never control, so a cancel reaches a turn however busy its worker is.
-* ``chat.generations``: what the workers generate.
+* ``chat.generations``: each turn's start and end, with its whole text (the durable
+  record of what the workers generated; with ``chat.prompts`` and ``chat.control``,
+  kept forever by default).
+* ``chat.live``: the text of running turns as it comes, many turns to a record
+  (``schemas.live``), for clients following a turn, resumes and takeovers; kept for a
+  bounded window (7 days by default).
 * ``chat.workers``: the workers' heartbeats (compacted; ``pipeline.roster``).
 * ``chat.rollouts``: every change of which version serves a model alias, kept forever
   (``pipeline.rollout``).
@@ -20,8 +25,10 @@ from dataclasses import dataclass
 PROMPTS = "chat.prompts"
 CONTROL = "chat.control"
 GENERATIONS = "chat.generations"
-# Every topic a conversation's events live in, in the order readers fold them.
+# The durable record: every topic a conversation's events live in, in the order readers
+# fold them.
 CONVERSATION_TOPICS = (PROMPTS, CONTROL, GENERATIONS)
+LIVE = "chat.live"
 DEADLETTER = "chat.deadletter"
 WORKERS = "chat.workers"
 # Model aliases and rollouts: which version serves an alias's turns (``pipeline.rollout``).
@@ -45,6 +52,10 @@ def worker_client_id(model: str) -> str:
     return "chat-worker/" + model
 
 
+# Room for a dead letter's headers beyond the record it parks.
+DEADLETTER_HEADROOM = 64 * 1024
+
+
 @dataclass(frozen=True)
 class TopicSpec:
     name: str
@@ -63,6 +74,11 @@ class TopicPolicy:
     retention_ms: int = -1  # the log is the system of record: forever by default
     retention_bytes: int = -1
     deadletter_retention_ms: int = 14 * 24 * 3600 * 1000
+    # The live stream: longer than the longest turn and than any resume window.
+    live_retention_ms: int = 7 * 24 * 3600 * 1000
+    # The largest record a chat topic takes (its max.message.bytes, and every producer's
+    # message.max.bytes): a prompt or a reply that would pass it is refused alone.
+    max_record_bytes: int = 8 * 2**20
 
 
 def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
@@ -75,10 +91,13 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
         raise ValueError(f"replication factor {replication} needs at least that many "
                          f"brokers; the cluster has {brokers}")
     min_isr = policy.min_insync_replicas or (2 if replication >= 3 else 1)
-    base = {"min.insync.replicas": str(min_isr), "unclean.leader.election.enable": "false"}
+    base = {"min.insync.replicas": str(min_isr), "unclean.leader.election.enable": "false",
+            "max.message.bytes": str(policy.max_record_bytes)}
     log = {**base, "retention.ms": str(policy.retention_ms),
            "retention.bytes": str(policy.retention_bytes)}
-    parked = {**base, "retention.ms": str(policy.deadletter_retention_ms)}
+    # A dead letter is the record it parks plus headers saying why.
+    parked = {**base, "retention.ms": str(policy.deadletter_retention_ms),
+              "max.message.bytes": str(policy.max_record_bytes + DEADLETTER_HEADROOM)}
     return [
         TopicSpec(PROMPTS, policy.partitions, log, replication),
         # Stamped by the broker: a client's departure counts from when it is in the log
@@ -86,6 +105,8 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
         TopicSpec(CONTROL, policy.partitions, {**log, "message.timestamp.type":
                                                "LogAppendTime"}, replication),
         TopicSpec(GENERATIONS, policy.partitions, log, replication),
+        TopicSpec(LIVE, policy.partitions, {**base, "retention.ms": str(policy.live_retention_ms),
+                                            "retention.bytes": "-1"}, replication),
         TopicSpec(DEADLETTER, 1, parked, replication),
         # Heartbeats: only each worker's latest matters, and only for seconds.
         TopicSpec(WORKERS, 1, {**base, "cleanup.policy": "compact,delete",

@@ -18,6 +18,7 @@ from schemas.events import (
     SessionCreated,
     SessionDeleted,
     TokenDelta,
+    TurnRef,
     Usage,
 )
 
@@ -39,5 +40,6 @@ __all__ = [
     "SessionCreated",
     "SessionDeleted",
     "TokenDelta",
+    "TurnRef",
     "Usage",
 ]

@@ -20,7 +20,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -103,8 +103,22 @@ class EventBase(Frozen):
     tenant: str = Field(default="default", min_length=1, max_length=200)
 
 
+class TurnRef(Frozen):
+    """Where a turn lies in the durable record, in its conversation's partition: its
+    accepted prompt's offset in ``chat.prompts`` and its end's (the first
+    ``GenerationFinished`` or ``GenerationFailed``) in ``chat.generations``."""
+
+    prompt: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
+# A history digest: sha256 of the canonical history, lowercase hex (``schemas.history``).
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class PromptSubmitted(EventBase):
-    """A turn the gateway accepted: the messages the model sees, and how to sample.
+    """A turn the gateway accepted: the turn's new messages, where the model's input
+    continues from, and how to sample.
 
     v2 adds ``history_end``: the turn's history was read from the log up to (not
     including) this offset of the conversation's ``chat.prompts`` partition. If another
@@ -115,27 +129,51 @@ class PromptSubmitted(EventBase):
     v3 adds the routing decision: ``model`` is the version that serves the turn;
     ``alias``, the model the client asked for when it named an alias
     (``pipeline.rollout``), and ``rollout``, the id of the rollout record that routed it.
+
+    v4 stops repeating the session: ``messages`` are this turn's new messages only, and
+    the ``history_len`` messages before them are given by reference, ``previous`` (the
+    session's last turn; the model's input is that turn's input, its new messages and
+    its reply: ``schemas.history``), or inline, ``history`` (a prompt of v3, or one whose
+    previous turn the gateway could not place). ``history_digest`` is what the gateway
+    read the history to be, so a worker and an auditor can check what they rebuild.
     """
 
-    v: int = 3
+    v: int = 4
     type: Literal["PromptSubmitted"] = "PromptSubmitted"
     history_end: int | None = Field(default=None, ge=0)
     model: str
     alias: str | None = Field(default=None, max_length=200)
     rollout: str | None = Field(default=None, max_length=200)
+    # This turn's new messages; they take the conversation's positions from
+    # ``history_len`` on.
     messages: tuple[ChatMessage, ...] = Field(min_length=1)
-    # The first ``history_len`` messages came from the stored session; the rest are
-    # this turn's new messages. Their positions in the conversation follow from it.
+    # How many messages of the session come before this turn's.
     history_len: int = Field(default=0, ge=0)
+    history: tuple[ChatMessage, ...] | None = None
+    previous: TurnRef | None = None
+    history_digest: Digest | None = None
     sampling: SamplingParams = SamplingParams()
     idempotency_key: str | None = None
     # Keep generating when every client has gone away (a client asked for it).
     background: bool = False
 
+    @model_validator(mode="after")
+    def _history_given_once(self) -> PromptSubmitted:
+        if not self.history_len:
+            if self.history or self.previous is not None:
+                raise ValueError("a prompt without history_len names no history")
+        elif self.history is not None:
+            if len(self.history) != self.history_len or self.previous is not None:
+                raise ValueError("an inline history holds history_len messages, and no "
+                                 "previous turn besides")
+        elif self.previous is None:
+            raise ValueError("history_len needs the history inline or a previous turn")
+        return self
+
     @property
     def reply_seq(self) -> int:
         """Position of this turn's assistant reply within the conversation."""
-        return len(self.messages)
+        return self.history_len + len(self.messages)
 
 
 class GenerationCancelled(EventBase):
@@ -175,11 +213,17 @@ class SessionDeleted(EventBase):
 
 
 class GenerationStarted(EventBase):
-    """A worker began (``attempt`` 0) or took over (``attempt`` n) the turn's generation:
-    one per attempt. ``prompt_tokens``: what the engine read, earlier attempts' output
-    included."""
+    """A worker began (``attempt`` 0) or took over (``attempt`` n) the turn's generation,
+    at its first token: one per attempt. ``prompt_tokens``: what the engine read, earlier
+    attempts' output included.
 
+    v2 adds ``ref``, the turn's prompt offset: its text streams in ``chat.live`` under
+    that reference (``schemas.live``). None (v1, the code before): the turn's
+    ``TokenDelta`` events are in ``chat.generations`` itself."""
+
+    v: int = 2
     type: Literal["GenerationStarted"] = "GenerationStarted"
+    ref: int | None = Field(default=None, ge=0)
     model: str
     worker: str
     attempt: int = Field(default=0, ge=0)
@@ -189,7 +233,10 @@ class GenerationStarted(EventBase):
 
 class TokenDelta(EventBase):
     """Text the model generated, in order: ``seq`` counts from 0 with no gap per turn,
-    across attempts (a reader drops a ``(request_id, seq)`` it has seen)."""
+    across attempts (a reader drops a ``(request_id, seq)`` it has seen).
+
+    Written to ``chat.generations`` by the code before the live stream (``chat.live``,
+    ``schemas.live``): read in logs of then, never written now."""
 
     type: Literal["TokenDelta"] = "TokenDelta"
     attempt: int = Field(default=0, ge=0)
@@ -202,14 +249,16 @@ class GenerationFinished(EventBase):
     """The turn's end: its whole text, usage and timings. ``finish_reason`` ``abort``:
     cancelled (by its client, or no client came back within its grace)."""
 
+    v: int = 2
     type: Literal["GenerationFinished"] = "GenerationFinished"
+    ref: int | None = Field(default=None, ge=0)  # v2: as GenerationStarted's
     model: str
     attempt: int = Field(default=0, ge=0)
     reply_seq: int = Field(ge=0)
     finish_reason: FinishReason
     text: str
     usage: Usage
-    # Number of TokenDelta events before this one, so readers can detect loss.
+    # Number of deltas before this one, so readers can detect loss.
     deltas: int = Field(ge=0)
     ttft_ms: float | None = Field(default=None, ge=0)
     duration_ms: float = Field(ge=0)
@@ -219,7 +268,9 @@ class GenerationFailed(EventBase):
     """The turn's end without a reply: ``code`` says why (``model_not_served``,
     ``context_length_exceeded``, ``engine_dead``, ...)."""
 
+    v: int = 2
     type: Literal["GenerationFailed"] = "GenerationFailed"
+    ref: int | None = Field(default=None, ge=0)  # v2: as GenerationStarted's
     attempt: int = Field(default=0, ge=0)
     code: str
     message: str

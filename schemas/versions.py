@@ -26,9 +26,27 @@ def _prompt_v2_to_v3(data: JSON) -> JSON:
     return {**data, "alias": None, "rollout": None, "v": 3}
 
 
+def _prompt_v3_to_v4(data: JSON) -> JSON:
+    # v3 prompts repeat the session: its first ``history_len`` messages are the history,
+    # given inline.
+    messages, known = data.get("messages"), data.get("history_len", 0)
+    if isinstance(messages, list) and type(known) is int and known > 0:
+        return {**data, "history": messages[:known], "messages": messages[known:], "v": 4}
+    return {**data, "v": 4}
+
+
+def _deltas_in_this_topic(data: JSON) -> JSON:
+    # v1 of a generation's start and end: its deltas are TokenDelta events beside them.
+    return {**data, "ref": None, "v": 2}
+
+
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("PromptSubmitted", 1): _prompt_v1_to_v2,
     ("PromptSubmitted", 2): _prompt_v2_to_v3,
+    ("PromptSubmitted", 3): _prompt_v3_to_v4,
+    ("GenerationStarted", 1): _deltas_in_this_topic,
+    ("GenerationFinished", 1): _deltas_in_this_topic,
+    ("GenerationFailed", 1): _deltas_in_this_topic,
 }
 
 
