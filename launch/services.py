@@ -109,7 +109,10 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                             coalesce_ms=settings.coalesce_ms,
                             transaction_timeout_ms=settings.transaction_timeout_ms,
                             transactional_id=settings.transactional_id,
-                            transaction_interval_ms=settings.transaction_interval_ms)
+                            transaction_interval_ms=settings.transaction_interval_ms,
+                            max_record_bytes=common.max_record_bytes,
+                            history_cache_chars=settings.history_cache_chars,
+                            compression=common.compression)
             serve_metrics(registry, settings.metrics_port)
             runtime.settle()
             await worker.run(stop)

@@ -43,6 +43,10 @@ class EngineDead(RuntimeError):
 class Engine(Protocol):
     model_name: str
     max_num_seqs: int
+    max_model_len: int
+    # The most bytes of text one token stands for (None: not known): what lets a gateway
+    # refuse a prompt that cannot fit ``max_model_len`` before it is written.
+    max_token_bytes: int | None
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
 

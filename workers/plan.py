@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from schemas import PromptSubmitted
+from schemas.live import Delta
 from workers.control import ControlBook
 from workers.recovery import Recovered
 
@@ -28,12 +29,16 @@ class Progress:
     attempt: int = 0
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # Earlier attempts' deltas that only ``chat.generations`` holds (the code before the
+    # live stream wrote them): this attempt writes them to the live stream first.
+    republish: list[Delta] = field(default_factory=list)
 
     @classmethod
     def resumed(cls, rec: Recovered) -> Progress:
         emitted = rec.emitted()
         return cls(rec.attempt + 1, [d.text for d in emitted],
-                   [t for d in emitted for t in d.token_ids])
+                   [t for d in emitted for t in d.token_ids],
+                   emitted if rec.legacy else [])
 
 
 class Action(enum.Enum):

@@ -1,17 +1,21 @@
 """What earlier attempts left in the log, so a new owner can resume a turn exactly.
 
-When a worker is handed a prompt partition, it reads the recent records of the
-same partition of ``chat.generations`` (where the same conversations live) and
-folds them, per request, into: the highest attempt seen, the token deltas already
-emitted (by ``seq``), and whether the turn already ended. A turn that ended is not
-run again; a turn that did not is continued after its emitted tokens, under the
-next attempt, with ``seq`` carrying on, so readers see no gap and no duplicate.
+When a worker is handed a prompt partition, it reads the recent records of the same
+partition of ``chat.live`` and ``chat.generations`` (where the same conversations
+live) and folds them, per turn, into: the highest attempt seen, the deltas already
+emitted (by ``seq``), and whether the turn already ended. A turn that ended is not run
+again; a turn that did not is continued after its emitted tokens, under the next
+attempt, with ``seq`` carrying on, so readers see no gap and no duplicate.
 
-The scan runs on every assignment, over every record of the window, so ``LogFolder``
-takes the records one at a time and decodes only what resuming needs: each record's
-request id is read from its bytes, the turns' terminal events are decoded to learn
-which ended, and the other records of ended turns (nearly all of them) are dropped
-undecoded as soon as their turn's end is read.
+* ``LiveFolder`` folds ``chat.live``: turns by their reference (the prompt's offset),
+  only those at or past the partition's committed offset (no turn below it is
+  unfinished).
+* ``LogFolder`` folds ``chat.generations``: turns by request id, for their ends, and
+  for the ``TokenDelta`` events of turns written before the live stream. It takes the
+  records one at a time and decodes only what resuming needs: each record's request
+  id is read from its bytes, the turns' terminal events are decoded to learn which
+  ended, and the other records of ended turns are dropped undecoded as soon as their
+  turn's end is read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pipeline.codec import DecodeError, decode
+from pipeline.codec import DecodeError, decode, decode_live
 from schemas import (
     Event,
     GenerationFailed,
@@ -27,24 +31,34 @@ from schemas import (
     GenerationStarted,
     TokenDelta,
 )
+from schemas.live import TERMINAL, Delta, Start, entries
 
 
 @dataclass
 class Recovered:
     attempt: int = 0
     ended: bool = False
-    deltas: dict[int, TokenDelta] = field(default_factory=dict)
+    deltas: dict[int, Delta] = field(default_factory=dict)
+    # Deltas found only in chat.generations (written before the live stream): the next
+    # attempt writes them to the live stream again, so its readers have the whole turn.
+    legacy: bool = False
 
-    def emitted(self) -> list[TokenDelta]:
+    def emitted(self) -> list[Delta]:
         """The deltas from seq 0 on, as long as they run without a gap."""
-        out: list[TokenDelta] = []
+        out: list[Delta] = []
         while len(out) in self.deltas:
             out.append(self.deltas[len(out)])
         return out
 
+    def merged(self, live: Recovered) -> Recovered:
+        """This (from ``chat.generations``) and what ``live`` found of the same turn."""
+        deltas = {**self.deltas, **live.deltas}
+        return Recovered(max(self.attempt, live.attempt), self.ended or live.ended, deltas,
+                         legacy=any(seq not in live.deltas for seq in self.deltas))
+
 
 def fold(events: list[Event]) -> dict[str, Recovered]:
-    """Per request id, what the log says about its generation so far."""
+    """Per request id, what ``chat.generations`` says about its generation so far."""
     state: dict[str, Recovered] = {}
     for event in events:
         if isinstance(event, GenerationStarted):
@@ -52,10 +66,71 @@ def fold(events: list[Event]) -> dict[str, Recovered]:
             rec.attempt = max(rec.attempt, event.attempt)
         elif isinstance(event, TokenDelta):
             rec = state.setdefault(event.request_id, Recovered())
-            rec.deltas.setdefault(event.seq, event)
+            rec.deltas.setdefault(event.seq, Delta(event.seq, event.text, event.token_ids))
+            rec.legacy = True
         elif isinstance(event, (GenerationFinished, GenerationFailed)):
             state.setdefault(event.request_id, Recovered()).ended = True
     return state
+
+
+class LiveFolder:
+    """Folds ``chat.live`` records of the partitions in ``first_ref`` (partition -> the
+    lowest reference of interest, its committed prompt offset): per ``(partition, ref)``,
+    what the turn's entries say. A turn seen to end keeps nothing but that."""
+
+    def __init__(self, first_ref: dict[int, int]) -> None:
+        self._first = first_ref
+        self._found: dict[tuple[int, int], Recovered] = {}
+        self.undecodable = 0
+
+    def add(self, partition: int, value: bytes | None) -> None:
+        first = self._first.get(partition)
+        if first is None:
+            return
+        try:
+            batch = decode_live(value)
+        except DecodeError:
+            self.undecodable += 1  # nothing to resume from it
+            return
+        for _, ref, item in entries(batch):
+            if ref < first:
+                continue
+            rec = self._found.setdefault((partition, ref), Recovered())
+            if rec.ended:
+                continue
+            if isinstance(item, Delta):
+                rec.deltas.setdefault(item.seq, item)
+            elif isinstance(item, Start):
+                rec.attempt = max(rec.attempt, item.attempt)
+            elif isinstance(item, TERMINAL):
+                rec.ended, rec.deltas = True, {}
+
+    def result(self) -> dict[tuple[int, int], Recovered]:
+        return self._found
+
+
+@dataclass
+class Found:
+    """What a takeover found: turns of ``chat.generations`` by request id, turns of
+    ``chat.live`` by (partition, reference)."""
+
+    by_request: dict[str, Recovered] = field(default_factory=dict)
+    by_ref: dict[tuple[int, int], Recovered] = field(default_factory=dict)
+
+    def take(self, request_id: str, partition: int, ref: int) -> Recovered | None:
+        """What the log holds of one turn (None: nothing), taken out."""
+        live = self.by_ref.pop((partition, ref), None)
+        durable = self.by_request.pop(request_id, None)
+        if durable is None:
+            return live
+        return durable.merged(live) if live is not None else durable
+
+    def describe(self) -> str:
+        """What was found, for the log."""
+        return (f"{len(self.by_ref)} turns in the live stream "
+                f"({sum(not r.ended for r in self.by_ref.values())} unfinished), "
+                f"{len(self.by_request)} in the durable record "
+                f"({sum(not r.ended for r in self.by_request.values())} unfinished)")
 
 
 _REQUEST = b'"request_id":"'

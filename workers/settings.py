@@ -56,6 +56,9 @@ class WorkerSettings(BaseSettings):
     # A transaction begins at least this long after the previous one: more deltas share
     # each transaction's fixed cost on the broker, for up to this much added latency.
     transaction_interval_ms: float = Field(default=20.0, ge=0, le=1000)
+    # Characters of session history kept in memory, so a session's next turn needs not
+    # read it back from the log (least recently used first out).
+    history_cache_chars: int = Field(default=64 * 2**20, ge=0)
     # The simulated engine: time to first token and per-sequence decode rate.
     sim_ttft_ms: float = Field(default=50.0, ge=0)
     sim_tokens_per_s: float = Field(default=50.0, gt=0)

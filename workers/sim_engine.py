@@ -52,6 +52,8 @@ class SimEngine:
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        # It counts a message's words, of any length, as its tokens: no bound on a token.
+        self.max_token_bytes: int | None = None
         self.default_max_tokens = default_max_tokens
         self._ttft = ttft_ms / 1000
         self._step = 1 / tokens_per_s

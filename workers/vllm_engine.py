@@ -89,6 +89,13 @@ def isolate_engine_cores(settings: WorkerSettings) -> bool:
     return _on_cpu()
 
 
+def longest_token(tokenizer: Any) -> int:
+    """The most bytes of text one token of ``tokenizer`` stands for (decoded alone; one
+    more for the space a SentencePiece token drops when decoded alone)."""
+    return 1 + max(len(tokenizer.decode([i]).encode("utf-8", "surrogatepass"))
+                   for i in range(len(tokenizer)))
+
+
 class VllmEngine:
     """Adapts vLLM's ``AsyncLLM`` to the worker's ``Engine`` protocol."""
 
@@ -120,6 +127,7 @@ class VllmEngine:
         config = self._llm.vllm_config
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
         self.max_model_len = int(config.model_config.max_model_len)
+        self.max_token_bytes: int | None = longest_token(self._tokenizer)
         self._running: set[str] = set()
 
     def running(self) -> int:

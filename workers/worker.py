@@ -9,11 +9,15 @@ many prompts at once on one engine.
 * A prompt is judged before it runs (``schemas.conversation.TurnLedger``): a void prompt
   (a racing turn of the same session came first) and a duplicate of a turn already
   accepted are never run.
-* Everything the worker writes goes through one ``TransactionalProducer``: each
-  transaction commits the prompts' offsets too (the low watermark of unfinished turns,
-  so a crash re-delivers every unfinished prompt), and the broker refuses it once the
-  worker has left the group. A worker that was paused or cut off while its partitions
-  moved on writes nothing a reader sees.
+* A turn's input is its session's history, kept from the turns run here or rebuilt from
+  the durable record (``workers.history``), then its prompt's new messages.
+* Everything the worker writes goes through one ``TransactionalProducer``: the turns'
+  text to ``chat.live``, one record per partition per engine step, with their starts
+  and ends to ``chat.generations`` (``workers.output``). Each transaction commits the
+  prompts' offsets too (the low watermark of unfinished turns, so a crash re-delivers
+  every unfinished prompt, and how much waits: ``workers.offsets``), and the broker
+  refuses it once the worker has left the group. A worker that was paused or cut off
+  while its partitions moved on writes nothing a reader sees.
 * Takeover: a worker handed a partition first reads what earlier owners left in the
   log (``workers.recovery``), and the recent control events. Turns that ended are not
   run again; unfinished ones continue after their emitted tokens, under the next
@@ -29,15 +33,16 @@ import socket
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.codec import TP, DecodeError, conversation_key, decode
+from pipeline.codec import TP, DecodeError, conversation_key, decode, encode
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import (
+    QUICK_ASSIGN,
     AsyncConsumer,
     Fenced,
     KafkaException,
@@ -48,6 +53,7 @@ from pipeline.kafka import (
     high_watermarks,
     read_spans,
     scan_partitions,
+    topic_limits,
 )
 from pipeline.retry import Backoff, QuietLog
 from pipeline.roster import Heartbeat
@@ -55,6 +61,7 @@ from pipeline.topics import (
     CONTROL,
     DEADLETTER,
     GENERATIONS,
+    LIVE,
     PROMPTS,
     WORKERS_GROUP,
     worker_client_id,
@@ -70,16 +77,18 @@ from schemas import (
     GenerationStarted,
     PromptSubmitted,
     SessionDeleted,
-    TokenDelta,
     Usage,
 )
 from schemas.conversation import TurnLedger, Verdict
+from schemas.history import History, turn_messages
 from workers.coalescer import Coalescer
 from workers.control import ControlBook
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
+from workers.history import Histories, HistoryMetrics, HistoryUnavailable, Position3
 from workers.offsets import OffsetTracker
+from workers.output import Output
 from workers.plan import Action, Progress, plan_start, stop_at
-from workers.recovery import Recovered, from_log
+from workers.recovery import Found, LiveFolder, LogFolder
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -155,6 +164,20 @@ class WorkerMetrics:
         self.fenced = Counter("worker_fenced",
                               "Transactions refused because this worker left its group",
                               registry=registry)
+        self.histories = HistoryMetrics(
+            kept=Counter("worker_histories_kept", "Turns whose history this worker kept",
+                         registry=registry),
+            rebuilt=Counter("worker_histories_rebuilt",
+                            "Turns whose history was rebuilt from the log", registry=registry),
+            reads=Counter("worker_history_reads", "Records read to rebuild histories",
+                          registry=registry),
+            mismatches=Counter("worker_history_mismatches",
+                               "Histories unlike what their prompt said (logged)",
+                               registry=registry))
+        Gauge("worker_history_cache_chars", "Characters of history kept",
+              registry=registry).set_function(lambda: worker.histories.chars)
+        Gauge("worker_live_records", "chat.live records written", registry=registry
+              ).set_function(lambda: worker.output.records if worker.output else 0)
 
 
 @dataclass
@@ -164,6 +187,7 @@ class InFlight:
     prompt: PromptSubmitted
     grace: asyncio.Task[None] | None = None
     cancelled: bool = False
+    history: History | None = None  # once read: the session before this turn
 
 
 @dataclass
@@ -187,6 +211,8 @@ class Worker:
         *, session_timeout_ms: int = 10_000, recovery_window_s: float = 300.0,
         coalesce_ms: float = 10.0, transaction_timeout_ms: int = 10_000,
         transactional_id: str = "", transaction_interval_ms: float = 0.0,
+        max_record_bytes: int = 8 * 2**20, history_cache_chars: int = 64 * 2**20,
+        compression: str = "zstd",
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
@@ -196,6 +222,8 @@ class Worker:
         self.coalesce_s = coalesce_ms / 1000
         self.transaction_timeout_ms = transaction_timeout_ms
         self.transaction_interval_ms = transaction_interval_ms
+        self.max_record_bytes = max_record_bytes
+        self.compression = compression
         # Unique per process unless configured: a stable id (one per worker slot) lets a
         # restarted worker fence its predecessor's open transaction at once.
         self._own_transactional_id = not transactional_id
@@ -205,12 +233,15 @@ class Worker:
         self.in_flight: dict[str, InFlight] = {}
         self.waiting: deque[Waiting] = deque()
         self.peak_in_flight = 0
-        self.recovered: dict[str, Recovered] = {}
+        self.recovered = Found()
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.book = ControlBook()
         self.ledgers: dict[int, _Ledger] = {}
         self.writer: TransactionalProducer | None = None
+        self.output: Output | None = None
         self.metrics = WorkerMetrics(registry, self)
+        self.histories = Histories(self._read_at, self.metrics.histories, history_cache_chars)
+        self._history_reader: AsyncConsumer | None = None
         self._gathering = False  # a call to ``_gather`` is scheduled
         self._assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
@@ -259,12 +290,21 @@ class Worker:
         # What earlier owners wrote (committed, or resolved if still open: read_spans).
         # Open transactions of an earlier owner end within the transaction timeout.
         wait_s = max(60.0, 3 * self.transaction_timeout_ms / 1000)
-        # Folded as they are read: a busy window holds millions of records.
-        records = reported(scan_partitions(self.bootstrap, GENERATIONS, list(since), since,
-                                           wait_s), min(since.values(), default=0),
-                           f"reading {GENERATIONS}")
-        found = {rid: rec for rid, rec in from_log(r.value for r in records).items()
-                 if rid not in self.in_flight}
+        # Folded as they are read: a busy window holds millions of records. The ends,
+        # and the deltas of turns written before the live stream, are in the durable
+        # record; the deltas of the others, in the live stream.
+        durable = LogFolder()
+        for record in reported(scan_partitions(self.bootstrap, GENERATIONS, list(since),
+                                               since, wait_s),
+                               min(since.values(), default=0), f"reading {GENERATIONS}"):
+            durable.add(record.value)
+        live = LiveFolder({p: committed[(PROMPTS, p)] for p in since})
+        for record in reported(scan_partitions(self.bootstrap, LIVE, list(since), since,
+                                               wait_s),
+                               min(since.values(), default=0), f"reading {LIVE}"):
+            live.add(record.position.partition, record.value)
+        found = Found({rid: rec for rid, rec in durable.result().items()
+                       if rid not in self.in_flight}, live.result())
         self.recovered = found  # an assignment is whole: earlier findings are stale
         # The recent control events, so a turn cancelled or abandoned while its prompt
         # waited is known before the prompt comes up; control is read on from there.
@@ -279,9 +319,7 @@ class Worker:
         self.writer.set_group(self._consumer.group_metadata_sync())
         self._assignments += 1
         self.metrics.assigned.set(len(prompts))
-        unfinished = sum(not r.ended for r in found.values())
-        log.info("assigned prompts %s; %d recent turns in the log, %d unfinished",
-                 prompts, len(found), unfinished)
+        log.info("assigned prompts %s; recent: %s", prompts, found.describe())
         return {**{(PROMPTS, p): committed[(PROMPTS, p)] for p in prompts},
                 **{(CONTROL, p): control_ends[p] for p in controls}}
 
@@ -331,6 +369,8 @@ class Worker:
         for flight in flights:
             flight.task.cancel()
         await asyncio.gather(*(f.task for f in flights), return_exceptions=True)
+        if self.output is not None:  # what they wrote but did not yet queue
+            self.output.drop(partitions)
         if flights:
             log.info("handed %d unfinished turns to the next owner", len(flights))
 
@@ -352,13 +392,21 @@ class Worker:
                # A worker owns the same partition number of both topics.
                "partition.assignment.strategy": "range",
                "fetch.wait.max.ms": FETCH_WAIT_MS})
+        limits = await asyncio.to_thread(topic_limits, self.bootstrap, [GENERATIONS, LIVE],
+                                         self.max_record_bytes)
         self.writer = TransactionalProducer(
             self.bootstrap, self.transactional_id, self.tracker.positions,
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
             timeout_ms=self.transaction_timeout_ms, own_id=self._own_transactional_id,
-            interval_ms=self.transaction_interval_ms, gathers=True)
+            interval_ms=self.transaction_interval_ms, gathers=True,
+            max_record_bytes=max(limits.values()), limits=limits,
+            offset_metadata=self.tracker.describe, compression=self.compression)
+        self.output = Output(self.writer, self.name)
+        self._history_reader = AsyncConsumer(self.bootstrap, f"worker-history-{self.name}",
+                                             **QUICK_ASSIGN)
         await asyncio.to_thread(self.writer.start)
-        heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name)
+        heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name,
+                              self.engine.max_model_len, self.engine.max_token_bytes)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=self._on_assign,
                            on_revoke=self._on_revoke)
         paused: bool | None = None  # as applied to the assignment of version `applied`
@@ -378,6 +426,7 @@ class Worker:
                     self._fenced.clear()
                     rejoin, self._rejoin = self._rejoin, False
                     await self._abandon(list(self.ledgers))
+                    self.output.drop()
                     if rejoin:
                         await consumer.call(consumer.rejoin_sync)
                 full = len(self.in_flight) + len(self.waiting) >= self.capacity
@@ -399,7 +448,8 @@ class Worker:
                     # transaction markers, so the group's lag reaches 0 when all is done.
                     self.tracker.advance({tp: o for tp, o in (await consumer.call(
                         consumer.positions_sync)).items() if tp[0] == PROMPTS})
-                    if self.tracker.committable():  # offsets moved with nothing to write
+                    if self.tracker.committable() or self.tracker.stale_descriptions():
+                        # offsets moved, or the work waiting changed, with nothing to write
                         self.writer.commit_offsets()
                     last_commit = time.monotonic()
                 if time.monotonic() - last_lag > 1.0:
@@ -414,6 +464,7 @@ class Worker:
             await asyncio.to_thread(heartbeat.leave)
             await asyncio.to_thread(self.writer.close)
             await consumer.close()
+            await self._history_reader.close()
         if self._fatal is not None:
             raise self._fatal
 
@@ -477,6 +528,7 @@ class Worker:
                          record.position, verdict.value)
             self._done((topic, partition), offset)
             return
+        self.tracker.queued((topic, partition), offset)
         self.waiting.append(Waiting(event, (topic, partition), offset))
 
     def _done(self, tp: TP, offset: int) -> None:
@@ -571,12 +623,13 @@ class Worker:
             return  # left in the log for the partitions' next owner
         while self.waiting and len(self.in_flight) < self.engine.max_num_seqs:
             item = self.waiting.popleft()
+            self.tracker.started(item.tp, item.offset)
             self._start(item.prompt, item.tp, item.offset)
 
     def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> None:
         assert self.writer is not None
         rid = prompt.request_id
-        plan = plan_start(prompt, self.recovered.pop(rid, None),
+        plan = plan_start(prompt, self.recovered.take(rid, tp[1], offset),
                           rid in self.ended or rid in self.in_flight, self.book,
                           datetime.now(UTC))
         epoch = self.writer.epoch
@@ -609,7 +662,7 @@ class Worker:
                              progress: Progress, epoch: int) -> None:
         """End a turn that must not start: cancelled, with what earlier attempts wrote."""
         final = GenerationFinished(
-            **_ids(prompt), model=self.engine.model_name, attempt=progress.attempt,
+            **_ids(prompt), ref=offset, model=self.engine.model_name, attempt=progress.attempt,
             reply_seq=prompt.reply_seq, finish_reason="abort", text="".join(progress.parts),
             deltas=len(progress.parts),
             usage=Usage(prompt_tokens=0, completion_tokens=len(progress.token_ids)),
@@ -619,23 +672,22 @@ class Worker:
     async def _generate(
         self, prompt: PromptSubmitted, tp: TP, offset: int, progress: Progress, epoch: int,
     ) -> None:
-        writer = self.writer
-        assert writer is not None
+        output = self.output
+        assert output is not None
+        partition = tp[1]
         ids = _ids(prompt)
-        key = conversation_key(prompt.conversation_id)  # every event of the turn's
+        key = conversation_key(prompt.conversation_id)  # every durable event of the turn's
         attempt = progress.attempt
         started = last_token = time.monotonic()
         ttft: float | None = None
         coalescer = Coalescer(self.coalesce_s, emitted=len(progress.parts))
 
         def emit(delta: tuple[str, tuple[int, ...]] | None) -> None:
-            """One TokenDelta: seq stays gap-free."""
+            """One delta to the live stream: seq stays gap-free."""
             if delta is None:
                 return
             text, token_ids = delta
-            writer.send_nowait(GENERATIONS, TokenDelta(
-                **ids, attempt=attempt, seq=len(progress.parts), text=text,
-                token_ids=token_ids), epoch, key)
+            output.delta(partition, offset, len(progress.parts), text, token_ids, epoch)
             self._gather_soon()
             progress.parts.append(text)
             progress.token_ids.extend(token_ids)
@@ -651,7 +703,11 @@ class Worker:
             if prompt.model != self.engine.model_name:
                 raise EngineRejected("model_not_served", f"This worker serves "
                                      f"'{self.engine.model_name}', not '{prompt.model}'.")
-            request = EngineRequest(prompt.request_id, prompt.messages, prompt.sampling,
+            messages = await self.histories.input_for(prompt, partition)
+            flight = self.in_flight.get(prompt.request_id)
+            if flight is not None:
+                flight.history = messages[:prompt.history_len]
+            request = EngineRequest(prompt.request_id, messages, prompt.sampling,
                                     tuple(progress.token_ids))
             async for out in self.engine.generate(request):
                 now = time.monotonic()
@@ -659,23 +715,27 @@ class Worker:
                     ttft = now - started
                     prompt_tokens = out.prompt_tokens
                     self.metrics.ttft.observe(ttft)
-                    writer.send_nowait(GENERATIONS, GenerationStarted(
-                        **ids, model=self.engine.model_name, worker=self.name, attempt=attempt,
-                        reply_seq=prompt.reply_seq, prompt_tokens=prompt_tokens), epoch, key)
+                    output.start(partition, offset, GenerationStarted(
+                        **ids, ref=offset, model=self.engine.model_name, worker=self.name,
+                        attempt=attempt, reply_seq=prompt.reply_seq,
+                        prompt_tokens=prompt_tokens), key, epoch)
+                    for earlier in progress.republish:  # only the durable record had them
+                        output.delta(partition, offset, earlier.seq, earlier.text,
+                                     earlier.token_ids, epoch)
                 elif out.token_ids:
                     self.metrics.itl.observe((now - last_token) / len(out.token_ids))
                 last_token = now
                 self.metrics.tokens.inc(len(out.token_ids))
                 emit(coalescer.add(out.text, out.token_ids, now))
-                if writer.backlogged:  # Kafka takes tokens slower than the engine makes them
-                    await writer.room()
+                if self.writer is not None and self.writer.backlogged:
+                    await self.writer.room()  # Kafka takes tokens slower than they come
                 if out.finish_reason in ("stop", "length"):
                     finish_reason = "stop" if out.finish_reason == "stop" else "length"
             emit(coalescer.drain())
             final = GenerationFinished(
-                **ids, model=self.engine.model_name, attempt=attempt, reply_seq=prompt.reply_seq,
-                finish_reason=finish_reason, text="".join(progress.parts),
-                deltas=len(progress.parts),
+                **ids, ref=offset, model=self.engine.model_name, attempt=attempt,
+                reply_seq=prompt.reply_seq, finish_reason=finish_reason,
+                text="".join(progress.parts), deltas=len(progress.parts),
                 usage=Usage(prompt_tokens=prompt_tokens,
                             completion_tokens=len(progress.token_ids)),
                 ttft_ms=None if ttft is None else ttft * 1000,
@@ -687,37 +747,58 @@ class Worker:
             # still held back here are generated again by the next owner).
             self._forget(prompt.request_id)
             raise
-        except EngineRejected as exc:
-            final = GenerationFailed(**ids, attempt=attempt, code=exc.code, message=str(exc))
+        except (EngineRejected, HistoryUnavailable) as exc:
+            final = GenerationFailed(**ids, ref=offset, attempt=attempt, code=exc.code,
+                                     message=str(exc))
         except EngineDead as exc:
-            final = GenerationFailed(**ids, attempt=attempt, code="engine_dead", message=str(exc))
+            final = GenerationFailed(**ids, ref=offset, attempt=attempt, code="engine_dead",
+                                     message=str(exc))
             self._fatal = exc
         except Exception as exc:
             log.exception("generation %s failed", prompt.request_id)
-            final = GenerationFailed(**ids, attempt=attempt, code="internal_error",
+            final = GenerationFailed(**ids, ref=offset, attempt=attempt, code="internal_error",
                                      message=type(exc).__name__)
         await self._finish(prompt, tp, offset, final, epoch)
 
     def _gather_soon(self) -> None:
-        """Tell the writer, once the turns this loop has ready have run, that what they
-        wrote is queued: an engine step's outputs wake its turns together, so the step's
-        deltas share one transaction (see ``TransactionalProducer``)."""
+        """Once the turns this loop has ready have run, queue what they wrote (one live
+        record per partition) and tell the writer it is all queued: an engine step's
+        outputs wake its turns together, so the step's deltas share one record per
+        partition and one transaction (see ``TransactionalProducer``)."""
         if not self._gathering:
             self._gathering = True
             asyncio.get_running_loop().call_soon(self._gather)
 
     def _gather(self) -> None:
         self._gathering = False
-        if self.writer is not None:
+        if self.writer is not None and self.output is not None:
+            self.output.flush(self.writer.epoch)
             self.writer.gathered()
+
+    def _fits(self, final: GenerationFinished | GenerationFailed,
+              ) -> GenerationFinished | GenerationFailed:
+        """``final``, or, if the log would not take it (a reply larger than its topic's
+        records), a failure that says so: the turn ends alone, never retried."""
+        assert self.writer is not None
+        limit = self.writer.limit(GENERATIONS)
+        size = len(encode(final))
+        if size <= limit - 1024:
+            return final
+        return GenerationFailed(
+            conversation_id=final.conversation_id, request_id=final.request_id,
+            tenant=final.tenant, ref=final.ref, attempt=final.attempt, code="reply_too_large",
+            message=f"The reply ({size:,} bytes) is larger than the log takes ({limit:,} "
+                    "bytes: PIPELINE_MAX_RECORD_BYTES).")
 
     async def _finish(self, prompt: PromptSubmitted, tp: TP, offset: int,
                       final: GenerationFinished | GenerationFailed, epoch: int) -> None:
-        """Write the turn's terminal event; once it is committed, so is (in the next
-        transaction) the prompt's offset."""
-        assert self.writer is not None
+        """Write the turn's end (its live entry and its durable event, in one transaction);
+        once it is committed, so is (in the next transaction) the prompt's offset."""
+        assert self.output is not None
+        final = self._fits(final)
         try:
-            written = self.writer.send(GENERATIONS, final, epoch)
+            written = self.output.end(tp[1], offset, final,
+                                      conversation_key(prompt.conversation_id))
             self._gather_soon()
             await written
         except asyncio.CancelledError:
@@ -734,7 +815,26 @@ class Worker:
         self._done(tp, offset)
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
+        flight = self.in_flight.get(prompt.request_id)
+        if flight is not None and flight.history is not None:
+            self.histories.remember(prompt.conversation_id, offset,
+                                    flight.history + turn_messages(prompt, final))
         self._forget(prompt.request_id, ended=True)
+
+    async def _read_at(self, wanted: Sequence[Position3]) -> dict[Position3, Record | None]:
+        """Records at exact positions, for histories: retried while Kafka is away (the
+        turn waits for its history)."""
+        reader = self._history_reader
+        assert reader is not None
+        backoff = Backoff()
+        while True:
+            try:
+                return await reader.call(reader.read_at_sync, wanted)
+            except (KafkaException, TimeoutError) as exc:
+                delay = backoff.next()
+                self._quiet.warning("could not read a history (retrying in %.1f s): %s",
+                                    delay, exc)
+                await asyncio.sleep(delay)
 
     def _forget(self, request_id: str, ended: bool = False) -> None:
         flight = self.in_flight.pop(request_id, None)

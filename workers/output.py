@@ -1,0 +1,143 @@
+"""What a worker's turns write: their text to the live stream, many turns to a record,
+and their starts and ends to the durable record, in the same transaction.
+
+Each partition has one open ``LiveBatch`` (``schemas.live``), which the turns running
+there add their entries to. ``flush`` (once the turns an engine step woke have run)
+seals every open batch and queues it with the durable events that go with its entries,
+together (``TransactionalProducer.send_together``): one transaction holds a turn's last
+delta, its end entry and its ``GenerationFinished``, so a reader never sees a turn end
+in one without the other, and a replaced worker's records are fenced together.
+
+A batch is also sealed when its text passes ``max_bytes`` (a record the topic takes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pipeline.codec import Position, encode
+from pipeline.kafka import Outgoing, TransactionalProducer
+from pipeline.topics import GENERATIONS, LIVE
+from schemas import GenerationFailed, GenerationFinished, GenerationStarted
+
+# What an entry costs in a batch besides its text (its reference, seq and brackets).
+ENTRY_BYTES = 48
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class _Open:
+    """One partition's batch being built, and what waits for it."""
+
+    starts: list[tuple[int, int, str]] = field(default_factory=list)
+    deltas: list[tuple[int, int, str, tuple[int, ...]]] = field(default_factory=list)
+    ends: list[tuple[int, int, str, int, int]] = field(default_factory=list)
+    failures: list[tuple[int, str, str]] = field(default_factory=list)
+    durable: list[tuple[bytes, bytes, asyncio.Future[Position] | None]] = field(
+        default_factory=list)
+    size: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.starts or self.deltas or self.ends or self.failures or self.durable)
+
+
+class Output:
+    def __init__(self, writer: TransactionalProducer, worker: str) -> None:
+        self.writer = writer
+        self.worker = worker
+        self._open: dict[int, _Open] = {}
+        self.records = 0  # live records written (queued)
+
+    @property
+    def max_bytes(self) -> int:
+        return self.writer.limit(LIVE) // 2
+
+    def _batch(self, partition: int) -> _Open:
+        batch = self._open.get(partition)
+        if batch is None:
+            batch = self._open[partition] = _Open()
+        return batch
+
+    def start(self, partition: int, ref: int, started: GenerationStarted, key: bytes,
+              epoch: int) -> None:
+        batch = self._batch(partition)
+        batch.starts.append((ref, started.attempt, started.request_id))
+        batch.durable.append((key, encode(started), None))
+        self._grown(partition, batch, ENTRY_BYTES + len(started.request_id), epoch)
+
+    def delta(self, partition: int, ref: int, seq: int, text: str,
+              token_ids: tuple[int, ...], epoch: int) -> None:
+        batch = self._batch(partition)
+        batch.deltas.append((ref, seq, text, token_ids))
+        self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
+
+    def end(self, partition: int, ref: int, final: GenerationFinished | GenerationFailed,
+            key: bytes) -> asyncio.Future[Position]:
+        """Add the turn's end; the future resolves once its transaction committed (or
+        fails as ``send`` would: ``Fenced``, ``RecordTooLarge``...)."""
+        batch = self._batch(partition)
+        if isinstance(final, GenerationFinished):
+            batch.ends.append((ref, final.deltas, final.finish_reason,
+                               final.usage.prompt_tokens, final.usage.completion_tokens))
+        else:
+            batch.failures.append((ref, final.code, final.message))
+        answer: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
+        batch.durable.append((key, encode(final), answer))
+        return answer
+
+    def _grown(self, partition: int, batch: _Open, added: int, epoch: int) -> None:
+        batch.size += added
+        if batch.size > self.max_bytes:
+            self._seal(partition, epoch)
+
+    def flush(self, epoch: int) -> None:
+        """Queue every open batch (see the module)."""
+        for partition in list(self._open):
+            self._seal(partition, epoch)
+
+    def _seal(self, partition: int, epoch: int) -> None:
+        batch = self._open.pop(partition, None)
+        if not batch:
+            return
+        records = []
+        if batch.starts or batch.deltas or batch.ends or batch.failures:
+            value = _encoder.encode({
+                "type": "LiveBatch", "v": 1, "worker": self.worker,
+                "at": int(time.time() * 1000), "starts": batch.starts,
+                "deltas": batch.deltas, "ends": batch.ends, "failures": batch.failures})
+            records.append(Outgoing(LIVE, None, value, partition))
+            self.records += 1
+        records += [Outgoing(GENERATIONS, key, value, answer=answer is not None)
+                    for key, value, answer in batch.durable]
+        futures = self.writer.send_together(records, epoch)
+        answers = [answer for _, _, answer in batch.durable]
+        for mine, theirs in zip(answers, futures[len(futures) - len(answers):], strict=True):
+            if mine is not None and theirs is not None:
+                _chain(theirs, mine)
+
+    def drop(self, partitions: list[int] | None = None) -> None:
+        """Forget the open batches (of ``partitions``, or all): their turns were given up."""
+        for partition in list(self._open) if partitions is None else partitions:
+            batch = self._open.pop(partition, None)
+            for _, _, answer in batch.durable if batch else ():
+                if answer is not None:  # its turn's task was stopped before this
+                    answer.cancel()
+
+
+def _chain(source: asyncio.Future[Position], target: asyncio.Future[Position]) -> None:
+    def copy(done: asyncio.Future[Position]) -> None:
+        error = None if done.cancelled() else done.exception()  # retrieved, whoever waits
+        if target.done():
+            return
+        if done.cancelled():
+            target.cancel()
+        elif error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
