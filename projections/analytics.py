@@ -32,8 +32,10 @@ What a turn counts as:
   topics.)
 * **tokens**: the terminal event's usage.
 * **TTFT**: the prompt's ``occurred_at`` (the gateway accepting it) to the first token's
-  (the worker writing it): what a client waits, queueing included. Clocks of different
-  hosts are compared here: keep them in NTP sync.
+  (the worker writing it: its first ``GenerationStarted``, written at the first token;
+  in logs from before the live stream, its ``TokenDelta`` of seq 0): what a client
+  waits, queueing included. Clocks of different hosts are compared here: keep them in
+  NTP sync.
 * **inter-token latency**: the worker's decode time after the first token over the
   tokens that followed it (vLLM's TPOT), per turn with at least two tokens.
 """
@@ -204,7 +206,11 @@ async def _fold(cur: psycopg.AsyncCursor[Any], event: Event, adds: Additions) ->
         if new:
             await _count_end(cur, rid, adds)
     elif isinstance(event, GenerationStarted):
-        new = await _set_facts(cur, rid, "started_at", started_at=event.occurred_at)
+        # A start of v2 is written at the turn's first token (its deltas are in the live
+        # stream, which analytics does not read); one of v1, beside its TokenDelta events.
+        first_token = {} if event.ref is None else {"first_token_at": event.occurred_at}
+        new = await _set_facts(cur, rid, "started_at", started_at=event.occurred_at,
+                               **first_token)
         if new:
             minute = minute_of(event.occurred_at)
             # The model that runs it (the prompt's, unless a worker refused it).

@@ -1,4 +1,7 @@
-"""The full event history of one session, read straight from the log."""
+"""The full event history of one session, read straight from the log: its durable record
+(every topic of it), what the model was given for each turn (rebuilt from that record
+alone, ``schemas.history``, and checked against the digest the gateway wrote), and,
+while the live stream keeps them, its turns' deltas."""
 
 from __future__ import annotations
 
@@ -7,11 +10,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.codec import DecodeError, Position, conversation_key, decode
+from pipeline.codec import DecodeError, Position, conversation_key, decode, decode_live
 from pipeline.kafka import AsyncConsumer
 from pipeline.partitioning import partition_for
-from pipeline.topics import CONVERSATION_TOPICS, PROMPTS
-from schemas import Event, TokenDelta
+from pipeline.topics import CONVERSATION_TOPICS, LIVE, PROMPTS
+from schemas import Event, GenerationFailed, GenerationFinished, PromptSubmitted, TokenDelta
+from schemas.history import History, digest, session_inputs
+from schemas.live import Delta, StreamItem, entries
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,9 @@ class Entry:
     position: Position
     event: Event | None
     error: str | None = None
+    # For a prompt: the model's whole input, rebuilt from the log (None: its history
+    # names records the log no longer holds).
+    model_input: History | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"topic": self.position.topic,
@@ -28,18 +36,39 @@ class Entry:
             out["event"] = self.event.model_dump(mode="json")
         else:
             out["error"] = self.error
+        if isinstance(self.event, PromptSubmitted):
+            out["model_input"] = None if self.model_input is None else [
+                m.model_dump(mode="json") for m in self.model_input]
+            out["history_digest_matches"] = _digest_matches(self.event, self.model_input)
         return out
 
 
-def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID) -> list[Entry]:
-    """Every record keyed by the conversation, from every topic it lives in (runs on the
-    consumer thread). A conversation lives in one partition of each topic, so only those
-    are read."""
-    key = conversation_key(conversation_id)
-    partitions = len(consumer.partitions_sync(PROMPTS))
-    p = partition_for(key, partitions)
-    ends = consumer.assign_partitions_sync([(t, p) for t in CONVERSATION_TOPICS])
-    entries: list[Entry] = []
+@dataclass(frozen=True)
+class LiveEntry:
+    """A delta (or a start, end or failure) of one of the session's turns in chat.live."""
+
+    position: Position
+    index: int
+    request_id: str
+    item: StreamItem
+
+    def to_json(self) -> dict[str, Any]:
+        return {"topic": self.position.topic, "partition": self.position.partition,
+                "offset": self.position.offset, "index": self.index,
+                "request_id": self.request_id, "entry": type(self.item).__name__,
+                **_item_json(self.item)}
+
+
+def _digest_matches(prompt: PromptSubmitted, model_input: History | None) -> bool | None:
+    if prompt.history_digest is None or model_input is None:
+        return None
+    return digest(model_input[:prompt.history_len]) == prompt.history_digest
+
+
+def _read(consumer: AsyncConsumer, topics: list[tuple[str, int]]) -> list[Any]:
+    """Every committed record of these partitions, up to the end each has now."""
+    ends = consumer.assign_partitions_sync(topics)
+    records = []
     remaining = dict(ends)
     while remaining:
         batch = consumer.poll_batch_sync(5000, 0.2)
@@ -47,20 +76,56 @@ def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID) -> list[En
         for tp, position in consumer.positions_sync(list(remaining)).items():
             if position >= remaining[tp]:
                 del remaining[tp]
-        for record in batch:
-            if record.key != key:
-                continue
+        records += [r for r in batch if r.position.offset < ends[(r.position.topic,
+                                                                   r.position.partition)]]
+    return records
+
+
+def read_history(consumer: AsyncConsumer,
+                 conversation_id: uuid.UUID) -> tuple[list[Entry], list[LiveEntry]]:
+    """Every record keyed by the conversation, from every topic of the durable record,
+    and its turns' entries in the live stream (runs on the consumer thread). A
+    conversation lives in one partition of each topic, so only those are read."""
+    key = conversation_key(conversation_id)
+    partitions = len(consumer.partitions_sync(PROMPTS))
+    p = partition_for(key, partitions)
+    entries_: list[Entry] = []
+    for record in _read(consumer, [(t, p) for t in CONVERSATION_TOPICS]):
+        if record.key != key:
+            continue
+        try:
+            entries_.append(Entry(record.position, decode(record.value)))
+        except DecodeError as exc:
+            entries_.append(Entry(record.position, None, str(exc)))
+    prompts = [(e.position.offset, e.event) for e in entries_
+               if isinstance(e.event, PromptSubmitted)]
+    ends: dict[str, GenerationFinished | GenerationFailed] = {}
+    for e in sorted(entries_, key=lambda e: e.position.offset):
+        if isinstance(e.event, (GenerationFinished, GenerationFailed)):
+            ends.setdefault(e.event.request_id, e.event)
+    inputs = session_inputs(prompts, ends)
+    entries_ = [Entry(e.position, e.event, e.error, inputs.get(e.event.request_id))
+                if isinstance(e.event, PromptSubmitted) else e for e in entries_]
+    refs = {offset: prompt.request_id for offset, prompt in prompts}
+    live: list[LiveEntry] = []
+    if refs:
+        for record in _read(consumer, [(LIVE, p)]):
             try:
-                entries.append(Entry(record.position, decode(record.value)))
-            except DecodeError as exc:
-                entries.append(Entry(record.position, None, str(exc)))
-    entries.sort(key=lambda e: (e.event.occurred_at.timestamp() if e.event else 0.0,
-                                e.position.topic != PROMPTS, e.position.offset))
-    return entries
+                batch = decode_live(record.value)
+            except DecodeError:
+                continue
+            live += [LiveEntry(record.position, index, refs[ref], item)
+                     for index, ref, item in entries(batch) if ref in refs]
+    entries_.sort(key=lambda e: (e.event.occurred_at.timestamp() if e.event else 0.0,
+                                 e.position.topic != PROMPTS, e.position.offset))
+    return entries_, live
 
 
-def format_text(entries: list[Entry], deltas: bool = False) -> str:
-    """One line per event; token deltas summarised per generation unless ``deltas``."""
+def format_text(entries_: list[Entry], live: list[LiveEntry] | None = None,
+                deltas: bool = False) -> str:
+    """One line per event; each prompt's model input summarised, and each turn's deltas
+    (legacy ``TokenDelta`` events, or entries of the live stream) summarised per turn
+    unless ``deltas``."""
     lines = []
     pending: list[Entry] = []
 
@@ -74,7 +139,7 @@ def format_text(entries: list[Entry], deltas: bool = False) -> str:
                          f" {chars} chars)")
             pending.clear()
 
-    for entry in entries:
+    for entry in entries_:
         event = entry.event
         if isinstance(event, TokenDelta) and not deltas:
             pending.append(entry)
@@ -85,24 +150,66 @@ def format_text(entries: list[Entry], deltas: bool = False) -> str:
             continue
         lines.append(f"{event.occurred_at.isoformat():32}  {entry.position!s:34}  "
                      f"{event.type} {_summary(event)}")
+        if isinstance(event, PromptSubmitted):
+            lines.append(f"{'':32}  {'':34}  {_input_summary(event, entry.model_input)}")
     flush()
+    if live:
+        lines.append("")
+        lines.append(f"{LIVE} (kept for a bounded window):")
+        lines += _live_lines(live, deltas)
     return "\n".join(lines)
+
+
+def _input_summary(prompt: PromptSubmitted, model_input: History | None) -> str:
+    if model_input is None:
+        return "model input: not rebuildable (its history names records the log lacks)"
+    matches = _digest_matches(prompt, model_input)
+    check = {True: "matches", False: "DOES NOT MATCH", None: "not given"}[matches]
+    chars = sum(len(m.content) for m in model_input)
+    return (f"model input: {len(model_input)} messages, {chars} chars "
+            f"({prompt.history_len} of history; the gateway's digest {check})")
+
+
+def _live_lines(live: list[LiveEntry], deltas: bool) -> list[str]:
+    if deltas:
+        return [f"{'':32}  {str(e.position) + '#' + str(e.index):34}  {e.request_id} "
+                f"{type(e.item).__name__} {json.dumps(_item_json(e.item), ensure_ascii=False)}"
+                for e in live]
+    lines = []
+    for request_id in dict.fromkeys(e.request_id for e in live):
+        turn = [e for e in live if e.request_id == request_id]
+        texts = [e.item for e in turn if isinstance(e.item, Delta)]
+        seqs = [d.seq for d in texts]
+        lines.append(f"{'':32}  {str(turn[0].position) + '..' + str(turn[-1].position.offset):34}"
+                     f"  {request_id}: {len(turn)} entries, deltas "
+                     f"{min(seqs, default=0)}..{max(seqs, default=-1)} "
+                     f"({sum(len(d.text) for d in texts)} chars)")
+    return lines
+
+
+def _item_json(item: StreamItem) -> dict[str, Any]:
+    out = {}
+    for name in item.__slots__:
+        value = getattr(item, name)
+        out[name] = value.model_dump() if hasattr(value, "model_dump") else value
+    return out
 
 
 def _summary(event: Event) -> str:
     data = event.model_dump(mode="json", exclude={"type", "v", "event_id", "conversation_id",
                                                    "occurred_at", "tenant"})
-    if "messages" in data:
-        data["messages"] = f"{len(data['messages'])} messages"
+    for name in ("messages", "history"):
+        if data.get(name) is not None:
+            data[name] = f"{len(data[name])} messages"
     if "text" in data and len(data["text"]) > 60:
         data["text"] = data["text"][:57] + "..."
     return json.dumps(data, ensure_ascii=False)
 
 
-def audit(bootstrap: str, conversation_id: uuid.UUID) -> list[Entry]:
+def audit(bootstrap: str, conversation_id: uuid.UUID) -> tuple[list[Entry], list[LiveEntry]]:
     import asyncio
 
-    async def run() -> list[Entry]:
+    async def run() -> tuple[list[Entry], list[LiveEntry]]:
         consumer = AsyncConsumer(bootstrap, f"audit-{uuid.uuid4().hex[:12]}")
         try:
             return await consumer.call(read_history, consumer, conversation_id)

@@ -113,11 +113,13 @@ ON CONFLICT (request_id) DO UPDATE SET
     prompt_tokens = COALESCE(generations.prompt_tokens, EXCLUDED.prompt_tokens)
 """
 
+# A turn's end offset is its first end's (the one whose reply the store keeps).
 _FINISHED_GENERATION = """
 INSERT INTO generations (request_id, conversation_id, tenant, status, finish_reason,
-    prompt_tokens, completion_tokens, ttft_ms, duration_ms, attempt, finished_at)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+    prompt_tokens, completion_tokens, ttft_ms, duration_ms, attempt, finished_at, end_offset)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (request_id) DO UPDATE SET
+    end_offset = COALESCE(generations.end_offset, EXCLUDED.end_offset),
     status = EXCLUDED.status,
     finish_reason = EXCLUDED.finish_reason,
     prompt_tokens = EXCLUDED.prompt_tokens,
@@ -130,9 +132,10 @@ ON CONFLICT (request_id) DO UPDATE SET
 
 _FAILED_GENERATION = """
 INSERT INTO generations (request_id, conversation_id, tenant, status, attempt,
-    error_code, error_message, finished_at)
-VALUES (%s, %s, %s, 'failed', %s, %s, %s, %s)
+    error_code, error_message, finished_at, end_offset)
+VALUES (%s, %s, %s, 'failed', %s, %s, %s, %s, %s)
 ON CONFLICT (request_id) DO UPDATE SET
+    end_offset = COALESCE(generations.end_offset, EXCLUDED.end_offset),
     status = 'failed',
     attempt = GREATEST(generations.attempt, EXCLUDED.attempt),
     error_code = EXCLUDED.error_code,
@@ -170,8 +173,7 @@ def project(event: Event, offset: int | None = None,
                 write(_DELETE_MESSAGES, (conv, conv))]
     writes = [write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at))]
     if isinstance(event, PromptSubmitted):
-        for seq in range(event.history_len, len(event.messages)):
-            msg = event.messages[seq]
+        for seq, msg in enumerate(event.messages, start=event.history_len):
             writes.append(_message(event, seq, msg.role, msg.content))
         writes.append(
             write(
@@ -197,7 +199,7 @@ def project(event: Event, offset: int | None = None,
                 _FINISHED_GENERATION,
                 (event.request_id, conv, event.tenant, status, event.finish_reason,
                  event.usage.prompt_tokens, event.usage.completion_tokens, event.ttft_ms,
-                 event.duration_ms, event.attempt, at),
+                 event.duration_ms, event.attempt, at, offset),
             )
         )
     elif isinstance(event, GenerationFailed):
@@ -205,7 +207,7 @@ def project(event: Event, offset: int | None = None,
             write(
                 _FAILED_GENERATION,
                 (event.request_id, conv, event.tenant, event.attempt, event.code,
-                 event.message, at),
+                 event.message, at, offset),
             )
         )
     # GenerationCancelled asks to stop; the worker's GenerationFinished(abort) records the
