@@ -48,11 +48,12 @@ from pipeline.kafka import (
     EventProducer,
     KafkaException,
     TransactionalProducer,
+    topic_limits,
 )
 from pipeline.metrics import LoopWatch, serve_metrics
 from pipeline.retry import Backoff
 from pipeline.settings import CommonSettings
-from pipeline.topics import CONVERSATION_TOPICS, GENERATIONS, PROMPTS
+from pipeline.topics import CONVERSATION_TOPICS, LIVE, PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,10 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         label = uuid.uuid4().hex[:12]
         timeout_s = settings.dependency_timeout_s
         producer = EventProducer(common.kafka_bootstrap, linger_ms=0,
-                                 timeout_ms=int(timeout_s * 1000))
-        prompts = TransactionalProducer(
-            common.kafka_bootstrap, f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
-            timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
-            interval_ms=settings.transaction_interval_ms)
-        prompts.start()
+                                 timeout_ms=int(timeout_s * 1000),
+                                 max_record_bytes=common.max_record_bytes,
+                                 compression=common.compression)
+        prompts: TransactionalProducer | None = None
         meta = AsyncConsumer(common.kafka_bootstrap, f"gateway-meta-{label}")
         reader = AsyncConsumer(common.kafka_bootstrap, f"gateway-reader-{label}",
                                **QUICK_ASSIGN)
@@ -131,15 +130,23 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         try:
             partitions = await _partitions(meta, settings.startup_timeout_s)
             for consumer in (meta, reader):  # so a client's first call waits for no lookup
-                for topic in CONVERSATION_TOPICS:
+                for topic in (*CONVERSATION_TOPICS, LIVE):
                     await consumer.call(consumer.partitions_sync, topic)
+            # A prompt the topic would refuse is refused alone, before it is queued.
+            limits = await asyncio.to_thread(topic_limits, common.kafka_bootstrap, [PROMPTS],
+                                             common.max_record_bytes)
+            prompts = TransactionalProducer(
+                common.kafka_bootstrap,
+                f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
+                timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
+                interval_ms=settings.transaction_interval_ms,
+                max_record_bytes=limits[PROMPTS], limits=limits,
+                compression=common.compression)
+            prompts.start()
             store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,
                                       timeout_s=timeout_s)
 
-            async def end_of(partition: int) -> int:
-                return await store.end_of(GENERATIONS, partition)
-
-            tail = GenerationTail(common.kafka_bootstrap, end_of, settings.tail_linger_s,
+            tail = GenerationTail(common.kafka_bootstrap, store.end_of, settings.tail_linger_s,
                                   settings.stream_max_items, settings.stream_max_bytes,
                                   timeout_s=timeout_s)
             await tail.start()
@@ -147,7 +154,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             health.start()
             gateway_metrics.backlog.set_function(lambda: fleet.backlog)
             gateway_metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
-            gateway_metrics.prompt_transactions.set_function(lambda: prompts.transactions)
+            gateway_metrics.prompt_transactions.set_function(
+                lambda: prompts.transactions if prompts else 0)
             guard = Guard(pool, settings.require_auth, timeout_s=timeout_s)
             await _say_whether_keys_are_required(guard)
             chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,
@@ -167,7 +175,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             await fleet.stop()
             await reader.close()
             await meta.close()
-            await asyncio.to_thread(prompts.close, 10)
+            if prompts is not None:
+                await asyncio.to_thread(prompts.close, 10)
             producer.close()
             await pool.close()
 

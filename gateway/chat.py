@@ -1,9 +1,16 @@
 """A chat turn: accept it durably, then follow its generation in the log.
 
-A client follows a turn through a ``Following``: the turn's events already in the
-log (read once, when it attaches late or resumes), then the live ones from the
-process's fan-out. A stream that ends before its turn does publishes
-``ClientDetached``; the worker stops the turn after the grace period unless a
+A new turn's prompt carries its new messages and names the session's history
+(``schemas.history``): by its last turn, or, when that turn cannot be placed in the log,
+inline. A prompt the log cannot take, or a session the model's context cannot hold, is
+refused alone, before anything is written.
+
+A client follows a turn through a ``Following``: the turn's items already in the log
+(read once, when it attaches late or resumes: ``chat.live``, and ``chat.generations``
+for turns written before the live stream), then the live ones from the process's
+fan-out. A finished turn whose live items are past the live stream's retention is sent
+whole, from its end in the durable record. A stream that ends before its turn does
+publishes ``ClientDetached``; the worker stops the turn after the grace period unless a
 client attaches again (``ClientAttached``), through any gateway.
 """
 
@@ -24,11 +31,12 @@ from gateway.cursor import DONE, KEEPALIVE, Cursor, failure, sse
 from gateway.dependencies import from_log
 from gateway.errors import api_error
 from gateway.fleet import Fleet
-from gateway.ids import completion_id, conversation_of, idempotent_conversation
+from gateway.ids import EventPosition, completion_id, conversation_of, idempotent_conversation
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatRequest
 from gateway.problems import (
     CompletionNotFound,
+    ContextTooLong,
     GenerationTimeout,
     InvalidLastEventId,
     LogUnavailable,
@@ -36,6 +44,7 @@ from gateway.problems import (
     ModelUnavailable,
     OverLimit,
     Problem,
+    PromptTooLarge,
     SessionNotFound,
     StoreUnavailable,
     StreamLagging,
@@ -43,22 +52,24 @@ from gateway.problems import (
 )
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
-from gateway.tail import Delivered, GenerationTail, Overflow, Subscription
+from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, legacy
 from gateway.view import ConversationView, TurnState
-from pipeline.codec import Position, conversation_key
-from pipeline.kafka import EventProducer, ProduceError, TransactionalProducer
-from pipeline.topics import CONTROL, GENERATIONS, PROMPTS
+from pipeline.codec import Position, conversation_key, encode
+from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
+from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS
 from schemas import (
+    ChatMessage,
     ClientAttached,
     ClientDetached,
     GenerationCancelled,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
-    GenerationStarted,
     PromptSubmitted,
-    TokenDelta,
 )
+from schemas.conversation import UNFINISHED
+from schemas.history import digest
+from schemas.live import TERMINAL, Delta, End, Failure, Start, StreamItem, entries
 
 log = logging.getLogger(__name__)
 # Worker and gateway clocks may differ: read a turn's events from this long before
@@ -78,7 +89,7 @@ class Following:
     sub: Subscription
     history: list[Delivered]
     attachment: str
-    resume_after: int | None = None
+    resume_after: tuple[str, int, int] | None = None
     accepted_at: float = 0.0
 
 
@@ -161,27 +172,44 @@ class ChatService:
                 history = view.history()
         self.fleet.admit(version)
         new = tuple(m.to_event() for m in request.messages)
+        max_tokens = request.sampling().max_tokens
+        self.check_context(version, history, new, max_tokens)
         await self.guard.charge(caller, requests=0, tokens=estimate_tokens(
-            sum(len(m.content) for m in (*history, *new)), request.sampling().max_tokens))
+            sum(len(m.content) for m in (*history, *new)), max_tokens))
+        # The history by reference (the session's last turn), or inline when that turn
+        # cannot be placed in the log (stored before turns' ends were).
+        previous = view.last_turn() if view is not None and history else None
         prompt = PromptSubmitted(
             conversation_id=conversation, request_id=request_id, tenant=tenant,
             model=version, alias=routed_by.alias if routed_by else None,
-            rollout=routed_by.id if routed_by else None, messages=(*history, *new),
-            history_len=len(history), sampling=request.sampling(), idempotency_key=key,
-            background=request.background,
+            rollout=routed_by.id if routed_by else None, messages=new,
+            history_len=len(history), previous=previous,
+            history=tuple(history) if history and previous is None else None,
+            history_digest=digest(history) if history else None,
+            sampling=request.sampling(), idempotency_key=key, background=request.background,
             history_end=view.prompts_end if view is not None else None,
         )
+        size = len(encode(prompt)) + len(str(conversation))  # its value and its key
+        if size > self.prompts.limit(PROMPTS):
+            raise PromptTooLarge(size, self.prompts.topic_limit(PROMPTS))
         # Follow before producing, so no event of this turn can pass unseen.
-        sub = await self.tail.follow(request_id, conversation_key(conversation),
-                                     self.store.partition_of(conversation))
+        partition = self.store.partition_of(conversation)
+        sub = await self.tail.follow(request_id, conversation_key(conversation), partition)
         try:
             try:  # answered definitely: committed, or never to be written
                 written = await self.prompts.send(PROMPTS, prompt, deadline=deadline)
+            except RecordTooLarge as exc:
+                raise PromptTooLarge(exc.size, exc.limit) from exc
             except ProduceError as exc:
                 log.warning("prompt %s not accepted: %s", request_id, exc)
                 raise LogUnavailable(request_id) from exc
+            ref = written.offset
             if view is not None:
                 await self._judge(view, prompt, written.offset)
+                # An idempotent retry racing its original runs as the original: its
+                # prompt's offset is the turn's reference.
+                ref = view.turns[request_id].prompt_offset or ref
+            self.tail.bind(sub, ref)
         except BaseException:
             self.tail.unfollow(sub)
             raise
@@ -191,6 +219,25 @@ class ChatService:
         return Following(request_id, conversation, tenant, int(prompt.occurred_at.timestamp()),
                          prompt.model, sub, [], attachment=request_id,
                          accepted_at=time.monotonic())
+
+    def check_context(self, model: str, history: list[ChatMessage],
+                      new: tuple[ChatMessage, ...], max_tokens: int | None) -> None:
+        """Refuse (400 ``context_length_exceeded``) a turn that cannot fit the model's
+        context whatever its tokens: its text needs at least as many tokens as it has
+        bytes over the most bytes one token of the model's stands for (its workers say
+        both). The worker's exact count decides every other case."""
+        limits = self.fleet.limits(model)
+        if limits is None:
+            return
+        context, token_bytes = limits
+        text = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in (*history, *new))
+        at_least = -(-text // (2 * token_bytes))  # halved again, to be certain
+        if at_least + (max_tokens or 1) > context:
+            raise ContextTooLong(
+                f"This model's maximum context length is {context:,} tokens; the session's "
+                f"{len(history)} messages and this request's {len(new)} need at least "
+                f"{at_least:,} tokens (of {text:,} bytes), with "
+                f"{'max_tokens ' + format(max_tokens, ',') if max_tokens else 'one'} more.")
 
     async def _judge(self, view: ConversationView, prompt: PromptSubmitted, offset: int) -> None:
         """Raise 409 if ``prompt``, now at ``offset``, is void: another turn of its session
@@ -225,35 +272,35 @@ class ChatService:
         return view, turn
 
     async def attach(self, completion: str, tenant: str,
-                     last_event_id: tuple[int, int] | None) -> Following:
+                     last_event_id: EventPosition | None) -> Following:
         """Follow a running or finished turn, after ``last_event_id`` if given."""
         view, turn = await self.find_turn(completion, tenant)
         return await self.attach_turn(view, turn, tenant, last_event_id)
 
     async def attach_turn(self, view: ConversationView, turn: TurnState, tenant: str,
-                          last_event_id: tuple[int, int] | None) -> Following:
+                          last_event_id: EventPosition | None) -> Following:
         conversation = uuid.UUID(str(view.id))
         partition = self.store.partition_of(conversation)
         if last_event_id is not None and last_event_id[0] != partition:
             raise InvalidLastEventId()
-        sub = await self.tail.follow(turn.request_id, conversation_key(conversation), partition)
+        resume = None if last_event_id is None else (
+            (GENERATIONS if last_event_id[2] is None else LIVE), last_event_id[1],
+            last_event_id[2] or 0)
+        sub = await self.tail.follow(turn.request_id, conversation_key(conversation), partition,
+                                     turn.prompt_offset)
         try:
-            if last_event_id is not None:
-                start = last_event_id[1]
-            else:
-                since = int(turn.submitted_at.timestamp() * 1000) if turn.submitted_at else 0
-                start = await self.store.offset_at(GENERATIONS, partition,
-                                                   since - CLOCK_SKEW_MS)
-            history = [Delivered(r.position, event) for r, event
-                       in await self.store.events(GENERATIONS, conversation, start, sub.start)
-                       if isinstance(event, GenerationEvent)
-                       and event.request_id == turn.request_id]
-            if last_event_id is not None and start < sub.start and (
-                    not history or history[0].position.offset != start):
-                raise InvalidLastEventId()
+            history, held = await self._read_turn(conversation, turn, sub, resume)
+            if resume is not None and not any(d.key == resume for d in history):
+                if held:  # the log holds that position, and it is another turn's
+                    raise InvalidLastEventId()
+                # A position the log does not hold (past its end, or past the live
+                # stream's retention): the turn's end at once if it has one, else 400.
+                history, resume = await self._end_only(turn, partition), None
+            elif resume is None and turn.status not in UNFINISHED and not any(
+                    isinstance(d.item, TERMINAL) for d in history):
+                history = await self._whole(turn, partition)  # its live items are gone
             attachment = uuid.uuid4().hex
-            ended = any(isinstance(d.event, (GenerationFinished, GenerationFailed))
-                        for d in history)
+            ended = any(isinstance(d.item, TERMINAL) for d in history)
             if not ended:
                 await from_log(self.producer.send(CONTROL, ClientAttached(
                     conversation_id=conversation, request_id=turn.request_id, tenant=tenant,
@@ -263,8 +310,74 @@ class ChatService:
             raise
         created = int(turn.submitted_at.timestamp()) if turn.submitted_at else 0
         return Following(turn.request_id, conversation, tenant, created, turn.model or "",
-                         sub, history, attachment,
-                         last_event_id[1] if last_event_id is not None else None)
+                         sub, history, attachment, resume)
+
+    async def _read_turn(self, conversation: uuid.UUID, turn: TurnState, sub: Subscription,
+                         resume: tuple[str, int, int] | None
+                         ) -> tuple[list[Delivered], bool]:
+        """The turn's items in the log before ``sub`` starts: from the resume position
+        (else from shortly before the turn's prompt) in its topic, and from the turn's
+        prompt in the other; and whether the log held a record at the resume position."""
+        partition = sub.partition
+        since = int(turn.submitted_at.timestamp() * 1000) if turn.submitted_at else 0
+        starts = {}
+        for topic in (GENERATIONS, LIVE):
+            if resume is not None and resume[0] == topic:
+                starts[topic] = resume[1]
+            else:
+                starts[topic] = await self.store.offset_at(topic, partition,
+                                                           since - CLOCK_SKEW_MS)
+        held = False
+        items = []
+        for r, event in await self.store.events(GENERATIONS, conversation,
+                                                starts[GENERATIONS], sub.starts[GENERATIONS],
+                                                keyed=False):
+            held = held or (resume is not None and resume[:2] == (GENERATIONS,
+                                                                  r.position.offset))
+            if isinstance(event, GenerationEvent) and event.request_id == turn.request_id \
+                    and (d := legacy(r, event)) is not None:
+                items.append(d)
+        ref = sub.ref
+        for record, batch in await self.store.live(partition, starts[LIVE], sub.starts[LIVE]):
+            held = held or (resume is not None and resume[:2] == (LIVE, record.position.offset))
+            for index, entry_ref, item in entries(batch):
+                if ref is None and isinstance(item, Start) and \
+                        item.request_id == turn.request_id:
+                    ref = entry_ref
+                    self.tail.bind(sub, ref)
+                if entry_ref == ref:
+                    items.append(Delivered(record.position, item, index))
+        return items, held
+
+    async def _durable_end(self, turn: TurnState,
+                           partition: int) -> GenerationFinished | GenerationFailed | None:
+        if turn.end_offset is None:
+            return None
+        event = await self.store.event_at(GENERATIONS, partition, turn.end_offset)
+        if isinstance(event, (GenerationFinished, GenerationFailed)) and \
+                event.request_id == turn.request_id:
+            return event
+        return None
+
+    async def _end_only(self, turn: TurnState, partition: int) -> list[Delivered]:
+        """A resume past what the stream holds: the turn's end, if it has ended."""
+        end = await self._durable_end(turn, partition) \
+            if turn.status not in UNFINISHED else None
+        if end is None:
+            raise InvalidLastEventId()
+        item: StreamItem = End(end.deltas, end.finish_reason, end.usage) \
+            if isinstance(end, GenerationFinished) else Failure(end.code, end.message)
+        return [Delivered(None, Start(end.attempt, turn.request_id)), Delivered(None, item)]
+
+    async def _whole(self, turn: TurnState, partition: int) -> list[Delivered]:
+        """A finished turn whose live items are gone, from its end in the durable record."""
+        end = await self._durable_end(turn, partition)
+        if end is None:
+            return []
+        if isinstance(end, GenerationFailed):
+            return [Delivered(None, Failure(end.code, end.message))]
+        return [Delivered(None, Start(0, turn.request_id)), Delivered(None, Delta(0, end.text)),
+                Delivered(None, End(1, end.finish_reason, end.usage))]
 
     async def cancel(self, completion: str, tenant: str) -> str:
         """Ask the worker to stop a turn now; return the turn's status before that."""
@@ -289,14 +402,14 @@ class ChatService:
                 raise GenerationTimeout()
             yield live
 
-    def _observe(self, f: Following, item: Delivered) -> None:
-        """The gateway's metrics for a turn's event (per delta: a counter only)."""
-        event = item.event
-        if isinstance(event, GenerationStarted) and event.attempt == 0 and f.accepted_at:
+    def _observe(self, f: Following, delivered: Delivered) -> None:
+        """The gateway's metrics for a turn's item (per delta: a counter only)."""
+        item = delivered.item
+        if isinstance(item, Delta):
+            self.metrics.streamed_tokens.inc(len(item.token_ids) or 1)
+        elif isinstance(item, Start) and item.attempt == 0 and f.accepted_at:
             self.metrics.ttft.observe(time.monotonic() - f.accepted_at)
-        elif isinstance(event, TokenDelta):
-            self.metrics.streamed_tokens.inc(len(event.token_ids) or 1)
-        elif isinstance(event, GenerationFinished) and f.accepted_at:
+        elif isinstance(item, End) and f.accepted_at:
             self.metrics.latency.observe(time.monotonic() - f.accepted_at)
 
     async def stream(self, f: Following, include_usage: bool,
@@ -368,17 +481,23 @@ class ChatService:
                 delay = min(delay * 2, 2.0)
 
     async def _collect(self, f: Following) -> dict[str, Any]:
+        parts: list[str] = []
+        next_seq = 0
         try:
-            async for item in self._events(f):
-                if item is None:
+            async for delivered in self._events(f):
+                if delivered is None:
                     continue  # a keep-alive: nothing to send a client that waits for all
-                self._observe(f, item)
-                event = item.event
-                if isinstance(event, GenerationFinished):
+                self._observe(f, delivered)
+                item = delivered.item
+                if isinstance(item, Delta):
+                    if item.seq >= next_seq:  # else a copy of what is in already
+                        parts.append(item.text)
+                        next_seq = item.seq + delivered.span
+                elif isinstance(item, End):
                     return openai_api.completion(f.completion_id, f.created, f.model,
-                                                 event.text, event.finish_reason, event.usage)
-                if isinstance(event, GenerationFailed):
-                    raise failure(event)
+                                                 "".join(parts), item.finish_reason, item.usage)
+                elif isinstance(item, Failure):
+                    raise failure(item)
         finally:
             self.tail.unfollow(f.sub)
         raise AssertionError("unreachable")

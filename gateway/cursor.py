@@ -1,17 +1,18 @@
-"""What one client has been sent of one turn: log events in, OpenAI chunks out, each once.
+"""What one client has been sent of one turn: stream items in (``schemas.live``), OpenAI
+chunks out, each once.
 
-Every chunk that stands for a log event carries that event's position: in its JSON as
+Every chunk that stands for an entry of the log carries its position: in its JSON as
 ``event_id`` (an extra field, as the Responses stream carries ``sequence_number``), and,
 on streams an ``EventSource`` reads, as its SSE ``id`` line too. A client that comes
-back with that position as ``Last-Event-ID`` gets a cursor restored from the event
-there (the last one it received), then the events after it: no gap, no duplicate, on
+back with that position as ``Last-Event-ID`` gets a cursor restored from the item
+there (the last one it received), then the items after it: no gap, no duplicate, on
 any gateway. No I/O.
 
-* ``GenerationStarted`` of the first attempt -> the role chunk; later attempts
-  (a worker took the turn over) send nothing, the text carries on.
-* ``TokenDelta`` -> a content chunk; a ``seq`` already sent is a duplicate and dropped.
-* ``GenerationFinished`` -> the finish chunk (and the usage chunk if asked for).
-* ``GenerationFailed`` -> an error event in OpenAI's error shape.
+* ``Start`` of the first attempt -> the role chunk; later attempts (a worker took the
+  turn over) send nothing, the text carries on.
+* ``Delta`` -> a content chunk; a ``seq`` already sent is a duplicate and dropped.
+* ``End`` -> the finish chunk (and the usage chunk if asked for).
+* ``Failure`` -> an error event in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gateway.errors import api_error
 from gateway.ids import event_id
 from gateway.problems import GenerationFailure, InvalidLastEventId
 from gateway.tail import Delivered
-from schemas import GenerationFailed, GenerationFinished, GenerationStarted, TokenDelta
+from schemas.live import TERMINAL, Delta, End, Failure, Start
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +52,37 @@ def frame(data: str, id_line: str | None = None) -> bytes:
     return f"id: {id_line}\ndata: {data}\n\n".encode()
 
 
+def position_id(delivered: Delivered | None) -> str | None:
+    """The SSE event id of what ``delivered`` stands for (None: it stands for no entry)."""
+    if delivered is None or delivered.position is None:
+        return None
+    return event_id(delivered.position.partition, delivered.position.offset, delivered.index)
+
+
 def sse(payload: dict[str, Any], delivered: Delivered | None = None,
         id_line: bool = False) -> bytes:
-    """One SSE message; ``delivered``: the log event it stands for, whose position it
+    """One SSE message; ``delivered``: the log entry it stands for, whose position it
     carries as ``event_id`` in its JSON (and as its ``id`` line with ``id_line``)."""
-    if delivered is None:
+    position = position_id(delivered)
+    if position is None:
         return frame(_json(payload))
-    position = event_id(delivered.position.partition, delivered.position.offset)
     return frame(_json({**payload, "event_id": position}), position if id_line else None)
 
 
-def failure(event: GenerationFailed) -> GenerationFailure:
-    return GenerationFailure(event.code, event.message, event.code in CLIENT_FAILURES)
+def failure(item: Failure) -> GenerationFailure:
+    return GenerationFailure(item.code, item.message, item.code in CLIENT_FAILURES)
 
 
 class Cursor:
     def __init__(self, completion_id: str, created: int, model: str, include_usage: bool,
-                 resume_after: int | None = None, id_lines: bool = False) -> None:
+                 resume_after: tuple[str, int, int] | None = None,
+                 id_lines: bool = False) -> None:
         self.completion_id = completion_id
         self.created = created
         self.model = model
         self.include_usage = include_usage
-        self.resume_after = resume_after  # the offset of the last event the client has
+        # Where the last item the client has is (``Delivered.key``).
+        self.resume_after = resume_after
         self.id_lines = id_lines  # SSE id lines as well (for EventSource)
         self.next_seq = 0
         self.role_sent = False
@@ -90,28 +100,29 @@ class Cursor:
         return sse(payload, item, self.id_lines)
 
     def _content_frame(self, text: str, item: Delivered) -> bytes:
-        position = event_id(item.position.partition, item.position.offset)
+        position = position_id(item)
+        if position is None:
+            return self._sse(self._chunk({"content": text}), item)
         before, after = self._content
         return frame(f'{before}{_json(text)}{after}{position}"}}',
                      position if self.id_lines else None)
 
     def _restore(self, item: Delivered) -> None:
         """The client received ``item`` last: take up the state it implies."""
-        event = item.event
         self.role_sent = True
-        if isinstance(event, TokenDelta):
-            self.next_seq = event.seq + item.span
-        self.done = isinstance(event, (GenerationFinished, GenerationFailed))
+        if isinstance(item.item, Delta):
+            self.next_seq = item.item.seq + item.span
+        self.done = isinstance(item.item, TERMINAL)
 
     def feed(self, item: Delivered) -> list[bytes]:
-        """The SSE events this log event means for the client (often none)."""
+        """The SSE events this stream item means for the client (often none)."""
         if self.resume_after is not None:
-            offset = item.position.offset
-            if offset < self.resume_after:
+            key = item.key
+            if key is None or key[0] != self.resume_after[0] or key < self.resume_after:
                 return []
-            if offset > self.resume_after:
+            if key > self.resume_after:
                 raise InvalidLastEventId()
-            if isinstance(item.event, GenerationStarted) and item.event.attempt > 0:
+            if isinstance(item.item, Start) and item.item.attempt > 0:
                 # No chunk carries a later attempt's start, so no client holds its id.
                 raise InvalidLastEventId()
             self.resume_after = None
@@ -119,13 +130,13 @@ class Cursor:
             return []
         if self.done:
             return []
-        event = item.event
-        if isinstance(event, GenerationStarted):
+        event = item.item
+        if isinstance(event, Start):
             if self.role_sent:
                 return []
             self.role_sent = True
             return [self._sse(self._chunk({"role": "assistant", "content": ""}), item)]
-        if isinstance(event, TokenDelta):
+        if isinstance(event, Delta):
             if event.seq < self.next_seq:
                 return []  # a duplicate (a worker that lost the turn wrote it again)
             if event.seq > self.next_seq:
@@ -139,7 +150,7 @@ class Cursor:
             self.role_sent = True
             return [self._sse(self._chunk({"role": "assistant", "content": event.text}), item)]
         self.done = True
-        if isinstance(event, GenerationFinished):
+        if isinstance(event, End):
             reason = openai_api.FINISH_REASONS.get(event.finish_reason, "stop")
             out = [self._sse(self._chunk({}, reason), item)]
             if self.include_usage:

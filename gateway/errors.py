@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse
 from gateway.problems import (
     BacklogFull,
     CompletionNotFound,
+    ContextTooLong,
     GenerationFailure,
     GenerationTimeout,
     InvalidLastEventId,
@@ -18,6 +19,7 @@ from gateway.problems import (
     ModelUnavailable,
     OverLimit,
     Problem,
+    PromptTooLarge,
     SessionNotFound,
     StoreLagging,
     StoreUnavailable,
@@ -82,6 +84,10 @@ def api_error(problem: Problem) -> APIError:
         case OverLimit():
             code = "too_many_messages" if problem.param == "messages" else "invalid_value"
             return APIError(400, message, code=code, param=problem.param)
+        case PromptTooLarge():
+            return APIError(413, message, code="prompt_too_large", param="messages")
+        case ContextTooLong():
+            return APIError(400, message, code="context_length_exceeded", param="messages")
         case InvalidLastEventId():
             return APIError(400, message, code="invalid_last_event_id", param="Last-Event-ID")
         case TurnInProgress():

@@ -1,13 +1,15 @@
 """What a gateway knows of the workers, read from their consumer group in Kafka, so no
 gateway needs state shared with another.
 
-* **Backlog**, per model: its workers' group's lag on ``chat.prompts``, i.e. prompts
-  accepted but not finished (workers commit the low watermark of their in-flight
-  prompts, so running turns count until they end; another model's prompts are passed
-  over at once). ``admit(model)`` refuses new turns with 429 past the bound;
-  ``Retry-After`` is how long the workers take, at the rate they have been finishing
-  prompts, to bring the backlog back under it. A group that never committed (its
-  workers not started yet) counts as caught up.
+* **Backlog**, per model: the prompts waiting for its workers, i.e. accepted and not
+  started (``pipeline.waiting``: what the workers' commits say, the part of
+  ``chat.prompts`` they have not read and what they read but have not started; a
+  running turn does not count, however long it runs). ``admit(model)`` refuses new
+  turns with 429 past the bound; ``Retry-After`` is how long the workers take, at the
+  rate they have been starting prompts, to bring the backlog back under it. A group
+  that never committed (its workers not started yet) counts as caught up; one whose
+  commits say nothing of what waits (workers of an earlier version) counts every
+  prompt past its committed offset.
 * **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``),
   and those served within the hour (``known``).
 * **Aliases**: which version serves each model alias, and any rollout under way
@@ -30,6 +32,7 @@ from pipeline.retry import QuietLog
 from pipeline.rollout import Rollout, RolloutBook, route
 from pipeline.roster import Roster
 from pipeline.topics import PROMPTS, workers_group
+from pipeline.waiting import waiting
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,11 @@ class Fleet:
     def backlog(self) -> int:
         """The largest model's backlog (the gauge)."""
         return max((b.prompts for b in self._backlogs.values()), default=0)
+
+    def limits(self, model: str) -> tuple[int, int] | None:
+        """``model``'s context length and the most bytes one of its tokens stands for, as
+        its live workers say (None: unknown)."""
+        return self._roster.limits(model)
 
     def route(self, model: str, conversation_id: uuid.UUID) -> tuple[str, Rollout | None]:
         """The version that serves a new turn of ``conversation_id`` asked for ``model``,
@@ -116,9 +124,10 @@ class Fleet:
 
     @staticmethod
     def _measure(backlog: _Backlog) -> None:
-        lag = backlog.group.per_partition(PROMPTS, uncommitted_at_end=True)
-        backlog.prompts = sum(max(end - committed, 0) for committed, end in lag.values())
-        now, done = time.monotonic(), sum(c for c, _ in lag.values())
+        told = [waiting(committed, end, metadata) for committed, end, metadata in
+                backlog.group.committed_and_ends(PROMPTS, uncommitted_at_end=True).values()]
+        backlog.prompts = sum(w for w, _ in told)
+        now, done = time.monotonic(), sum(d for _, d in told)
         if backlog.last is not None and now > backlog.last[0]:
             rate = max(done - backlog.last[1], 0) / (now - backlog.last[0])
             backlog.drain_per_s = 0.8 * backlog.drain_per_s + 0.2 * rate

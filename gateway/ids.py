@@ -4,8 +4,11 @@
   so any gateway knows which partition holds the turn without asking anyone.
 * With an ``Idempotency-Key`` the id (and, for a new session, the conversation) is
   derived from the tenant and the key, so a retry names the same turn.
-* An SSE event id is ``<partition>-<offset>``: the event's position in
-  ``chat.generations``, which a client sends back as ``Last-Event-ID`` to resume.
+* An SSE event id is ``<partition>-<offset>-<index>``: the entry's position in
+  ``chat.live`` (its record's offset, its index in the record), which a client sends
+  back as ``Last-Event-ID`` to resume. ``<partition>-<offset>`` is a position in
+  ``chat.generations``: a turn written before the live stream (its deltas are events
+  there).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from gateway.problems import CompletionNotFound, InvalidLastEventId
 
 PREFIX = "chatcmpl-"
 _COMPLETION = re.compile(r"chatcmpl-([0-9a-f]{32})([0-9a-f]{16})")
-_EVENT_ID = re.compile(r"(\d{1,9})-(\d{1,19})")
+_EVENT_ID = re.compile(r"(\d{1,9})-(\d{1,18})(?:-(\d{1,6}))?")
+# A resume position: partition, offset, and the entry's index in a chat.live record
+# (None: a position in chat.generations).
+EventPosition = tuple[int, int, int | None]
 
 
 def _digest(tenant: str, key: str) -> bytes:
@@ -44,12 +50,13 @@ def conversation_of(completion: str) -> uuid.UUID:
     return uuid.UUID(hex=match.group(1))
 
 
-def event_id(partition: int, offset: int) -> str:
-    return f"{partition}-{offset}"
+def event_id(partition: int, offset: int, index: int | None = None) -> str:
+    return f"{partition}-{offset}" if index is None else f"{partition}-{offset}-{index}"
 
 
-def parse_event_id(raw: str) -> tuple[int, int]:
+def parse_event_id(raw: str) -> EventPosition:
     match = _EVENT_ID.fullmatch(raw.strip())
     if match is None:
         raise InvalidLastEventId(raw)
-    return int(match.group(1)), int(match.group(2))
+    index = match.group(3)
+    return int(match.group(1)), int(match.group(2)), None if index is None else int(index)

@@ -40,6 +40,22 @@ class OverLimit(Problem):
         self.param = param
 
 
+class PromptTooLarge(Problem):
+    """The turn's prompt, as a record, is larger than the log takes: refused alone, at
+    once, before it is queued with any other."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"The request's prompt ({size:,} bytes as a log record) is larger "
+                         f"than the log takes ({limit:,} bytes).")
+
+
+class ContextTooLong(Problem):
+    """The session and the request cannot fit the model's context, whatever its tokens."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
 class InvalidLastEventId(Problem):
     def __init__(self, raw: str | None = None) -> None:
         super().__init__(f"'{raw[:100]}' is not an event id of this stream." if raw is not None

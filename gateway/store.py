@@ -21,11 +21,12 @@ from psycopg_pool import AsyncConnectionPool
 from gateway.dependencies import from_log, from_store
 from gateway.problems import StoreLagging
 from gateway.view import ConversationView, Message, TurnState
-from pipeline.codec import DecodeError, conversation_key, decode
+from pipeline.codec import DecodeError, conversation_key, decode, decode_live
 from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
-from pipeline.topics import CONTROL, CONVERSATION_TOPICS, PROMPTS
+from pipeline.topics import CONTROL, CONVERSATION_TOPICS, LIVE, PROMPTS
 from schemas import Event
+from schemas.live import LiveBatch
 
 TOPICS = CONVERSATION_TOPICS
 
@@ -58,19 +59,46 @@ class ConversationStore:
                                                partition, ms, self.timeout_s), self.timeout_s)
 
     async def events(self, topic: str, conversation_id: uuid.UUID, start: int,
-                     end: int) -> list[tuple[Record, Event]]:
+                     end: int, keyed: bool = True) -> list[tuple[Record, Event | None]]:
         """The conversation's events in ``[start, end)`` of its partition of ``topic``
-        (records that do not decode are the projector's to dead-letter)."""
+        (records that do not decode are the projector's to dead-letter); with ``keyed``
+        false, every record's, the others' as None (what positions the log holds)."""
         key = conversation_key(conversation_id)
         records = await from_log(self.reader.call(
             self.reader.read_range_sync, topic, self.partition_of(conversation_id), start, end,
             2 * self.timeout_s), 2 * self.timeout_s)
-        out = []
+        out: list[tuple[Record, Event | None]] = []
         for record in records:
             if record.key == key:
                 with contextlib.suppress(DecodeError):
                     out.append((record, decode(record.value)))
+                    continue
+            if not keyed:
+                out.append((record, None))
         return out
+
+    async def live(self, partition: int, start: int, end: int) -> list[tuple[Record, LiveBatch]]:
+        """The live stream's batches in ``[start, end)`` of ``partition`` (records that do
+        not decode are passed over: the fan-out says so)."""
+        records = await from_log(self.reader.call(
+            self.reader.read_range_sync, LIVE, partition, start, end, 2 * self.timeout_s),
+            2 * self.timeout_s)
+        out = []
+        for record in records:
+            with contextlib.suppress(DecodeError):
+                out.append((record, decode_live(record.value)))
+        return out
+
+    async def event_at(self, topic: str, partition: int, offset: int) -> Event | None:
+        """The event at ``offset`` (None: no event is there, or no longer)."""
+        position = (topic, partition, offset)
+        found = await from_log(self.reader.call(self.reader.read_at_sync, [position],
+                                                2 * self.timeout_s), 2 * self.timeout_s)
+        record = found[position]
+        try:
+            return decode(record.value) if record is not None else None
+        except DecodeError:
+            return None
 
     async def view(self, conversation_id: uuid.UUID) -> ConversationView:
         p = self.partition_of(conversation_id)
@@ -87,7 +115,8 @@ class ConversationStore:
     async def fold(self, view: ConversationView, topic: str, start: int, end: int) -> None:
         """Fold the conversation's events in ``[start, end)`` of ``topic`` into ``view``."""
         for record, event in await self.events(topic, view.id, start, end):
-            view.apply(event, record.position.offset)
+            if event is not None:
+                view.apply(event, record.position.offset)
 
     async def _stored(self, conversation_id: uuid.UUID,
                       partition: int) -> tuple[ConversationView, dict[str, int]]:
@@ -108,11 +137,11 @@ class ConversationStore:
                 "SELECT seq, role, content, request_id, created_at FROM messages"
                 " WHERE conversation_id = %s", (conversation_id,))).fetchall():
                 view.messages[seq] = Message(role, content, request_id, at)
-            for request_id, status, model, at, offset in await (await conn.execute(
-                "SELECT request_id, status, model, submitted_at, prompt_offset"
+            for request_id, status, model, at, offset, end in await (await conn.execute(
+                "SELECT request_id, status, model, submitted_at, prompt_offset, end_offset"
                 " FROM generations WHERE conversation_id = %s", (conversation_id,),
             )).fetchall():
-                view.stored_turn(TurnState(request_id, status, model, at, offset))
+                view.stored_turn(TurnState(request_id, status, model, at, offset, end))
         return view, positions
 
     async def catch_up(self, topic: str) -> None:

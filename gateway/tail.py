@@ -1,14 +1,20 @@
-"""One fan-out per gateway process: a single consumer tails ``chat.generations`` and
-routes each event to the subscriptions of the requests waiting for it.
+"""One fan-out per gateway process: a single consumer tails the live stream
+(``chat.live``) and routes each turn's entries to the subscriptions of the requests
+waiting for it.
 
-* Partitions are read on demand: a partition is added (at its current end, a
-  concrete offset, so nothing produced afterwards is missed) when a request in it
-  is followed, and dropped after ``linger_s`` without one. Records are filtered by
-  key (conversation) before they are decoded, so a gateway pays little for the
-  partitions' other conversations.
-* Each subscription is bounded. While its reader lags, consecutive token deltas are
-  merged into one; past ``max_items`` events or ``max_bytes`` of text it is dropped
-  (the client resumes from its ``Last-Event-ID``), so a slow client never stalls others.
+* Partitions are read on demand: a partition is added (at its current end, a concrete
+  offset, so nothing produced afterwards is missed) when a request in it is followed,
+  and dropped after ``linger_s`` without one.
+* A live record holds many turns' entries (``schemas.live``). Entries name their turn
+  by its reference (its prompt's offset); a turn's start entry names its request id
+  too. A subscription knows its turn's reference when it attaches to a turn the log
+  has, or learns it from the turn's start entry when it follows a new turn.
+* The same partition of ``chat.generations`` is read beside it, for turns written
+  before the live stream (their ``TokenDelta`` events are there): filtered by key
+  (conversation) before decoding, and only events without a reference (v1) count.
+* Each subscription is bounded. While its reader lags, consecutive deltas are merged
+  into one; past ``max_items`` items or ``max_bytes`` of text it is dropped (the client
+  resumes from its ``Last-Event-ID``), so a slow client never stalls others.
 * Timing is swept, not timed per event: once a second the fan-out wakes readers that
   have had nothing for ``KEEPALIVE_S`` (a keep-alive is due) or whose deadline passed,
   so a delta costs its reader no timer.
@@ -26,26 +32,49 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.dependencies import from_log
-from pipeline.codec import DecodeError, Position, decode
+from pipeline.codec import DecodeError, Position, decode, decode_live
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, Record
 from pipeline.retry import QuietLog
-from pipeline.topics import GENERATIONS
+from pipeline.topics import GENERATIONS, LIVE
 from schemas import GenerationEvent, TokenDelta
+from schemas.live import Delta, Start, StreamItem, entries, from_event
 
 log = logging.getLogger(__name__)
 # A reader that has had nothing for this long is woken to send a keep-alive (proxies
 # close connections that stay silent), or to give up once its deadline has passed.
 KEEPALIVE_S = 15.0
 SWEEP_S = 1.0
+TAILED = (LIVE, GENERATIONS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Delivered:
-    """A generation event and its position; a merged delta spans ``span`` seqs."""
+    """One item of a turn's stream, and where it is in the log: a live record's offset
+    and the entry's ``index`` in it, or (``index`` None) a ``chat.generations`` event's
+    offset. ``position`` None: an item made from the durable record's end, standing for
+    no entry (a turn sent whole once its live entries are gone). A merged delta spans
+    ``span`` seqs."""
 
-    position: Position
-    event: GenerationEvent
+    position: Position | None
+    item: StreamItem
+    index: int | None = None
     span: int = 1
+
+    @property
+    def key(self) -> tuple[str, int, int] | None:
+        """Where a client that received this resumes from (``gateway.ids``)."""
+        if self.position is None:
+            return None
+        return self.position.topic, self.position.offset, self.index or 0
+
+
+def legacy(record: Record, event: GenerationEvent) -> Delivered | None:
+    """A ``chat.generations`` event as a stream item, if it is one of a turn written
+    before the live stream (a start or an end since then stands in ``chat.live`` too)."""
+    if not isinstance(event, TokenDelta) and event.ref is not None:
+        return None
+    item = from_event(event)
+    return Delivered(record.position, item) if item is not None else None
 
 
 class Overflow(Exception):
@@ -53,18 +82,21 @@ class Overflow(Exception):
 
 
 class Subscription:
-    def __init__(self, request_id: str, key: bytes, partition: int, start: int,
+    def __init__(self, request_id: str, key: bytes, partition: int,
+                 starts: dict[str, int] | None = None, ref: int | None = None,
                  max_items: int = 1000, max_bytes: int = 4_000_000) -> None:
         self.request_id = request_id
         self.key = key
         self.partition = partition
-        self.start = start  # every event at or after this offset arrives through push()
+        # Per tailed topic, the offset from which every record arrives through push().
+        self.starts = starts or {}
+        self.ref = ref  # the turn's reference in chat.live, once known
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.overflowed = False
         self.deadline: float | None = None  # monotonic: its reader gives up past it
         self.last_read = time.monotonic()  # when its reader last got something
-        self._next_seq = 0  # after the highest token pushed
+        self._next_seq = 0  # after the highest delta pushed
         self._items: deque[Delivered] = deque()
         self._bytes = 0
         self._waiter: asyncio.Future[None] | None = None
@@ -75,26 +107,24 @@ class Subscription:
 
     def push(self, item: Delivered) -> None:
         """Queue ``item``; consecutive deltas merge while the reader is behind. A delta
-        already pushed (a worker that wrote it again) is dropped here: merged into
-        a run with new ones, it would hide them from the reader's duplicate check."""
+        already pushed (a worker that wrote it again) is dropped here: merged into a run
+        with new ones, it would hide them from the reader's duplicate check."""
         if self.overflowed:
             return
-        last = self._items[-1] if self._items else None
-        new = item.event
-        if isinstance(new, TokenDelta):
+        new = item.item
+        if isinstance(new, Delta):
             if new.seq < self._next_seq:
                 return
             self._next_seq = new.seq + 1
-        if (last is not None and isinstance(last.event, TokenDelta)
-                and isinstance(new, TokenDelta) and new.seq == last.event.seq + last.span):
-            merged = last.event.model_copy(update={"text": last.event.text + new.text,
-                                                   "token_ids": last.event.token_ids
-                                                   + new.token_ids})
-            self._items[-1] = Delivered(item.position, merged, last.span + 1)
+            self._bytes += len(new.text)
+        last = self._items[-1] if self._items else None
+        if (last is not None and isinstance(last.item, Delta) and isinstance(new, Delta)
+                and new.seq == last.item.seq + last.span):
+            merged = Delta(last.item.seq, last.item.text + new.text,
+                           last.item.token_ids + new.token_ids)
+            self._items[-1] = Delivered(item.position, merged, item.index, last.span + 1)
         else:
             self._items.append(item)
-        if isinstance(new, TokenDelta):
-            self._bytes += len(new.text)
         if len(self._items) > self.max_items or self._bytes > self.max_bytes:
             log.warning("dropping the stream of %s: its reader is too slow", self.request_id)
             self.overflowed = True
@@ -112,7 +142,7 @@ class Subscription:
             waiter.set_result(None)
 
     async def get(self) -> Delivered | None:
-        """The next event; None when woken by ``nudge`` with nothing to read."""
+        """The next item; None when woken by ``nudge`` with nothing to read."""
         while not self._items:
             if self.overflowed:
                 raise Overflow
@@ -126,16 +156,17 @@ class Subscription:
             finally:
                 self._waiter = None
         item = self._items.popleft()
-        if isinstance(item.event, TokenDelta):
-            self._bytes -= len(item.event.text)
+        if isinstance(item.item, Delta):
+            self._bytes -= len(item.item.text)
         self.last_read = time.monotonic()
         return item
 
 
 class GenerationTail:
     def __init__(
-        self, bootstrap: str, end_of: Callable[[int], Awaitable[int]], linger_s: float = 60.0,
-        max_items: int = 1000, max_bytes: int = 4_000_000, timeout_s: float = 5.0,
+        self, bootstrap: str, end_of: Callable[[str, int], Awaitable[int]],
+        linger_s: float = 60.0, max_items: int = 1000, max_bytes: int = 4_000_000,
+        timeout_s: float = 5.0,
     ) -> None:
         self._timeout_s = timeout_s
         self._quiet = QuietLog(log)
@@ -146,26 +177,36 @@ class GenerationTail:
         self._linger_s = linger_s
         self._limits = (max_items, max_bytes)
         self._subs: dict[str, set[Subscription]] = {}
+        self._refs: dict[tuple[int, int], str] = {}  # (partition, ref) -> request id
+        self._ref_of: dict[str, tuple[int, int]] = {}  # and back
         self._keys: Counter[bytes] = Counter()
-        self._next: dict[int, int] = {}  # partition -> next offset to route
+        self._next: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset
         self._users: Counter[int] = Counter()
         self._idle_since: dict[int, float] = {}
         self._adding = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self.undecodable = 0  # live records that did not decode (passed over)
 
     @property
     def partitions(self) -> list[int]:
-        return sorted(self._next)
+        return sorted({p for topic, p in self._next if topic == LIVE})
 
     async def start(self) -> None:
-        await self._consumer.call(self._consumer.partitions_sync, GENERATIONS)  # metadata
+        for topic in TAILED:  # metadata, so a first follow waits for no lookup
+            await self._consumer.call(self._consumer.partitions_sync, topic)
         self._task = asyncio.create_task(self._run(), name="generation-tail")
 
-    async def follow(self, request_id: str, key: bytes, partition: int) -> Subscription:
-        """Subscribe to a turn's events from the current end of its partition on."""
+    async def follow(self, request_id: str, key: bytes, partition: int,
+                     ref: int | None = None) -> Subscription:
+        """Subscribe to a turn's items from the current end of its partition on; ``ref``:
+        its reference, if known (else its start entry tells it)."""
         await self._ensure(partition)
-        sub = Subscription(request_id, key, partition, self._next[partition], *self._limits)
+        sub = Subscription(request_id, key, partition,
+                           {t: self._next[(t, partition)] for t in TAILED}, ref,
+                           *self._limits)
         self._subs.setdefault(request_id, set()).add(sub)
+        if ref is not None:
+            self._bind(partition, ref, request_id)
         self._keys[key] += 1
         self._users[partition] += 1
         self._idle_since.pop(partition, None)
@@ -178,6 +219,9 @@ class GenerationTail:
         subs.discard(sub)
         if not subs:
             del self._subs[sub.request_id]
+            bound = self._ref_of.pop(sub.request_id, None)
+            if bound is not None:
+                self._refs.pop(bound, None)
         self._keys[sub.key] -= 1
         if self._keys[sub.key] <= 0:
             del self._keys[sub.key]
@@ -186,22 +230,34 @@ class GenerationTail:
             del self._users[sub.partition]
             self._idle_since[sub.partition] = time.monotonic()
 
+    def bind(self, sub: Subscription, ref: int) -> None:
+        """``sub``'s turn has reference ``ref`` (its prompt's offset)."""
+        if sub.request_id in self._subs:
+            self._bind(sub.partition, ref, sub.request_id)
+
+    def _bind(self, partition: int, ref: int, request_id: str) -> None:
+        self._refs[(partition, ref)] = request_id
+        self._ref_of[request_id] = (partition, ref)
+        for sub in self._subs.get(request_id, ()):
+            sub.ref = ref
+
     async def _ensure(self, partition: int) -> None:
-        if partition in self._next:
+        if (LIVE, partition) in self._next:
             return
         async with self._adding:
-            if partition in self._next:
+            if (LIVE, partition) in self._next:
                 return
-            end = await self._end_of(partition)
-            self._next[partition] = end
+            ends = {(t, partition): await self._end_of(t, partition) for t in TAILED}
+            self._next.update(ends)
             try:
-                await from_log(self._consumer.call(self._consumer.add_partitions_sync,
-                                                   {(GENERATIONS, partition): end}),
+                await from_log(self._consumer.call(self._consumer.add_partitions_sync, ends),
                                self._timeout_s)
             except BaseException:
-                del self._next[partition]
+                for tp in ends:
+                    del self._next[tp]
                 raise
-        log.info("tailing %s/%d from %d", GENERATIONS, partition, end)
+        log.info("tailing partition %d of %s from %s", partition, " and ".join(TAILED),
+                 " and ".join(str(o) for o in ends.values()))
 
     def _sweep(self) -> None:
         """Nudge the readers due a keep-alive, and those past their deadline."""
@@ -217,28 +273,56 @@ class GenerationTail:
         idle = [p for p, since in self._idle_since.items() if now - since > self._linger_s]
         for p in idle:
             del self._idle_since[p]
-            self._next.pop(p, None)
+            for topic in TAILED:
+                self._next.pop((topic, p), None)
         if idle:
             await self._consumer.call(self._consumer.drop_partitions_sync,
-                                      [(GENERATIONS, p) for p in idle])
-            log.info("stopped tailing %s/%s", GENERATIONS, idle)
+                                      [(t, p) for p in idle for t in TAILED])
+            log.info("stopped tailing partitions %s", idle)
 
     def _route(self, record: Record) -> None:
-        p = record.position.partition
-        if p not in self._next:
+        pos = record.position
+        tp = (pos.topic, pos.partition)
+        if tp not in self._next:
             return  # dropped while this batch was in flight
-        self._next[p] = record.position.offset + 1
-        if record.key not in self._keys:
+        self._next[tp] = pos.offset + 1
+        if pos.topic == LIVE:
+            self._route_live(record)
+        elif record.key in self._keys:
+            self._route_legacy(record)
+
+    def _route_live(self, record: Record) -> None:
+        try:
+            batch = decode_live(record.value)
+        except DecodeError as exc:
+            self.undecodable += 1
+            self._quiet.warning("passing over %s, not a live batch: %s", record.position, exc)
             return
+        partition = record.position.partition
+        for index, ref, item in entries(batch):
+            request_id = self._refs.get((partition, ref))
+            if request_id is None:
+                if not isinstance(item, Start) or item.request_id not in self._subs:
+                    continue  # a turn nobody here follows
+                request_id = item.request_id
+                self._bind(partition, ref, request_id)
+            subs = self._subs.get(request_id)
+            if subs:
+                delivered = Delivered(record.position, item, index)
+                for sub in subs:
+                    sub.push(delivered)
+
+    def _route_legacy(self, record: Record) -> None:
         try:
             event = decode(record.value)
         except DecodeError:
             return  # the projector dead-letters it
         subs = self._subs.get(event.request_id)
         if subs and isinstance(event, GenerationEvent):
-            item = Delivered(record.position, event)
-            for sub in subs:
-                sub.push(item)
+            delivered = legacy(record, event)
+            if delivered is not None:
+                for sub in subs:
+                    sub.push(delivered)
 
     async def _run(self) -> None:
         last_sweep = time.monotonic()

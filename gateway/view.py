@@ -20,6 +20,7 @@ from schemas import (
     PromptSubmitted,
     SessionCreated,
     SessionDeleted,
+    TurnRef,
 )
 from schemas.conversation import (
     FAILED,
@@ -49,6 +50,7 @@ class TurnState:
     model: str | None = None
     submitted_at: datetime | None = None
     prompt_offset: int | None = None  # where its accepted prompt is in chat.prompts
+    end_offset: int | None = None  # where its first end is in chat.generations
 
 
 @dataclass
@@ -77,6 +79,19 @@ class ConversationView:
 
     def busy(self) -> TurnState | None:
         return next((t for t in self.turns.values() if t.status in UNFINISHED), None)
+
+    def last_turn(self) -> TurnRef | None:
+        """Where the session's last turn lies, for the next prompt to name as its history;
+        None if it has no turn, or if its last one cannot be placed (stored before turns'
+        ends were, or one whose prompt the log never showed)."""
+        placed = [t for t in self.turns.values() if t.prompt_offset is not None]
+        if not placed:
+            return None
+        last = max(placed, key=lambda t: t.prompt_offset or 0)
+        if last.end_offset is None or len(placed) < len(self.turns):
+            return None
+        assert last.prompt_offset is not None
+        return TurnRef(prompt=last.prompt_offset, end=last.end_offset)
 
     def stored_turn(self, turn: TurnState) -> None:
         """A turn as the store holds it (its prompt already judged)."""
@@ -123,10 +138,14 @@ class ConversationView:
             self._touch(event)
             self._add_message(event.reply_seq, "assistant", event.text, event.request_id,
                               event.occurred_at)
-            self._turn(event.request_id).status = ended_status(event.finish_reason)
+            turn = self._turn(event.request_id)
+            turn.status = ended_status(event.finish_reason)
+            turn.end_offset = offset if turn.end_offset is None else turn.end_offset
         elif isinstance(event, GenerationFailed):
             self._touch(event)
-            self._turn(event.request_id).status = FAILED
+            turn = self._turn(event.request_id)
+            turn.status = FAILED
+            turn.end_offset = offset if turn.end_offset is None else turn.end_offset
 
     def _apply_prompt(self, event: PromptSubmitted, offset: int) -> None:
         decision = self.ledger.decide(self.id, event.request_id, event.history_end, offset)
@@ -139,8 +158,7 @@ class ConversationView:
         turn = self._turn(event.request_id)
         if turn.prompt_offset is None:
             turn.prompt_offset = offset
-        for seq in range(event.history_len, len(event.messages)):
-            msg = event.messages[seq]
+        for seq, msg in enumerate(event.messages, start=event.history_len):
             self._add_message(seq, msg.role, msg.content, event.request_id, event.occurred_at)
         if not self.deleted and not self.title and not event.history_len:
             self.title = title(next((m.content for m in event.messages if m.role == "user"),

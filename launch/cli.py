@@ -13,7 +13,7 @@
     pipeline rollout ALIAS --to V    a share of an alias's turns to version V, judged, then
                                      promoted or rolled back; `rollout status` shows them
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
-    pipeline bench [--quick] [PART]  serving, capacity, projection and analytics figures
+    pipeline bench [--quick] [PART]  serving, capacity, log, projection and analytics figures
     pipeline bench pair --b-env N=V  a change's cost per token, before / after, in pairs
     pipeline demo                    all of the above, until Ctrl-C
 
@@ -171,8 +171,11 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
-                            "(simulated engine), projection, analytics; default: all; or "
-                            "pair, alone (below)")
+                            "(simulated engine), log (bytes), projection, analytics; "
+                            "default: all; or pair, alone (below)")
+    bench.add_argument("--before", type=_checkout, metavar="PATH",
+                       help="log: a checkout of earlier code, measured beside this one in "
+                            "the same run")
     bench.add_argument("--quick", action="store_true",
                        help="small loads, a few minutes; figures under .state/bench")
     bench.add_argument("--out", type=Path, help="where to write (default docs/benchmarks)")
@@ -394,7 +397,7 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
             out = args.out or (common.state_dir / "bench" if args.quick
                                else Path("docs/benchmarks"))
             bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
-                      resolve_model)
+                      resolve_model, args.before)
     except StartupFailed as exc:
         raise SystemExit(f"pipeline bench: {exc}") from None
     return 0
@@ -422,15 +425,15 @@ def run_usage_command(common: CommonSettings, args: argparse.Namespace) -> int:
 def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from projections.audit import audit, format_text
 
-    entries = audit(common.kafka_bootstrap, args.session_id)
+    entries, live = audit(common.kafka_bootstrap, args.session_id)
     if not entries:
         print(f"no events for session {args.session_id}", file=sys.stderr)
         return 1
     if args.json:
-        for entry in entries:
-            print(json.dumps(entry.to_json(), ensure_ascii=False))
+        for line in [e.to_json() for e in entries] + [e.to_json() for e in live]:
+            print(json.dumps(line, ensure_ascii=False))
     else:
-        print(format_text(entries, deltas=args.deltas))
+        print(format_text(entries, live, deltas=args.deltas))
     return 0
 
 
