@@ -39,10 +39,11 @@ from typing import Any, TypeVar
 from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from bench.stack import wait_projected
 from infra.process import free_port, wait_http
-from pipeline.codec import decode
+from pipeline.codec import decode, decode_live
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
-from pipeline.topics import GENERATIONS
+from pipeline.topics import GENERATIONS, LIVE
 from schemas import TokenDelta
+from schemas.live import entries
 from workers.sim_engine import SIM_CLOCK, sim_token_text
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -206,31 +207,44 @@ def _wait_idle(metrics_url: str, timeout: float = 120.0) -> None:
 
 
 def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
-    """SSE id -> the wall time its TokenDelta was created, read back from the log."""
-    wanted: dict[int, set[int]] = {}
+    """SSE id -> the wall time its delta was written, read back from the log: the live
+    record's ``at`` for an id ``partition-offset-index`` (ms: the record is sealed at the
+    end of the engine step that made its deltas), the ``TokenDelta``'s ``occurred_at``
+    for an id ``partition-offset`` (the code before the live stream, for pairs)."""
+    wanted: dict[tuple[str, int], set[int]] = {}
     for event_id in ids:
-        partition, offset = event_id.split("-")
-        wanted.setdefault(int(partition), set()).add(int(offset))
+        parts = event_id.split("-")
+        topic = LIVE if len(parts) == 3 else GENERATIONS
+        wanted.setdefault((topic, int(parts[0])), set()).add(int(parts[1]))
     reader = AsyncConsumer(bootstrap, "bench-capacity-reader")
     times = {}
     try:
-        for p, offsets in wanted.items():
-            for record in reader.read_range_sync(GENERATIONS, p, min(offsets), max(offsets) + 1,
+        for (topic, p), offsets in wanted.items():
+            for record in reader.read_range_sync(topic, p, min(offsets), max(offsets) + 1,
                                                  timeout=120):
-                if record.position.offset in offsets:
+                at = record.position.offset
+                if at not in offsets:
+                    continue
+                if topic == LIVE:
+                    batch = decode_live(record.value)
+                    for entry, _, _ in entries(batch):
+                        times[f"{p}-{at}-{entry}"] = batch.at / 1000
+                else:
                     event = decode(record.value)
                     if isinstance(event, TokenDelta):
-                        times[f"{p}-{record.position.offset}"] = event.occurred_at.timestamp()
+                        times[f"{p}-{at}"] = event.occurred_at.timestamp()
     finally:
         asyncio.run(reader.close())
     return times
 
 
 def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
-    """For ``seconds``: each new TokenDelta's delay from its creation in the worker to a
-    plain consumer in a process of its own (the Kafka hop alone, no gateway), in ms."""
+    """For ``seconds``: each new delta's delay from its writing in the worker to a plain
+    consumer in a process of its own (the Kafka hop alone, no gateway), in ms: each
+    delta of a live record, or each ``TokenDelta`` (the code before the live stream)."""
     consumer = AsyncConsumer(bootstrap, "bench-kafka-hop", **QUICK_ASSIGN)
     try:
+        consumer.follow_from_end_sync(LIVE)
         consumer.follow_from_end_sync(GENERATIONS)
         # Each batch is kept with the time its poll returned and decoded once the window is
         # over, so that the probe's own CPU in the window is its Kafka client's alone.
@@ -245,7 +259,9 @@ def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
     for now, records in batches:
         for record in records:
             event = json.loads(record.value or b"{}")
-            if event.get("type") == "TokenDelta":
+            if event.get("type") == "LiveBatch":
+                delays += [(now - event["at"] / 1000) * 1000] * len(event.get("deltas", ()))
+            elif event.get("type") == "TokenDelta":
                 created = datetime.fromisoformat(event["occurred_at"]).timestamp()
                 delays.append((now - created) * 1000)
     return delays

@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
-PARTS = ("serving", "capacity", "projection", "analytics")
+PARTS = ("serving", "capacity", "log", "projection", "analytics")
 # The capacity figures of the code before the work on plumbing cost, kept to set beside
 # every later run's.
 CAPACITY_BEFORE = Path("docs/benchmarks/capacity-before.json")
@@ -87,6 +87,24 @@ def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
     return table
 
 
+def log(common: CommonSettings, quick: bool, out: Path, before: Path | None) -> str:
+    from bench import log as bench
+
+    scenarios = bench.SCENARIOS[:3] if quick else bench.SCENARIOS
+    figures = bench.run(common.kafka_bootstrap, common.state_dir / "kafka",
+                        common.state_dir / "bench-logs", before, scenarios)
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.tables(figures)
+    _save(out, "log", "What the log costs in bytes", figures, table,
+          "SIMULATED engine (token i's text is `t<i> `), one broker, replication factor 1: "
+          "each topic's log segments on disk (records, batch headers, transaction "
+          "markers), grown over the scenario; a replica keeps as much again per replica. "
+          "Text: the UTF-8 bytes of the users' messages and of the replies as the clients "
+          f"received them. On {figures['machine']}. Measured with `pipeline bench log"
+          f"{' --quick' if quick else ''}{' --before PATH' if before else ''}`.")
+    return table
+
+
 def projection(common: CommonSettings, quick: bool, out: Path) -> str:
     from bench.projection import run
 
@@ -121,7 +139,8 @@ def _now() -> str:
 
 
 def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
-        resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]]) -> None:
+        resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
+        before: Path | None = None) -> None:
     started = time.monotonic()
     for part in parts:
         print(f"\n== {part} ==", flush=True)
@@ -130,6 +149,8 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = serving(common, quick, out, resolve_model)
         elif part == "capacity":
             table = capacity(common, quick, out)
+        elif part == "log":
+            table = log(common, quick, out, before)
         elif part == "projection":
             table = projection(common, quick, out)
         else:

@@ -11,6 +11,12 @@
 5. **vLLM's benchmark client** (``vllm bench serve --backend openai-chat``'s request
    function, imported unchanged) against (3) and (4), paired the same way: the figures
    that client reports (its TTFT, its ITL between chunks, its failures) for both servers.
+
+Beside (3) and (4), the CPU each side's processes used per streamed token, EngineCore
+left out on both: ``vllm serve``'s API server process (HTTP, the chat template,
+detokenising, streaming), against the pipeline's processes (gateway, the worker's own
+process, projector, broker, PostgreSQL): what the pipeline's plumbing costs as a ratio of
+the frontend a user would run anyway.
 6. **sim-engine** and **sim-worker**: (1) and (2) again with the SIMULATED engine
    (``workers.sim_engine``, ``SIM_TOKENS_PER_S`` per sequence), which uses no CPU:
    the worker's own cost when the model does not compete with the broker and the
@@ -47,6 +53,7 @@ from vllm.benchmarks.lib.endpoint_request_func import (
     async_request_openai_chat_completions,
 )
 
+from bench.capacity import _cpu_s, _processes
 from bench.loadgen import (
     Load,
     MakeRequest,
@@ -60,17 +67,17 @@ from bench.loadgen import (
 from bench.stack import wait_projected
 from gateway.ids import completion_id
 from infra.process import free_port, wait_http
-from pipeline.codec import decode
+from pipeline.codec import decode, decode_live
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.topics import GENERATIONS, LIVE, PROMPTS
 from schemas import (
     ChatMessage,
     GenerationFailed,
     GenerationFinished,
     PromptSubmitted,
     SamplingParams,
-    TokenDelta,
 )
+from schemas.live import Start, entries
 from workers.engine import Engine, EngineRequest
 from workers.host import lower_engine_priority, lower_session_priority, move_off_engine_cores
 from workers.settings import WorkerSettings
@@ -101,28 +108,37 @@ def pairs(quick: bool) -> int:
 @dataclass
 class Paired:
     """Two modes measured in alternating rounds: each one's summary per level, and per
-    level the ratio (b's tokens/s / a's) of each pair of adjacent rounds."""
+    level the ratio (b's tokens/s / a's) of each pair of adjacent rounds; with CPU
+    meters, each side's CPU µs per output token per level, over its measured rounds."""
 
     a: list[Summary]
     b: list[Summary]
     ratios: list[list[float]]
+    cpu_us_per_token: tuple[list[float], list[float]] = ((), ())  # type: ignore[assignment]
+
+
+CpuMeter = Callable[[], float]  # a side's processes' CPU seconds so far
 
 
 async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
-                 per_client: int | None = None, names: tuple[str, str] = ("a", "b")) -> Paired:
+                 per_client: int | None = None, names: tuple[str, str] = ("a", "b"),
+                 cpu: tuple[CpuMeter, CpuMeter] | None = None) -> Paired:
     """``per_client``: requests per client in a round (default ``rounds``); ``names``:
-    the two modes', for the progress lines."""
-    out = Paired([], [], [])
+    the two modes', for the progress lines; ``cpu``: each side's CPU meter."""
+    out = Paired([], [], [], ([], []))
     for c in levels:
         n = per_client or rounds(c, quick)
         for make in (a, b):  # unmeasured
             await run_load(make, c, 1)
             await asyncio.sleep(SETTLE_S)
         loads, level = (Load(c), Load(c)), []
+        used = [0.0, 0.0]
         for i in range(pairs(quick)):
             rates = [0.0, 0.0]
             for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                before = cpu[side]() if cpu else 0.0
                 load = await run_load((a, b)[side], c, n)
+                used[side] += cpu[side]() - before if cpu else 0.0
                 rates[side] = load.tokens_per_s
                 loads[side].add(load)
                 await asyncio.sleep(SETTLE_S)
@@ -133,7 +149,25 @@ async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
         out.a.append(loads[0].summary())
         out.b.append(loads[1].summary())
         out.ratios.append(level)
+        for side in (0, 1):
+            tokens = loads[side].summary().output_tokens
+            out.cpu_us_per_token[side].append(used[side] / tokens * 1e6 if tokens else 0.0)
     return out
+
+
+def cpu_meter(pids: Callable[[], set[int]]) -> CpuMeter:
+    """The CPU seconds the processes ``pids()`` names have used (each read from /proc)."""
+    def used() -> float:
+        total = 0.0
+        for pid in pids():
+            with contextlib.suppress(OSError):
+                total += _cpu_s(pid)
+        return total
+
+    return used
+
+
+
 
 
 @contextlib.asynccontextmanager
@@ -193,24 +227,31 @@ async def vllm_bench_client(url: str, name: str, max_tokens: int,
 @contextlib.asynccontextmanager
 async def kafka_client(bootstrap: str, name: str, max_tokens: int
                        ) -> AsyncIterator[MakeRequest]:
-    """Prompts into ``chat.prompts``, each turn's events read back from
-    ``chat.generations``."""
+    """Prompts into ``chat.prompts``; each turn's first token read from its start entry in
+    ``chat.live`` (written with its first delta), its end from ``chat.generations``."""
     producer = EventProducer(bootstrap, linger_ms=0)
     reader = AsyncConsumer(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", **QUICK_ASSIGN)
     waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
+
+    def first_tokens(value: bytes | None, now: float) -> None:
+        for _, _, item in entries(decode_live(value)):
+            entry = waiting.get(item.request_id) if isinstance(item, Start) else None
+            if entry is not None and entry[0].first is None:
+                entry[0].first = now
 
     async def read() -> None:
         while True:
             for record in await reader.poll_batch(1000, 0.05):
                 now = time.perf_counter()
+                if record.position.topic == LIVE:
+                    first_tokens(record.value, now)
+                    continue
                 event = decode(record.value)
                 entry = waiting.get(getattr(event, "request_id", ""))
                 if entry is None:
                     continue
                 request, done = entry
-                if isinstance(event, TokenDelta) and request.first is None:
-                    request.first = now
-                elif isinstance(event, GenerationFinished):
+                if isinstance(event, GenerationFinished):
                     request.tokens, request.ended = event.usage.completion_tokens, now
                     done.set_result(None)
                 elif isinstance(event, GenerationFailed):
@@ -233,6 +274,7 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int
             del waiting[prompt.request_id]
         return request
 
+    await reader.call(reader.follow_from_end_sync, LIVE)
     await reader.call(reader.follow_from_end_sync, GENERATIONS)
     reading = asyncio.create_task(read())
     try:
@@ -304,12 +346,18 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health", procs, 120)
         await asyncio.to_thread(wait_projected, bootstrap)
         connections = max(levels) + 8
+        # EngineCore left out on both sides: vllm serve's API server process alone (its
+        # engine is a child process), against the pipeline's processes with the worker's
+        # own (its engine is a child process too).
+        ours = {procs[-1].pid, procs[0].pid, procs[-2].pid}  # gateway, worker, projector
+        plumbing = cpu_meter(lambda: {*ours, *_infra_pids()})
+        frontend = cpu_meter(lambda: {serve.pid})
         async with http_client_for(f"http://127.0.0.1:{serve_port}", name, max_tokens,
                                    connections) as vllm_serve, \
                 http_client_for(f"http://127.0.0.1:{port}", name, max_tokens,
                                 connections) as pipeline:
             second = await paired(vllm_serve, pipeline, levels, quick,
-                                  names=("vllm serve", "pipeline"))
+                                  names=("vllm serve", "pipeline"), cpu=(frontend, plumbing))
         async with vllm_bench_client(f"http://127.0.0.1:{serve_port}", name, max_tokens,
                                      connections) as vllm_serve, \
                 vllm_bench_client(f"http://127.0.0.1:{port}", name, max_tokens,
@@ -327,6 +375,8 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
                 ("sim-engine", third.a), ("sim-worker", third.b))},
             "vllm_client": {"vllm-serve": [s.to_json() for s in clients.a],
                             "pipeline": [s.to_json() for s in clients.b]},
+            "cpu_us_per_token": {"vllm serve's API server": second.cpu_us_per_token[0],
+                                 "the pipeline's processes": second.cpu_us_per_token[1]},
             "sim_tokens_per_s": SIM_TOKENS_PER_S,
             "ratios": {"worker / engine": first.ratios,
                        "pipeline / vllm-serve": second.ratios,
@@ -350,6 +400,14 @@ async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, 
                                 names=("SIMULATED engine", "SIMULATED worker"))
     finally:
         _stop(procs)
+
+
+def _infra_pids() -> set[int]:
+    """The broker's and PostgreSQL's processes (as the capacity bench finds them)."""
+    procs = _processes()
+    return {p for p, (_, cmd) in procs.items()
+            if ("java" in cmd and "kafka" in cmd.lower())
+            or cmd.split(" ", 1)[0].endswith("postgres") or cmd.startswith("postgres:")}
 
 
 def bench(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
@@ -406,6 +464,17 @@ def tables(figures: dict[str, Any]) -> str:
     if "vllm_client" in figures:
         out += ["", *client_table(figures["vllm_client"],
                                   ratios["pipeline / vllm-serve, vLLM's client"], spread)]
+    if "cpu_us_per_token" in figures:
+        cpu = figures["cpu_us_per_token"]
+        frontend, plumbing = cpu["vllm serve's API server"], cpu["the pipeline's processes"]
+        out += ["", "**CPU per streamed token**, EngineCore left out on both sides (vLLM on "
+                "this CPU: the worker's process holds vLLM's own frontend too)", "",
+                "| concurrency | vllm serve's API server (µs/token) | the pipeline's processes:"
+                " gateway, worker, projector, broker, PostgreSQL (µs/token) | pipeline / vllm "
+                "serve |", "|---|---|---|---|"]
+        for v, f, pl in zip(modes["vllm-serve"], frontend, plumbing, strict=True):
+            out.append(f"| {v['concurrency']} | {f:,.0f} | {pl:,.0f} | "
+                       f"{pl / f if f else float('nan'):.2f}x |")
     return "\n".join(out)
 
 
