@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from pipeline.codec import DecodeError, Position, decode
-from schemas import Event
+from pipeline.codec import DecodeError, Position, decode, decode_live
+from pipeline.topics import GENERATIONS, LIVE, PROMPTS
+from schemas import Event, GenerationFailed, GenerationFinished, PromptSubmitted
+from schemas.history import History, session_inputs
+from schemas.live import Delta, Start, StreamItem, entries
 
 RawRecord = tuple[Position, bytes | None, dict[str, bytes]]
 
@@ -64,3 +68,52 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
                 for p in parts}
     finally:
         consumer.close()
+
+
+@dataclass(frozen=True)
+class LiveItem:
+    """An entry of chat.live, with the turn it belongs to."""
+
+    position: Position
+    index: int
+    request_id: str
+    item: StreamItem
+    worker: str  # the worker that wrote its record
+
+
+def read_live(bootstrap: str, committed: bool = True) -> list[LiveItem]:
+    """Every entry of chat.live, in log order per partition, with its turn's request id
+    (from the turn's start entry, or from the prompt its reference names)."""
+    prompts = {(p.partition, p.offset): e.request_id
+               for p, e in read_events(bootstrap, PROMPTS) if isinstance(e, PromptSubmitted)}
+    out = []
+    for position, value, _ in read_records(bootstrap, LIVE, committed):
+        try:
+            batch = decode_live(value)
+        except DecodeError:
+            continue
+        for index, ref, item in entries(batch):
+            request_id = item.request_id if isinstance(item, Start) else \
+                prompts.get((position.partition, ref), f"?{ref}")
+            out.append(LiveItem(position, index, request_id, item, batch.worker))
+    return out
+
+
+def deltas_of(bootstrap: str, request_id: str) -> list[Delta]:
+    """A turn's deltas in the live stream, in log order (copies included)."""
+    return [i.item for i in read_live(bootstrap)
+            if i.request_id == request_id and isinstance(i.item, Delta)]
+
+
+def model_input(bootstrap: str, request_id: str) -> History | None:
+    """What the model was given for a turn, rebuilt from the durable record alone."""
+    prompts = [(p.offset, e) for p, e in read_events(bootstrap, PROMPTS)
+               if isinstance(e, PromptSubmitted)]
+    conversation = next(e.conversation_id for _, e in prompts if e.request_id == request_id)
+    ends: dict[str, GenerationFinished | GenerationFailed] = {}
+    for _, e in read_events(bootstrap, GENERATIONS):
+        if isinstance(e, (GenerationFinished, GenerationFailed)) and \
+                e.conversation_id == conversation:
+            ends.setdefault(e.request_id, e)
+    return session_inputs([(o, e) for o, e in prompts if e.conversation_id == conversation],
+                          ends).get(request_id)

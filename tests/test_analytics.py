@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -24,8 +25,10 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
+from gateway.ids import idempotent_conversation
 from infra.process import free_port
-from pipeline.codec import encode, key_of
+from pipeline.codec import conversation_key, encode, key_of
+from pipeline.partitioning import partition_for
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
 from projections.migrate import in_schema, migrate
 from schemas import (
@@ -37,6 +40,7 @@ from schemas import (
     Usage,
 )
 from tests.conftest import (
+    PARTITIONS,
     REPO_ROOT,
     Pipeline,
     Service,
@@ -120,6 +124,33 @@ def an(sim_stack: Stack) -> Iterator[Analytics]:
 def chat(content: str, tokens: int, model: str = "sim") -> dict[str, Any]:
     return {"model": model, "max_tokens": tokens,
             "messages": [{"role": "user", "content": content}]}
+
+
+def keys_in_every_partition() -> list[str]:
+    """Idempotency keys whose new conversations fall one in each partition."""
+    found: dict[int, str] = {}
+    while len(found) < PARTITIONS:
+        key = uuid.uuid4().hex
+        conversation = idempotent_conversation("default", key)
+        found.setdefault(partition_for(conversation_key(conversation), PARTITIONS), key)
+    return list(found.values())
+
+
+def long_turn(url: str, key: str, started: threading.Barrier) -> str:
+    """A 3-second turn; meets ``started`` once its first tokens arrived."""
+    body = {**chat(f"long {key}", 3 * RATE), "stream": True}
+    with httpx.Client(timeout=120) as client, client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body,
+            headers={"Idempotency-Key": key}) as resp:
+        chunks, done = 0, False
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: ") and '"content":"t' in line:
+                chunks += 1
+                if chunks == 3:
+                    started.wait(timeout=30)
+    return "finished" if done else f"{resp.status_code} without [DONE]"
 
 
 def one_turn(url: str, i: int) -> str:
@@ -270,7 +301,16 @@ def test_exact_after_projector_and_worker_sigkilled(an: Analytics) -> None:
     """A worker killed mid-turn (its turns resumed by the other: attempt 1, one turn each
     in the figures) and the projector killed too; then the analytics consumer, restarted
     beside a second one in its group (the partitions are shared mid-load)."""
+    pool = ThreadPoolExecutor(PARTITIONS)
+    long: list[Any] = []
+
     def kill_worker_and_projector() -> None:
+        # A turn running in every partition when the worker dies: whichever partitions
+        # it had, at least one turn is taken over mid-generation (attempt 1).
+        started = threading.Barrier(PARTITIONS + 1)
+        long.extend(pool.submit(long_turn, an.url, key, started)
+                    for key in keys_in_every_partition())
+        started.wait(timeout=30)
         an.services["an-worker-a"].kill()
         an.services["projector"].kill()
         an.start_projector()
@@ -285,9 +325,11 @@ def test_exact_after_projector_and_worker_sigkilled(an: Analytics) -> None:
     try:
         outcomes = run_load(an.url, 100, [(3.0, kill_worker_and_projector),
                                           (9.0, restart_worker_kill_analytics)])
+        outcomes += [f.result() for f in long]
         assert set(outcomes) <= {"finished", "left", "failed"}, Counter(outcomes)
         caught_up(an)
     finally:
+        pool.shutdown()
         if "analytics-2" in an.services:
             an.services.pop("analytics-2").stop()
             del an.metrics["analytics-2"]

@@ -109,6 +109,21 @@ def test_prompt_too_long_for_the_model_is_a_400(pipeline: Pipeline) -> None:
     assert row is not None and row[0] >= 1
 
 
+def test_a_prompt_no_tokens_could_fit_is_refused_before_it_is_written(
+        pipeline: Pipeline) -> None:
+    """200 KB of text needs more tokens than the tiny model's 512 whatever they are: the
+    worker says how many bytes its longest token stands for (14), so the gateway refuses
+    the turn at once, naming the limit, and writes nothing."""
+    before = end_offsets(pipeline.stack.bootstrap, PROMPTS)
+    started = time.monotonic()
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x" * 200_000}]})
+    assert time.monotonic() - started < 1.0
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "512" in r.json()["error"]["message"]
+    assert end_offsets(pipeline.stack.bootstrap, PROMPTS) == before
+
+
 def test_undecodable_records_are_dead_lettered_and_consumers_keep_running(
     pipeline: Pipeline,
 ) -> None:

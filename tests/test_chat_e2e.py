@@ -12,9 +12,11 @@ import pytest
 from openai import OpenAI
 
 from pipeline.topics import GENERATIONS, PROMPTS
-from schemas import GenerationFinished, GenerationStarted, PromptSubmitted, TokenDelta
+from schemas import GenerationFinished, GenerationStarted, PromptSubmitted
+from schemas.history import digest
+from schemas.live import Delta, End, Start
 from tests.conftest import MODEL, Pipeline
-from tests.logread import read_events
+from tests.logread import model_input, read_events, read_live
 from tests.sse import resume_chat, scrape, stream_chat
 
 pytestmark = pytest.mark.integration
@@ -60,19 +62,24 @@ def test_streaming_turn_is_logged_in_order_and_stored(pipeline: Pipeline, client
     assert chunks[0].choices[0].delta.role == "assistant"
     request_id = chunks[0].id
 
-    # The log holds the turn: the prompt, then Started, gap-free deltas, Finished.
-    prompts = [e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
+    # The durable record holds the turn: the prompt, then Started and Finished with the
+    # whole text, no delta; the live stream its start, gap-free deltas and its end.
+    prompts = [(p, e) for p, e in read_events(pipeline.stack.bootstrap, PROMPTS)
                if e.request_id == request_id]
-    assert len(prompts) == 1 and isinstance(prompts[0], PromptSubmitted)
-    assert str(prompts[0].conversation_id) == session
+    assert len(prompts) == 1 and isinstance(prompts[0][1], PromptSubmitted)
+    (position, prompt), = prompts
+    assert str(prompt.conversation_id) == session
     events = generation_events(pipeline, request_id)
-    assert isinstance(events[0], GenerationStarted)
-    assert isinstance(events[-1], GenerationFinished)
-    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [type(e) for e in events] == [GenerationStarted, GenerationFinished]
+    assert events[0].ref == events[1].ref == position.offset
+    live = [i for i in read_live(pipeline.stack.bootstrap) if i.request_id == request_id]
+    assert isinstance(live[0].item, Start) and isinstance(live[-1].item, End)
+    deltas = [i.item for i in live if isinstance(i.item, Delta)]
     assert [d.seq for d in deltas] == list(range(len(deltas)))
-    assert events[-1].deltas == len(deltas)
+    assert events[-1].deltas == live[-1].item.deltas == len(deltas)
     assert "".join(d.text for d in deltas) == events[-1].text == text
     assert events[-1].usage.completion_tokens == usage.completion_tokens
+    assert sum(len(d.token_ids) for d in deltas) == usage.completion_tokens
 
     # The projection stored both messages; the assistant's is exactly what was streamed.
     stored = stored_messages(pipeline, session)
@@ -120,12 +127,18 @@ def test_second_turn_sees_the_first(pipeline: Pipeline, client: OpenAI) -> None:
     chunks = list(second.parse())
     second_reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
+    # The prompt carries its own message and names the first turn; what the model was
+    # given, rebuilt from the durable record, is the whole session, as the gateway read it.
     prompt = next(e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
                   if e.request_id == chunks[0].id)
     assert isinstance(prompt, PromptSubmitted)
-    assert [(m.role, m.content) for m in prompt.messages] == [
+    assert [(m.role, m.content) for m in prompt.messages] == [("user", "second question")]
+    assert prompt.history_len == 2 and prompt.previous is not None and prompt.history is None
+    given = model_input(pipeline.stack.bootstrap, chunks[0].id)
+    assert given is not None and [(m.role, m.content) for m in given] == [
         ("user", "first question"), ("assistant", first_reply), ("user", "second question")]
-    assert prompt.history_len == 2
+    assert prompt.history_digest == digest(given[:2])
+    assert scrape(pipeline.worker_metrics).get("worker_history_mismatches_total") == 0
 
     stored = stored_messages(pipeline, session)
     assert [(m["seq"], m["role"], m["content"]) for m in stored] == [

@@ -15,7 +15,7 @@ import yaml
 from pipeline import contract
 from pipeline.codec import encode
 from pipeline.settings import REPO_ROOT
-from pipeline.topics import CONVERSATION_TOPICS
+from pipeline.topics import CONVERSATION_TOPICS, LIVE
 from schemas import (
     ChatMessage,
     ClientDetached,
@@ -24,6 +24,7 @@ from schemas import (
     GenerationStarted,
     PromptSubmitted,
     TokenDelta,
+    TurnRef,
     Usage,
 )
 
@@ -42,6 +43,9 @@ def test_real_events_validate_against_the_json_schema() -> None:
     ids: dict[str, Any] = {"conversation_id": uuid.uuid4(), "request_id": "r1", "tenant": "t"}
     events = [
         PromptSubmitted(**ids, model="m", messages=(ChatMessage(role="user", content="hi"),)),
+        PromptSubmitted(**ids, model="m", messages=(ChatMessage(role="user", content="hi"),),
+                        history_len=2, previous=TurnRef(prompt=4, end=9),
+                        history_digest="ab" * 32),
         ClientDetached(**ids, attachment="a", grace_s=1.5),
         GenerationStarted(**ids, model="m", worker="w", reply_seq=1, prompt_tokens=3),
         TokenDelta(**ids, seq=0, text="he\x00llo", token_ids=(1, 2)),
@@ -53,10 +57,66 @@ def test_real_events_validate_against_the_json_schema() -> None:
     for event in events:
         validator.validate(json.loads(encode(event)))
     # And it refuses what the code refuses.
-    bad = json.loads(encode(events[3]))
+    bad = json.loads(encode(events[4]))
     bad["seq"] = -1
     assert not validator.is_valid(bad)
     assert not validator.is_valid({**json.loads(encode(events[0])), "type": "Nope"})
+
+
+def test_live_records_the_worker_writes_validate_against_the_live_schema() -> None:
+    """What ``workers.output`` writes (its own encoder, not pydantic's) is what the
+    published schema describes, and what the schema refuses the code refuses too."""
+    import asyncio
+
+    from pipeline.codec import DecodeError, decode_live
+    from workers.output import Output
+
+    schema = json.loads((REPO_ROOT / contract.CONTRACT_DIR / contract.LIVE_SCHEMA_FILE)
+                        .read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+
+    class Recorder:  # what Output hands its writer, kept
+        def __init__(self) -> None:
+            self.values: list[bytes] = []
+
+        def limit(self, topic: str) -> int:
+            return 1_000_000
+
+        def send_together(self, records: list[Any], epoch: int) -> list[None]:
+            self.values += [r.value for r in records if r.topic == LIVE]
+            return [None] * len(records)
+
+    ids: dict[str, Any] = {"conversation_id": uuid.uuid4(), "request_id": "r1", "tenant": "t"}
+
+    async def write() -> list[bytes]:
+        recorder = Recorder()
+        output = Output(recorder, "w")  # type: ignore[arg-type]
+        output.start(1, 7, GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
+                                             prompt_tokens=3), b"k", 0)
+        output.delta(1, 7, 0, 'he said "\u2603"\n', (5, 6), 0)
+        output.end(1, 7, GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop",
+                                            text="x", usage=Usage(prompt_tokens=3,
+                                                                  completion_tokens=2),
+                                            deltas=1, duration_ms=2.0), b"k")
+        output.end(2, 8, GenerationFailed(**ids, code="engine_dead", message="gone"), b"k")
+        output.flush(0)
+        return recorder.values
+
+    values = asyncio.run(write())
+    assert len(values) == 2  # one record per partition
+    for value in values:
+        validator.validate(json.loads(value))
+        decode_live(value)
+    bad = json.loads(values[0])
+    bad["deltas"][0][1] = -1
+    assert not validator.is_valid(bad)
+    try:
+        decode_live(json.dumps(bad).encode())
+    except DecodeError:
+        pass
+    else:
+        raise AssertionError("a negative seq decoded")
 
 
 def test_asyncapi_document_is_complete_and_its_references_resolve() -> None:
@@ -64,7 +124,7 @@ def test_asyncapi_document_is_complete_and_its_references_resolve() -> None:
     doc = yaml.safe_load(text)
     assert doc["asyncapi"].startswith("3.")
     addresses = {c["address"] for c in doc["channels"].values()}
-    assert set(CONVERSATION_TOPICS) <= addresses
+    assert {*CONVERSATION_TOPICS, LIVE} <= addresses
     for channel in doc["channels"].values():
         kafka = channel["bindings"]["kafka"]
         assert kafka["partitions"] >= 1 and "retention.ms" in kafka["topicConfiguration"]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -37,7 +38,7 @@ from schemas import (
     PromptSubmitted,
 )
 from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
-from tests.logread import end_offsets, read_events, read_records
+from tests.logread import end_offsets, model_input, read_events, read_live, read_records
 from tests.sse import Streamed, resume_chat, scrape, stream_chat
 from workers.sim_engine import sim_token_text
 
@@ -112,8 +113,9 @@ def wait_logged(g: Gateways, topic: str, found: Callable[[Position, Event], bool
         time.sleep(0.1)
 
 
-def positions(ids: list[str]) -> list[tuple[int, int]]:
-    return [(int(p), int(o)) for p, o in (i.split("-") for i in ids)]
+def positions(ids: list[str]) -> list[tuple[int, ...]]:
+    """Each SSE event id as numbers: partition, offset (in chat.live) and index."""
+    return [tuple(int(n) for n in i.split("-")) for i in ids]
 
 
 # -- resumable streams ------------------------------------------------------------
@@ -123,8 +125,11 @@ def test_stream_resumes_on_another_gateway_exactly(gw: Gateways) -> None:
     assert not first.done and first.text and expected(60).startswith(first.text)
     # The turn goes on meanwhile (the client comes back within the grace).
     last = positions([first.last_id])[0][1]
-    wait_logged(gw, GENERATIONS, lambda pos, e: e.request_id == first.request_id
-                and pos.offset > last, "the turn to go on without its client")
+    deadline = time.monotonic() + 10
+    while not any(i.request_id == first.request_id and i.position.offset > last
+                  for i in read_live(gw.stack.bootstrap)):
+        assert time.monotonic() < deadline, "timed out waiting for the turn to go on"
+        time.sleep(0.1)
     rest = resume_chat(gw.second, first.request_id, first.last_id)
     assert rest.done and rest.finish_reason == "length", rest.error
     assert first.text + rest.text == expected(60)  # no gap, no duplicate
@@ -195,10 +200,16 @@ def test_bad_last_event_ids_are_400s(gw: Gateways) -> None:
     done = stream_chat(gw.url, chat("ids", 3), headers={"X-Session-Id": earlier.headers[
         "x-session-id"]})  # the same partition
     partition = int(done.ids[0].split("-")[0])
-    for bad in ("nonsense", f"{partition + 1}-0", earlier.ids[0]):
+    for bad in ("nonsense", f"{partition + 1}-0-0", earlier.ids[0], f"{partition}-1-2-3"):
         r = httpx.get(f"{gw.url}/v1/chat/completions/{done.request_id}/stream",
                       headers={"Last-Event-ID": bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_last_event_id"
+    # A position the log does not hold (past its end): a finished turn's end, at once.
+    for beyond in (f"{partition}-999999999999-0", f"{partition}-999999999999"):
+        started = time.monotonic()
+        end = resume_chat(gw.url, done.request_id, beyond, timeout=10)
+        assert time.monotonic() - started < 2 and end.done and end.text == ""
+        assert end.finish_reason == "length" and end.error is None
     unknown = f"chatcmpl-{uuid.uuid4().hex}{'0' * 16}"
     for path in (unknown, f"{unknown}/stream", "not-an-id/stream"):
         r = httpx.get(f"{gw.url}/v1/chat/completions/{path}", timeout=30)
@@ -415,7 +426,9 @@ def test_second_turn_sees_the_first_reply_while_the_projector_is_stopped(gw: Gat
     prompt = next(e for _, e in read_events(gw.stack.bootstrap, PROMPTS)
                   if e.request_id == second.json()["id"])
     assert isinstance(prompt, PromptSubmitted)
-    assert [(m.role, m.content) for m in prompt.messages] == [
+    assert [(m.role, m.content) for m in prompt.messages] == [("user", "second")]
+    given = model_input(gw.stack.bootstrap, second.json()["id"])
+    assert given is not None and [(m.role, m.content) for m in given] == [
         ("user", "first"), ("assistant", expected(3)), ("user", "second")]
     assert [(m["role"], m["content"]) for m in history["data"]] == [
         ("user", "first"), ("assistant", expected(3)), ("user", "second"),
@@ -507,13 +520,28 @@ def test_idempotent_retry_does_not_generate_twice(gw: Gateways) -> None:
     assert sum(isinstance(e, GenerationFinished) for e in events) == 1
 
 
+def accepted(url: str, body: dict[str, Any]) -> str:
+    """A streaming turn accepted (its answer's headers read), its client gone at once."""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        return resp.headers["x-request-id"]
+
+
+def running(url: str, request_ids: list[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(turn_status(url, r) != "running" for r in request_ids):
+        assert time.monotonic() < deadline, "the long turns never all ran"
+        time.sleep(0.2)
+
+
 def test_overload_gets_429_with_retry_after(gw: Gateways) -> None:
+    """Prompts waiting for the worker's 16 slots (and its 2 of prefetch) make the backlog."""
     port = free_port()
     strict = start_gateway(gw.stack, "gateway-strict", port, GATEWAY_MAX_BACKLOG="3")
     url = f"http://127.0.0.1:{port}"
-    # Background turns keep running after their clients hang up at the first chunk.
-    long = [stream_chat(gw.url, chat(f"load {i}", 2000, background=True), stop_after=1)
-            for i in range(6)]
+    # Background turns keep running after their clients hang up.
+    long = [accepted(gw.url, chat(f"load {i}", 2000, background=True)) for i in range(24)]
     try:
         wait_healthy(url, [strict], timeout=60)
         deadline = time.monotonic() + 10
@@ -528,8 +556,35 @@ def test_overload_gets_429_with_retry_after(gw: Gateways) -> None:
         assert end_offsets(gw.stack.bootstrap, PROMPTS) == before  # nothing was accepted
     finally:
         strict.stop()
-        for r in long:
-            httpx.post(f"{gw.url}/v1/chat/completions/{r.request_id}/cancel", timeout=30)
+        for request_id in long:
+            httpx.post(f"{gw.url}/v1/chat/completions/{request_id}/cancel", timeout=30)
+
+
+def test_running_turns_are_no_backlog_however_long_they_run(gw: Gateways) -> None:
+    """The backlog is the prompts waiting to start, not every prompt past the committed
+    offset: a worker commits only up to its oldest unfinished turn, so 12 long turns
+    running (of its 16 slots) counted every prompt finished after them, and short turns
+    were refused while the worker had room (40 of 40 with a bound of 20)."""
+    port = free_port()
+    bounded = start_gateway(gw.stack, "gateway-bound-20", port, GATEWAY_MAX_BACKLOG="20")
+    url = f"http://127.0.0.1:{port}"
+    long = [accepted(gw.url, chat(f"long {i}", 2000, background=True)) for i in range(12)]
+    try:
+        wait_healthy(url, [bounded], timeout=60)
+        running(gw.url, long)
+        with ThreadPoolExecutor(4) as pool:  # the four slots left
+            answers = list(pool.map(lambda i: httpx.post(
+                f"{url}/v1/chat/completions", json=chat(f"short {i}", 2), timeout=60),
+                range(40)))
+        refused = [a.json()["error"]["code"] for a in answers if a.status_code != 200]
+        assert refused == [], refused
+        assert all(a.json()["choices"][0]["message"]["content"] == expected(2)
+                   for a in answers)
+        assert all(turn_status(gw.url, r) == "running" for r in long)  # still running
+    finally:
+        bounded.stop()
+        for request_id in long:
+            httpx.post(f"{gw.url}/v1/chat/completions/{request_id}/cancel", timeout=30)
 
 
 def test_fuzzing_the_openapi_schema_finds_no_server_error(

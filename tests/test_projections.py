@@ -18,7 +18,7 @@ from psycopg import sql
 from infra.process import free_port
 from pipeline.codec import encode
 from pipeline.kafka import GroupStatus
-from pipeline.topics import CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, PROMPTS
+from pipeline.topics import CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, LIVE, PROMPTS
 from projections.settings import ProjectorSettings
 from schemas import GenerationFinished, Usage
 from tests.conftest import MODEL, Pipeline, Service, Stack, start_service
@@ -80,17 +80,35 @@ def test_audit_prints_a_sessions_history_from_the_log(pipeline: Pipeline) -> Non
     turn(pipeline, "second turn", session)
     done = cli(pipeline.stack, "audit", session, "--json")
     assert done.returncode == 0, done.stderr
-    entries = [json.loads(line) for line in done.stdout.splitlines()]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    entries = [e for e in lines if "event" in e]
     kinds = [e["event"]["type"] for e in entries]
     assert kinds[0] == "PromptSubmitted" and kinds.count("PromptSubmitted") == 2
     assert kinds.count("GenerationStarted") == 2 and kinds.count("GenerationFinished") == 2
     assert all(e["event"]["conversation_id"] == session for e in entries)
     assert {e["topic"] for e in entries} == {PROMPTS, GENERATIONS}
     assert all(isinstance(e["offset"], int) for e in entries)
+    # What the model was given for each turn, rebuilt from the log: the second turn's
+    # input is the whole session, and it is what the gateway said it read.
+    first, second = [e for e in entries if e["event"]["type"] == "PromptSubmitted"]
+    reply = next(e["event"]["text"] for e in entries
+                 if e["event"]["type"] == "GenerationFinished"
+                 and e["event"]["request_id"] == first["event"]["request_id"])
+    assert [m["content"] for m in first["model_input"]] == ["audit me"]
+    assert [(m["role"], m["content"]) for m in second["model_input"]] == [
+        ("user", "audit me"), ("assistant", reply), ("user", "second turn")]
+    assert (first["history_digest_matches"], second["history_digest_matches"]) == (None, True)
+    # Each turn's deltas, while the live stream keeps them.
+    live = [e for e in lines if "entry" in e]
+    assert {e["topic"] for e in live} == {LIVE}
+    assert {e["request_id"] for e in live} == {e["event"]["request_id"] for e in (first, second)}
+    assert "".join(e["text"] for e in live if e["entry"] == "Delta"
+                   and e["request_id"] == first["event"]["request_id"]) == reply
 
     text = cli(pipeline.stack, "audit", session)
     assert text.returncode == 0
-    assert "PromptSubmitted" in text.stdout and "TokenDelta x" in text.stdout
+    assert "PromptSubmitted" in text.stdout and "model input: 3 messages" in text.stdout
+    assert "digest matches" in text.stdout and "chat.live" in text.stdout
     assert cli(pipeline.stack, "audit", str(uuid.uuid4())).returncode == 1
 
 
@@ -224,10 +242,10 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
 
     def prompt(conv: uuid.UUID, rid: str, texts: list[str], history_end: int | None,
                history: int = 0, tenant: str = "default") -> PromptSubmitted:
+        said = tuple(ChatMessage(role="user", content=t) for t in texts)
         return PromptSubmitted(conversation_id=conv, request_id=rid, model=MODEL,
                                tenant=tenant, history_len=history, history_end=history_end,
-                               messages=tuple(ChatMessage(role="user", content=t)
-                                              for t in texts))
+                               history=said[:history] or None, messages=said[history:])
 
     def finished(conv: uuid.UUID, rid: str, reply_seq: int, text: str,
                  reason: str = "stop") -> GenerationFinished:

@@ -19,6 +19,7 @@ from schemas import (
     ClientAttached,
     ClientDetached,
     GenerationCancelled,
+    GenerationStarted,
     PromptSubmitted,
     SessionDeleted,
 )
@@ -32,9 +33,11 @@ NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 
 
 def prompt(rid: str, history_end: int | None, history: int = 0, **kw: object) -> PromptSubmitted:
-    messages = tuple(ChatMessage(role="user", content=f"m{i}") for i in range(history + 1))
-    return PromptSubmitted(conversation_id=CONV, request_id=rid, model="m", messages=messages,
-                           history_len=history, history_end=history_end, **kw)  # type: ignore[arg-type]
+    earlier = tuple(ChatMessage(role="user", content=f"m{i}") for i in range(history))
+    return PromptSubmitted(conversation_id=CONV, request_id=rid, model="m",
+                           messages=(ChatMessage(role="user", content=f"m{history}"),),
+                           history=earlier or None, history_len=history,
+                           history_end=history_end, **kw)  # type: ignore[arg-type]
 
 
 # -- one turn at a time, decided by the log -----------------------------------------
@@ -205,20 +208,38 @@ def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
              b'"model":"m","messages":[{"role":"user","content":"x"}]}' % str(CONV).encode())
     upcast = decode(older)
     assert isinstance(upcast, PromptSubmitted)
-    assert (upcast.v, upcast.history_end, upcast.alias, upcast.rollout) == (3, None, None, None)
+    assert (upcast.v, upcast.history_end, upcast.alias, upcast.rollout) == (4, None, None, None)
     v2 = (b'{"type":"PromptSubmitted","v":2,"conversation_id":"%s","request_id":"r",'
           b'"model":"m","history_end":4,"messages":[{"role":"user","content":"x"}]}'
           % str(CONV).encode())
     routed = decode(v2)
     assert isinstance(routed, PromptSubmitted)
-    assert (routed.v, routed.history_end, routed.model, routed.alias) == (3, 4, "m", None)
+    assert (routed.v, routed.history_end, routed.model, routed.alias) == (4, 4, "m", None)
+    # v3 repeats the session: its first history_len messages become the inline history.
+    v3 = (b'{"type":"PromptSubmitted","v":3,"conversation_id":"%s","request_id":"r",'
+          b'"model":"m","history_len":2,"messages":[{"role":"user","content":"a"},'
+          b'{"role":"assistant","content":"b"},{"role":"user","content":"c"}]}'
+          % str(CONV).encode())
+    session = decode(v3)
+    assert isinstance(session, PromptSubmitted)
+    assert [m.content for m in session.history or ()] == ["a", "b"]
+    assert [m.content for m in session.messages] == ["c"]
+    assert (session.history_len, session.reply_seq, session.previous) == (2, 3, None)
+    # A v3 prompt whose history_len leaves no new message is no prompt.
+    with pytest.raises(DecodeError):
+        decode(v3.replace(b'"history_len":2', b'"history_len":3'))
+    # v1 starts and ends: their deltas are TokenDelta events beside them (no reference).
+    start = (b'{"type":"GenerationStarted","v":1,"conversation_id":"%s","request_id":"r",'
+             b'"model":"m","worker":"w","reply_seq":1,"prompt_tokens":3}' % str(CONV).encode())
+    started = decode(start)
+    assert isinstance(started, GenerationStarted) and (started.v, started.ref) == (2, None)
     with pytest.raises(DecodeError):
         decode(b'{"type":"PromptSubmitted","v":1}')
 
 
 # -- what a worker does with a prompt -------------------------------------------------------
 def test_a_prompt_is_skipped_ended_or_run_and_a_resumed_turn_carries_on() -> None:
-    from schemas import TokenDelta
+    from schemas.live import Delta
     from workers.plan import Action, plan_start
     from workers.recovery import Recovered
 
@@ -229,8 +250,7 @@ def test_a_prompt_is_skipped_ended_or_run_and_a_resumed_turn_carries_on() -> Non
     fresh = plan_start(p, None, False, book, NOW)
     assert fresh.action is Action.RUN and fresh.progress.attempt == 0
     earlier = Recovered(attempt=1, deltas={
-        i: TokenDelta(conversation_id=CONV, request_id="r", seq=i, text=t, token_ids=(i,))
-        for i, t in enumerate(["a", "b"])})
+        i: Delta(i, t, (i,)) for i, t in enumerate(["a", "b"])})
     resumed = plan_start(p, earlier, False, book, NOW)
     assert (resumed.action, resumed.progress.attempt, resumed.progress.parts,
             resumed.progress.token_ids) == (Action.RUN, 2, ["a", "b"], [0, 1])
@@ -244,3 +264,81 @@ def test_a_prompt_is_skipped_ended_or_run_and_a_resumed_turn_carries_on() -> Non
                               grace_s=5, occurred_at=NOW))
     assert stop_at(book, p) == NOW + timedelta(seconds=5)
     assert stop_at(book, prompt("r", None, background=True)) is None
+
+
+# -- a session's history, by reference ------------------------------------------------------
+def test_the_history_a_prompt_names_is_what_the_gateway_read_and_an_auditor_rebuilds() -> None:
+    """Turns that finish, fail, are cancelled with a partial reply (holding a NUL), and a
+    void prompt between them: at each turn, the history the gateway read (its view,
+    which the store's rows feed) and the one rebuilt from the durable record alone
+    (``schemas.history``, as a worker and an auditor rebuild it) are the same messages,
+    and the prompt's digest says so."""
+    from pydantic import ValidationError
+
+    from schemas import GenerationFailed, GenerationFinished, TurnRef, Usage
+    from schemas.history import digest, session_inputs
+
+    view = ConversationView(CONV)
+    prompts: list[tuple[int, PromptSubmitted]] = []
+    ends: dict[str, GenerationFinished | GenerationFailed] = {}
+    replies = {"t1": ("stop", "first reply"), "t2": None, "t3": ("abort", "cut\x00 short")}
+    prompt_offset, end_offset = 10, 40
+    for rid, outcome in [*replies.items(), ("t4", None)]:
+        history = view.history()
+        previous = view.last_turn()
+        prompt = PromptSubmitted(
+            conversation_id=CONV, request_id=rid, model="m", history_end=prompt_offset,
+            messages=(ChatMessage(role="user", content=f"asks {rid}"),),
+            history_len=len(history), previous=previous if history else None,
+            history_digest=digest(history) if history else None)
+        assert (previous is None) == (not history)
+        view.apply(prompt, prompt_offset)
+        prompts.append((prompt_offset, prompt))
+        # A racing prompt built on the same history is void: no turn, in no reading.
+        racing = prompt.model_copy(update={"request_id": f"{rid}-racing"})
+        view.apply(racing, prompt_offset + 1)
+        prompts.append((prompt_offset + 1, racing))
+        if rid == "t4":
+            break
+        end: GenerationFinished | GenerationFailed = GenerationFailed(
+            conversation_id=CONV, request_id=rid, code="engine_dead", message="x") \
+            if outcome is None else GenerationFinished(
+                conversation_id=CONV, request_id=rid, model="m", reply_seq=prompt.reply_seq,
+                finish_reason=outcome[0], text=outcome[1],  # type: ignore[arg-type]
+                usage=Usage(prompt_tokens=1, completion_tokens=1), deltas=1, duration_ms=1)
+        view.apply(end, end_offset)
+        ends[rid] = end
+        assert view.last_turn() == TurnRef(prompt=prompt_offset, end=end_offset)
+        prompt_offset, end_offset = prompt_offset + 5, end_offset + 5
+    inputs = session_inputs(prompts, ends)
+    assert set(inputs) == {"t1", "t2", "t3", "t4"}  # the racing prompts are no turns
+    given = inputs["t4"]
+    assert given is not None and [(m.role, m.content) for m in given] == [
+        ("user", "asks t1"), ("assistant", "first reply"), ("user", "asks t2"),
+        ("user", "asks t3"), ("assistant", "cut\ufffd short"), ("user", "asks t4")]
+    for _, prompt in prompts:
+        rebuilt = inputs.get(prompt.request_id)
+        if rebuilt is not None and prompt.history_len:
+            assert digest(rebuilt[:prompt.history_len]) == prompt.history_digest
+    # A prompt names its history once: inline or by its previous turn, never neither.
+    for wrong in ({"history_len": 2},
+                  {"history_len": 1, "previous": TurnRef(prompt=1, end=2),
+                   "history": (ChatMessage(role="user", content="a"),)},
+                  {"history_len": 2, "history": (ChatMessage(role="user", content="a"),)},
+                  {"history_len": 0, "previous": TurnRef(prompt=1, end=2)}):
+        with pytest.raises(ValidationError):
+            PromptSubmitted(conversation_id=CONV, request_id="x", model="m",
+                            messages=(ChatMessage(role="user", content="b"),),
+                            **wrong)  # type: ignore[arg-type]
+
+
+def test_a_session_whose_last_turn_cannot_be_placed_gives_its_history_inline() -> None:
+    """A turn stored before its end's offset was (the store's rows of an earlier
+    version) cannot be named: the next prompt carries the history inline, once."""
+    from gateway.view import TurnState
+
+    view = ConversationView(CONV)
+    view.stored_turn(TurnState("old", "finished", "m", NOW, prompt_offset=3, end_offset=None))
+    assert view.last_turn() is None
+    view.stored_turn(TurnState("old", "finished", "m", NOW, prompt_offset=3, end_offset=9))
+    assert view.last_turn() is not None and view.last_turn().prompt == 3  # type: ignore[union-attr]

@@ -19,31 +19,31 @@ from gateway.cursor import Cursor
 from gateway.errors import api_error
 from gateway.eventstream import ServerSend, Streams
 from gateway.problems import InvalidLastEventId
-from gateway.tail import Delivered, Overflow, Subscription
+from gateway.tail import Delivered, Overflow, Subscription, legacy
 from pipeline.codec import Position
-from pipeline.topics import GENERATIONS
-from schemas import GenerationEvent, GenerationFinished, GenerationStarted, TokenDelta, Usage
+from pipeline.kafka import Record
+from pipeline.topics import GENERATIONS, LIVE
+from schemas import GenerationFinished, TokenDelta, Usage
+from schemas.live import Delta, End, Start, StreamItem
 
 IDS = {"conversation_id": uuid.uuid4(), "request_id": "chatcmpl-x"}
 
 
-def at(offset: int, event: GenerationEvent) -> Delivered:
-    return Delivered(Position(GENERATIONS, 0, offset), event)
+def at(offset: int, item: StreamItem, index: int = 0) -> Delivered:
+    """An entry of a chat.live record at ``offset``."""
+    return Delivered(Position(LIVE, 0, offset), item, index)
 
 
-def delta(seq: int, text: str, attempt: int = 0) -> TokenDelta:
-    return TokenDelta(**IDS, seq=seq, text=text, token_ids=(seq,), attempt=attempt)
+def delta(seq: int, text: str) -> Delta:
+    return Delta(seq, text, (seq,))
 
 
-def started(attempt: int = 0) -> GenerationStarted:
-    return GenerationStarted(**IDS, model="m", worker="w", attempt=attempt, reply_seq=1,
-                             prompt_tokens=3)
+def started(attempt: int = 0) -> Start:
+    return Start(attempt, "chatcmpl-x")
 
 
-def finished(text: str) -> GenerationFinished:
-    return GenerationFinished(**IDS, model="m", reply_seq=1, finish_reason="stop", text=text,
-                              usage=Usage(prompt_tokens=3, completion_tokens=len(text)),
-                              deltas=len(text), duration_ms=1)
+def finished(text: str) -> End:
+    return End(len(text), "stop", Usage(prompt_tokens=3, completion_tokens=len(text)))
 
 
 def drain(sub: Subscription) -> list[Delivered]:
@@ -53,17 +53,18 @@ def drain(sub: Subscription) -> list[Delivered]:
 
 
 def test_a_lagging_reader_gets_consecutive_deltas_merged() -> None:
-    sub = Subscription("chatcmpl-x", b"k", 0, 0)
+    sub = Subscription("chatcmpl-x", b"k", 0)
     sub.push(at(0, started()))
     for i, text in enumerate("abc"):
         sub.push(at(i + 1, delta(i, text)))
     sub.push(at(4, delta(1, "b")))  # a duplicate seq is dropped
     items = drain(sub)
-    assert [type(i.event).__name__ for i in items] == ["GenerationStarted", "TokenDelta"]
+    assert [type(i.item).__name__ for i in items] == ["Start", "Delta"]
     merged = items[1]
-    assert (merged.event.seq, merged.span, merged.event.text, merged.position.offset) == (
+    assert isinstance(merged.item, Delta) and merged.position is not None
+    assert (merged.item.seq, merged.span, merged.item.text, merged.position.offset) == (
         0, 3, "abc", 3)
-    assert merged.event.token_ids == (0, 1, 2)
+    assert merged.item.token_ids == (0, 1, 2)
 
 
 def test_tokens_written_again_never_hide_the_new_ones_behind_them() -> None:
@@ -72,7 +73,7 @@ def test_tokens_written_again_never_hide_the_new_ones_behind_them() -> None:
     first tokens twice, then the rest. Merged with the new tokens behind them, the copies
     made one delta starting at an old seq, which the cursor dropped whole: the client got
     the first four tokens, then the end."""
-    sub = Subscription("chatcmpl-x", b"k", 0, 0)
+    sub = Subscription("chatcmpl-x", b"k", 0)
     log = [started(), *(delta(i, f"t{i} ") for i in range(4)),
            started(), *(delta(i, f"t{i} ") for i in range(12)),
            finished("".join(f"t{i} " for i in range(12)))]
@@ -83,7 +84,7 @@ def test_tokens_written_again_never_hide_the_new_ones_behind_them() -> None:
 
 
 def test_a_reader_past_the_bound_is_dropped() -> None:
-    sub = Subscription("chatcmpl-x", b"k", 0, 0, max_items=8, max_bytes=10)
+    sub = Subscription("chatcmpl-x", b"k", 0, max_items=8, max_bytes=10)
     sub.push(at(0, started()))
     for i in range(20):
         sub.push(at(i + 1, delta(i, "xy")))  # merges, but its text passes 10 bytes
@@ -126,8 +127,8 @@ def test_a_stream_sends_each_seq_once_and_one_role_chunk() -> None:
     events = sent(Cursor("chatcmpl-x", 1, "m", include_usage=True), LOG)
     assert contents(events) == "abc"
     roles = [e for e in events if '"role"' in e["data"]]
-    assert len(roles) == 1 and json.loads(roles[0]["data"])["event_id"] == "0-0"
-    assert positions(events) == ["0-0", "0-1", "0-2", "0-5", "0-6", None]
+    assert len(roles) == 1 and json.loads(roles[0]["data"])["event_id"] == "0-0-0"
+    assert positions(events) == ["0-0-0", "0-1-0", "0-2-0", "0-5-0", "0-6-0", None]
     assert all("id" not in e for e in events)  # data lines only, as vllm serve sends
 
 
@@ -141,7 +142,8 @@ def test_a_resumed_stream_continues_exactly_after_its_last_event(last: int) -> N
     whole = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False), LOG)
     received = [e for e, p in zip(whole, positions(whole), strict=True)
                 if p and int(p.split("-")[1]) <= last]
-    resumed = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=last), LOG)
+    resumed = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False,
+                          resume_after=(LIVE, last, 0)), LOG)
     assert received + resumed == whole
 
 
@@ -149,7 +151,7 @@ def test_a_resumed_stream_continues_exactly_after_its_last_event(last: int) -> N
 def test_a_resume_point_that_is_not_in_the_stream_is_refused(
     last: int, log: list[Delivered]
 ) -> None:
-    cursor = Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=last)
+    cursor = Cursor("chatcmpl-x", 1, "m", include_usage=False, resume_after=(LIVE, last, 0))
     with pytest.raises(InvalidLastEventId) as err:
         sent(cursor, log)
     assert api_error(err.value).status == 400
@@ -164,12 +166,12 @@ def test_a_content_chunk_from_the_template_is_the_chunk_itself(text: str) -> Non
     cursor.feed(at(0, started()))
     (message,) = sent(cursor, [at(9, delta(0, text))])
     assert json.loads(message["data"]) == {
-        **cursor._chunk({"content": text}), "event_id": "0-9"}
+        **cursor._chunk({"content": text}), "event_id": "0-9-0"}
 
 
 def test_a_quiet_reader_is_nudged_with_nothing_then_reads_on() -> None:
     async def scenario() -> list[Delivered | None]:
-        sub = Subscription("chatcmpl-x", b"k", 0, 0)
+        sub = Subscription("chatcmpl-x", b"k", 0)
         waiting = asyncio.create_task(sub.get())
         await asyncio.sleep(0)
         sub.nudge()  # the fan-out's sweep: a keep-alive is due
@@ -179,7 +181,7 @@ def test_a_quiet_reader_is_nudged_with_nothing_then_reads_on() -> None:
         return got
 
     nothing, item = asyncio.run(scenario())
-    assert nothing is None and item is not None and isinstance(item.event, GenerationStarted)
+    assert nothing is None and item is not None and isinstance(item.item, Start)
 
 
 def _asgi_stream(messages: int, send_blocks_after: int | None, disconnect_after_s: float | None,
@@ -293,3 +295,38 @@ def test_an_event_streams_body_skips_the_middleware_which_still_sees_its_start()
     assert [m["body"] for m in server[1:]] == [b"data: 0\n\n", b"data: 1\n\n",
                                                 b"data: 2\n\n", b""]
     assert server[-1]["more_body"] is False
+
+
+def test_entries_of_one_record_resume_by_their_index() -> None:
+    """A live record holds many entries of a turn (its start, a delta and its end, for a
+    short turn): each chunk names its entry, and a stream resumed from any of them
+    continues after exactly that one."""
+    log = [at(3, started(), 0), at(3, delta(0, "a"), 1), at(4, delta(1, "b"), 0),
+           at(4, finished("ab"), 2)]
+    whole = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False), log)
+    assert positions(whole) == ["0-3-0", "0-3-1", "0-4-0", "0-4-2"]
+    for cut, (offset, index) in enumerate([(3, 0), (3, 1), (4, 0), (4, 2)], start=1):
+        resumed = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False,
+                              resume_after=(LIVE, offset, index)), log)
+        assert whole[:cut] + resumed == whole
+
+
+def test_a_turn_from_before_the_live_stream_is_read_from_its_events() -> None:
+    """A turn written by the code before the live stream has its deltas as TokenDelta
+    events in chat.generations: they stream with that topic's positions (two-part ids),
+    and a start or end of today's (naming the live stream) is not taken twice."""
+    def record(offset: int) -> Record:
+        return Record(Position(GENERATIONS, 0, offset), b"k", b"", 0)
+
+    old = [TokenDelta(**IDS, seq=i, text=t) for i, t in enumerate("ab")]
+    log = [d for offset, event in enumerate(old, start=4) if (d := legacy(record(offset), event))]
+    done = GenerationFinished(**IDS, model="m", reply_seq=1, finish_reason="stop", text="ab",
+                              usage=Usage(prompt_tokens=1, completion_tokens=2), deltas=2,
+                              duration_ms=1)
+    log.append(legacy(record(6), done))  # type: ignore[arg-type]  # v1: no reference
+    assert legacy(record(7), done.model_copy(update={"ref": 12})) is None
+    whole = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False), log)
+    assert contents(whole) == "ab" and positions(whole) == ["0-4", "0-5", "0-6"]
+    resumed = sent(Cursor("chatcmpl-x", 1, "m", include_usage=False,
+                          resume_after=(GENERATIONS, 4, 0)), log)
+    assert whole[:1] + resumed == whole

@@ -5,18 +5,38 @@ metadata is refused, and its records never reach a read_committed reader."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 
 import pytest
 
-from pipeline.kafka import AsyncConsumer, Fenced, TransactionalProducer, ensure_topics
-from pipeline.topics import TopicSpec
-from schemas import SessionCreated
+from pipeline.kafka import (
+    AsyncConsumer,
+    Fenced,
+    RecordTooLarge,
+    TransactionalProducer,
+    ensure_topics,
+)
+from pipeline.topics import GENERATIONS, LIVE, TopicSpec
+from schemas import GenerationFinished, GenerationStarted, SessionCreated, Usage
 from tests.conftest import Stack
 from tests.logread import read_records
+from workers.output import Output
 
 pytestmark = pytest.mark.integration
+
+
+async def _assigned(bootstrap: str, group: str, source: str, **config: object
+                    ) -> AsyncConsumer:
+    """A member of ``group`` subscribed to ``source``, once the group has assigned it."""
+    member = AsyncConsumer(bootstrap, group, **config)
+    member.subscribe([source])
+    deadline = time.monotonic() + 30
+    while not await member.call(member.assignment_sync):
+        assert time.monotonic() < deadline, f"{group}: never assigned"
+        await member.poll_batch(1, 0.2)
+    return member
 
 
 def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> None:
@@ -31,12 +51,8 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
             nonlocal fenced_calls
             fenced_calls += 1
 
-        member = AsyncConsumer(sim_stack.bootstrap, group, **{"session.timeout.ms": 6000})
-        member.subscribe([source])
-        deadline = time.monotonic() + 30
-        while not await member.call(member.assignment_sync):
-            assert time.monotonic() < deadline, "never assigned"
-            await member.poll_batch(1, 0.2)
+        member = await _assigned(sim_stack.bootstrap, group, source,
+                                 **{"session.timeout.ms": 6000})
         writer = TransactionalProducer(
             sim_stack.bootstrap, f"fence-writer-{suffix}", lambda: {(source, 0): 0},
             on_committed=lambda _: None, on_fenced=on_fenced, timeout_ms=10_000)
@@ -49,12 +65,7 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
         await writer.send(sink, event("while a member"), writer.epoch)
         # The member leaves and another takes the partition: the writer is now a zombie.
         await member.close()
-        successor = AsyncConsumer(sim_stack.bootstrap, group)
-        successor.subscribe([source])
-        deadline = time.monotonic() + 30
-        while not await successor.call(successor.assignment_sync):
-            assert time.monotonic() < deadline, "the successor was never assigned"
-            await successor.poll_batch(1, 0.2)
+        successor = await _assigned(sim_stack.bootstrap, group, source)
         outcomes = []
         for title in ("after leaving", "and again"):
             try:
@@ -214,3 +225,105 @@ def test_records_dropped_while_a_transaction_waits_for_its_floor_leave_the_write
     assert asyncio.run(scenario()) == ["dropped", "written"]
     written = [value for _, value, _ in read_records(sim_stack.bootstrap, sink)]
     assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == [b"r0", b"r2"]
+
+
+def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
+        sim_stack: Stack) -> None:
+    """A worker's turns write their deltas to chat.live, many turns to a record, and their
+    starts and ends to chat.generations, in the same transactions (``workers.output``).
+    Once its member has left the group, neither reaches a read_committed reader: the
+    batch with a turn's last delta and the turn's end are refused together."""
+    suffix = uuid.uuid4().hex[:8]
+    source, group, worker = f"fence-live.in.{suffix}", f"fence-live-{suffix}", f"w-{suffix}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(source, 1, {})])
+    conversation = uuid.uuid4()
+    ids = {"conversation_id": conversation, "request_id": f"chatcmpl-{suffix}"}
+
+    async def scenario() -> str:
+        member = await _assigned(sim_stack.bootstrap, group, source,
+                                 **{"session.timeout.ms": 6000})
+        writer = TransactionalProducer(sim_stack.bootstrap, f"fence-live-{suffix}",
+                                       lambda: {(source, 0): 0}, timeout_ms=10_000)
+        await asyncio.to_thread(writer.start)
+        writer.set_group(await member.call(member.group_metadata_sync))
+        output = Output(writer, worker)
+        key = str(conversation).encode()
+        output.start(0, 7, GenerationStarted(**ids, ref=7, model="m", worker=worker,
+                                             reply_seq=1, prompt_tokens=3), key, writer.epoch)
+        output.delta(0, 7, 0, "before ", (1,), writer.epoch)
+        output.delta(1, 9, 0, "another turn ", (2,), writer.epoch)  # another partition
+        output.flush(writer.epoch)
+        assert await asyncio.to_thread(writer.flush_sync, 30)
+        await member.close()  # the member leaves and another takes the partition
+        successor = await _assigned(sim_stack.bootstrap, group, source)
+        output.delta(0, 7, 1, "after", (3,), writer.epoch)
+        ended = output.end(0, 7, GenerationFinished(
+            **ids, ref=7, model="m", reply_seq=1, finish_reason="stop", text="before after",
+            usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1), key)
+        output.flush(writer.epoch)
+        try:
+            await ended
+            outcome = "committed"
+        except Fenced:
+            outcome = "refused"
+        await asyncio.to_thread(writer.close)
+        await successor.close()
+        return outcome
+
+    assert asyncio.run(scenario()) == "refused"
+    mine = f'"worker":"{worker}"'.encode()
+    live = [v for _, v, _ in read_records(sim_stack.bootstrap, LIVE) if v and mine in v]
+    assert len(live) == 2 and all(b"before" in v or b"another turn" in v for v in live)
+    written = [v for _, v, _ in read_records(sim_stack.bootstrap, LIVE, committed=False)
+               if v and mine in v]
+    assert any(b'"after"' in v for v in written)  # written, then aborted
+    durable = [v for _, v, _ in read_records(sim_stack.bootstrap, GENERATIONS)
+               if v and ids["request_id"].encode() in v]
+    assert len(durable) == 1 and b"GenerationStarted" in durable[0]
+
+
+def test_a_record_larger_than_its_topic_takes_is_refused_alone_and_at_once(
+        sim_stack: Stack) -> None:
+    """A record past the size its topic takes is answered ``RecordTooLarge`` alone: at
+    once if the producer knows the limit (it never enters a transaction), and, if only
+    the broker knows it (a topic set lower than the producer thinks), when the broker
+    refuses it, while the records beside it in the transaction are written. It was taken
+    for a passing error: its transaction was aborted and sent again, with every prompt
+    queued beside it, for as long as the deadline allowed."""
+    topic = f"sizes.{uuid.uuid4().hex[:8]}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(topic, 1, {"max.message.bytes": "100000"})])
+
+    def event(i: int, size: int = 10) -> SessionCreated:
+        # Random text: compressed, a batch of it is still past the topic's limit.
+        return SessionCreated(conversation_id=uuid.uuid4(), request_id=f"r{i}",
+                              title="x" * min(size, 200),
+                              **({"padding": secrets.token_urlsafe(size)} if size > 200 else {}))
+
+    async def scenario() -> tuple[list[str], float, float]:
+        writer = TransactionalProducer(sim_stack.bootstrap, f"sizes-{uuid.uuid4().hex[:8]}",
+                                       max_record_bytes=1_000_000, interval_ms=50)
+        writer.start()
+        assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
+        started = time.monotonic()
+        with pytest.raises(RecordTooLarge):  # past what the producer takes: never queued
+            await writer.send(topic, event(0, 2_000_000))
+        known_s = time.monotonic() - started
+        started = time.monotonic()
+        sent = [writer.send(topic, event(i, 500_000 if i == 5 else 10)) for i in range(1, 11)]
+        outcomes = []
+        for future in sent:
+            try:
+                await asyncio.wait_for(future, 30)
+                outcomes.append("written")
+            except RecordTooLarge:
+                outcomes.append("too large")
+        broker_s = time.monotonic() - started
+        await asyncio.to_thread(writer.close)
+        return outcomes, known_s, broker_s
+
+    outcomes, known_s, broker_s = asyncio.run(scenario())
+    assert outcomes == ["written"] * 4 + ["too large"] + ["written"] * 5
+    assert known_s < 0.1 and broker_s < 5, (known_s, broker_s)
+    written = [v.split(b'"request_id":"')[1].split(b'"')[0]
+               for _, v, _ in read_records(sim_stack.bootstrap, topic)]
+    assert written == [f"r{i}".encode() for i in range(1, 11) if i != 5]

@@ -127,9 +127,8 @@ def test_watermark_commits_below_the_oldest_in_flight_offset() -> None:
 
 def test_projection_places_messages_by_history_length() -> None:
     event = prompt(
-        messages=(ChatMessage(role="user", content="a"), ChatMessage(role="assistant", content="b"),
-                  ChatMessage(role="user", content="c")),
-        history_len=2,
+        history=(ChatMessage(role="user", content="a"), ChatMessage(role="assistant", content="b")),
+        messages=(ChatMessage(role="user", content="c"),), history_len=2,
     )
     inserts = [w.params for w in project(event) if "INTO messages" in w.sql]
     assert [(p["seq"], p["role"], p["content"]) for p in inserts] == [(2, "user", "c")]
@@ -149,7 +148,7 @@ def test_projection_stores_the_reply_at_its_seq_and_ignores_deltas() -> None:
 def test_projection_titles_a_new_conversation_from_its_first_user_message() -> None:
     conversation = project(prompt())[0]
     assert conversation.params[2] == "hello there"
-    assert project(prompt(messages=(ChatMessage(role="user", content="x"),) * 2,
+    assert project(prompt(history=(ChatMessage(role="user", content="x"),),
                           history_len=1))[0].params[2] is None
 
 

@@ -30,8 +30,8 @@ from schemas import (
     GenerationStarted,
     PromptSubmitted,
     SamplingParams,
-    TokenDelta,
 )
+from schemas.live import Delta, End, Failure, Start
 from tests.conftest import (
     MODEL,
     Pipeline,
@@ -40,7 +40,7 @@ from tests.conftest import (
     start_service,
     wait_healthy,
 )
-from tests.logread import read_events
+from tests.logread import deltas_of, read_events, read_live
 from tests.sse import Streamed, scrape, stream_chat
 from workers.sim_engine import SimEngine, sim_token_text
 from workers.worker import Worker
@@ -130,12 +130,12 @@ def assert_log_seqs_exact(stack: Stack, results: list[Streamed]) -> dict[str, in
     wanted = {r.request_id for r in results}
     seqs: dict[str, list[int]] = {rid: [] for rid in wanted}
     attempts: dict[str, int] = {}
+    for item in read_live(stack.bootstrap):
+        if item.request_id in wanted and isinstance(item.item, Delta):
+            seqs[item.request_id].append(item.item.seq)
     for _, event in read_events(stack.bootstrap, GENERATIONS):
-        if event.request_id in wanted:
-            if isinstance(event, TokenDelta):
-                seqs[event.request_id].append(event.seq)
-            elif isinstance(event, GenerationFinished):
-                attempts[event.request_id] = event.attempt
+        if event.request_id in wanted and isinstance(event, GenerationFinished):
+            attempts[event.request_id] = event.attempt
     for rid, got in seqs.items():
         assert sorted(got) == list(range(len(got))), f"{rid}: seqs {sorted(got)}"
     assert set(attempts) == wanted
@@ -149,8 +149,8 @@ def test_backpressure_holds_the_bound_and_everything_completes(sim: SimPipeline)
         results = list(pool.map(lambda i: stream_chat(sim.url, chat(i, 10)), range(40)))
     assert all(r.done and r.text == expected_sim_text(10) for r in results)
     assert_log_seqs_exact(sim.stack, results)
-    sizes = {len(e.token_ids) for _, e in read_events(sim.stack.bootstrap, GENERATIONS)
-             if isinstance(e, TokenDelta)}
+    sizes = {len(i.item.token_ids) for i in read_live(sim.stack.bootstrap)
+             if isinstance(i.item, Delta)}
     assert 1 in sizes and max(sizes) > 1  # per step on worker a, coalesced on worker b
     peaks = [metric(url, "worker_in_flight_peak") for _, url in sim.workers.values()]
     assert max(peaks) == SIM_SEQS, peaks  # the bound was reached ...
@@ -293,6 +293,8 @@ def test_vllm_worker_paused_past_its_session_is_fenced(
     committed = [(pos, e) for pos, e in read_events(pipeline.stack.bootstrap, GENERATIONS)
                  if e.request_id in ours]
     assert_one_writer_per_turn(committed)
+    assert_one_writer_per_turn([(i.position, i.item) for i in read_live(pipeline.stack.bootstrap)
+                                if i.request_id in ours and isinstance(i.item, Start)])
     assert_log_seqs_exact(pipeline.stack, results)
     finals = {e.request_id: e.text for _, e in committed if isinstance(e, GenerationFinished)}
     assert {r.request_id: r.text for r in results} == finals  # what each client saw
@@ -310,6 +312,9 @@ def test_vllm_worker_paused_past_its_session_is_fenced(
     refused = [e for pos, e in read_events(pipeline.stack.bootstrap, GENERATIONS,
                                            committed=False)
                if e.request_id in ours and pos not in seen]
+    live = {(i.position, i.index) for i in read_live(pipeline.stack.bootstrap)}
+    refused += [i for i in read_live(pipeline.stack.bootstrap, committed=False)
+                if i.request_id in ours and (i.position, i.index) not in live]
     print(f"records written but never committed for these turns: {len(refused)}")
 
 
@@ -318,7 +323,7 @@ def assert_one_writer_per_turn(events: list[tuple[object, object]]) -> None:
     latest: dict[str, int] = {}
     for pos, event in events:
         attempt = getattr(event, "attempt", 0)
-        rid = event.request_id  # type: ignore[attr-defined]
+        rid = event.request_id  # type: ignore[attr-defined]  (a start entry names it too)
         assert attempt >= latest.get(rid, 0), f"{rid}: attempt {attempt} after a later one at {pos}"
         latest[rid] = attempt
 
@@ -429,7 +434,7 @@ def test_workers_back_after_their_recovery_window_resume_and_honour_departures(
         assert assert_log_seqs_exact(sim.stack, [result])[result.request_id] >= 1
         events = [e for _, e in read_events(sim.stack.bootstrap, GENERATIONS)
                   if e.request_id == left.request_id]
-        seqs = [e.seq for e in events if isinstance(e, TokenDelta)]
+        seqs = [d.seq for d in deltas_of(sim.stack.bootstrap, left.request_id)]
         assert sorted(seqs) == list(range(len(seqs))) and len(seqs) < 60, seqs
         assert [e.attempt for e in events if isinstance(e, GenerationStarted)] == [0]
         ends = [e for e in events if isinstance(e, GenerationFinished)]
@@ -441,21 +446,19 @@ def test_workers_back_after_their_recovery_window_resume_and_honour_departures(
 
 def _has_written(stack: Stack, pid: int) -> bool:
     """Whether the worker process ``pid`` has a turn with deltas in the log."""
-    events = [e for _, e in read_events(stack.bootstrap, GENERATIONS)]
-    started = {e.request_id for e in events
-               if isinstance(e, GenerationStarted) and e.worker.endswith(f"-{pid}")}
-    return any(isinstance(e, TokenDelta) and e.request_id in started for e in events)
+    return any(isinstance(i.item, Delta) and i.worker.endswith(f"-{pid}")
+               for i in read_live(stack.bootstrap))
 
 
 def _frozen_mid_turn(stack: Stack, pid: int) -> bool:
     """Freezes the worker ``pid``; True, leaving it frozen, if it has a turn in the log
     with deltas and no end; else it runs on."""
     os.kill(pid, signal.SIGSTOP)
-    events = [e for _, e in read_events(stack.bootstrap, GENERATIONS)]
-    started = {e.request_id for e in events
-               if isinstance(e, GenerationStarted) and e.worker.endswith(f"-{pid}")}
-    ended = {e.request_id for e in events if isinstance(e, GenerationFinished)}
-    if any(isinstance(e, TokenDelta) and e.request_id in started - ended for e in events):
+    live = read_live(stack.bootstrap)
+    written = {i.request_id for i in live
+               if isinstance(i.item, Delta) and i.worker.endswith(f"-{pid}")}
+    ended = {i.request_id for i in live if isinstance(i.item, (End, Failure))}
+    if written - ended:
         return True
     os.kill(pid, signal.SIGCONT)
     return False
@@ -526,8 +529,7 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
         # in the log; the takeover ran the turn on from what is).
         assert len(finished) == 1
         assert finished[0].text == "".join(sim_token_text(i) for i in range(40))
-        seqs = [e.seq for _, e in read_events(sim_stack.bootstrap, GENERATIONS)
-                if isinstance(e, TokenDelta) and e.request_id == request_id]
+        seqs = [d.seq for d in deltas_of(sim_stack.bootstrap, request_id)]
         assert sorted(seqs) == list(range(finished[0].deltas))
     finally:
         loop.call_soon_threadsafe(stop.set)
