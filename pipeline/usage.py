@@ -32,6 +32,10 @@ class UsageError(ValueError):
         self.param = param
 
 
+# The last second a datetime holds (9999-12-31T23:59:59Z): a bound on every time asked.
+LATEST = 253_402_300_799
+
+
 @dataclass(frozen=True)
 class UsageQuery:
     tenant: str
@@ -64,7 +68,12 @@ class UsageQuery:
             except ValueError:
                 raise UsageError("page must be a next_page value from an earlier answer",
                                  "page") from None
-        if start_time < 0 or end <= start_time:
+        for name, value in (("start_time", start_time), ("end_time", end - 1)):
+            if not 0 <= value <= LATEST:
+                raise UsageError(f"{name} must be a Unix time from 0 to {LATEST} "
+                                 "(9999-12-31T23:59:59Z)",
+                                 "page" if page is not None and name == "start_time" else name)
+        if end <= start_time:
             raise UsageError("start_time must be a Unix time before end_time", "start_time")
         unknown = set(group_by or ()) - {"model"}
         if unknown:

@@ -456,7 +456,11 @@ def test_usage_api_and_command(an: Analytics) -> None:
     for bad in ({}, {"start_time": "yesterday"}, {"start_time": start, "bucket_width": "1w"},
                 {"start_time": start, "group_by": "user_id"},
                 {"start_time": start, "bucket_width": "1m", "limit": 5000},
-                {"start_time": now, "end_time": now - 60}):
+                {"start_time": now, "end_time": now - 60},
+                # Far-off times: a 500 from datetime before (year 11476 is out of range).
+                {"start_time": 300000000000, "end_time": 300000000060},
+                {"start_time": start, "end_time": 999999999999},
+                {"start_time": start, "page": 999999999999}):
         r = httpx.get(f"{an.url}/v1/usage", params=bad)
         assert r.status_code == 400 and r.json()["error"]["param"], (bad, r.text)
     out = subprocess.run(

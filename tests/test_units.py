@@ -41,7 +41,7 @@ from pipeline.rollout import (
     stale,
 )
 from pipeline.settings import CommonSettings
-from pipeline.usage import UsageError, UsageQuery
+from pipeline.usage import LATEST, UsageError, UsageQuery
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -381,9 +381,14 @@ def test_usage_query_pages_and_defaults() -> None:
     paged = UsageQuery.build("t", now - 100 * 60, now, "1m", limit=30)
     assert paged.page_end == paged.start + 30 * 60
     for bad in ({"bucket_width": "1w"}, {"limit": 0}, {"group_by": ["project_id"]},
-                {"page": "x"}):
+                {"page": "x"}, {"page": "-5"}, {"page": str(10**15)}):
         with pytest.raises(UsageError):
             UsageQuery.build("t", now - 60, now, **{"bucket_width": "1m", **bad})
+    # Far-off times are refused, not a 500 from datetime (year 11476 is out of range).
+    for start, end in ((300_000_000_000, 300_000_000_060), (now, 10**12), (-1, now)):
+        with pytest.raises(UsageError, match="Unix time from 0 to 253402300799"):
+            UsageQuery.build("t", start, end, "1d")
+    assert UsageQuery.build("t", LATEST - 60, LATEST + 1, "1m").page_end == LATEST + 1
 
 
 def test_metrics_port_in_use_is_named() -> None:
