@@ -28,7 +28,7 @@ from typing import Any
 from gateway import openai_api
 from gateway.auth import Caller, Guard, estimate_tokens
 from gateway.cursor import DONE, KEEPALIVE, Cursor, failure, sse
-from gateway.dependencies import from_log
+from gateway.dependencies import KAFKA, from_log
 from gateway.errors import api_error
 from gateway.fleet import Fleet
 from gateway.ids import EventPosition, completion_id, conversation_of, idempotent_conversation
@@ -196,12 +196,15 @@ class ChatService:
         partition = self.store.partition_of(conversation)
         sub = await self.tail.follow(request_id, conversation_key(conversation), partition)
         try:
+            if KAFKA.open:  # refused at once, until a probe sees Kafka answer
+                raise LogUnavailable(request_id)
             try:  # answered definitely: committed, or never to be written
                 written = await self.prompts.send(PROMPTS, prompt, deadline=deadline)
             except RecordTooLarge as exc:
                 raise PromptTooLarge(exc.size, exc.limit) from exc
             except ProduceError as exc:
                 log.warning("prompt %s not accepted: %s", request_id, exc)
+                KAFKA.trip(exc)
                 raise LogUnavailable(request_id) from exc
             ref = written.offset
             if view is not None:
@@ -302,7 +305,7 @@ class ChatService:
             attachment = uuid.uuid4().hex
             ended = any(isinstance(d.item, TERMINAL) for d in history)
             if not ended:
-                await from_log(self.producer.send(CONTROL, ClientAttached(
+                await from_log(lambda: self.producer.send(CONTROL, ClientAttached(
                     conversation_id=conversation, request_id=turn.request_id, tenant=tenant,
                     attachment=attachment)), self.settings.dependency_timeout_s)
         except BaseException:
@@ -383,7 +386,7 @@ class ChatService:
         """Ask the worker to stop a turn now; return the turn's status before that."""
         view, turn = await self.find_turn(completion, tenant)
         if turn.status in ("pending", "running"):
-            await from_log(self.producer.send(CONTROL, GenerationCancelled(
+            await from_log(lambda: self.producer.send(CONTROL, GenerationCancelled(
                 conversation_id=uuid.UUID(str(view.id)), request_id=completion, tenant=tenant,
                 reason="client request")), self.settings.dependency_timeout_s)
         return turn.status

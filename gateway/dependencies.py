@@ -1,6 +1,11 @@
 """The gateway's two dependencies, Kafka and PostgreSQL: every call to either is bounded
 in time, and its failure becomes a refusal (503 with ``Retry-After``), never a 500 or a
 hang. ``Health`` checks both in the background for ``/readyz``.
+
+Once a call to one has failed for want of an answer, its ``Breaker`` opens: later calls
+are refused at once, without waiting for a timeout, until ``Health``'s probe sees the
+dependency answer again. Thousands of clients retrying against a database that is down
+then hold no connection and no task each for the length of a timeout.
 """
 
 from __future__ import annotations
@@ -9,10 +14,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import psycopg
+from confluent_kafka import KafkaError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from gateway.problems import LogUnavailable, StoreUnavailable
@@ -28,25 +34,71 @@ _quiet = QuietLog(log)
 DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 
-async def from_log(call: Awaitable[T], timeout_s: float) -> T:
-    """The result of a call to Kafka, or ``LogUnavailable`` after ``timeout_s``."""
+class Breaker:
+    """Whether calls to a dependency may be tried (see the module)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.open_since: float | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.open_since is not None
+
+    def trip(self, why: object) -> None:
+        if self.open_since is None:
+            log.warning("%s is down (%s): its calls are refused at once until a probe "
+                        "sees it answer", self.name, why)
+            self.open_since = time.monotonic()
+
+    def close(self) -> None:
+        if self.open_since is not None:
+            log.warning("%s answers again after %.1f s", self.name,
+                        time.monotonic() - self.open_since)
+            self.open_since = None
+
+
+# One of each per process: every app of a process shares its dependencies' fate.
+KAFKA = Breaker("kafka")
+POSTGRES = Breaker("postgres")
+# Kafka errors that say the cluster did not answer, not that this one call was wrong.
+_KAFKA_AWAY = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
+               KafkaError._MSG_TIMED_OUT, KafkaError.REQUEST_TIMED_OUT,
+               KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE}
+
+
+async def from_log(call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """The result of a call to Kafka (made by ``call()``), or ``LogUnavailable`` after
+    ``timeout_s``, or at once while Kafka is known to be down."""
+    if KAFKA.open:
+        raise LogUnavailable()
     try:
-        return await asyncio.wait_for(call, timeout_s)
-    except (KafkaException, ProduceError, TimeoutError) as exc:
+        return await asyncio.wait_for(call(), timeout_s)
+    except TimeoutError as exc:
+        KAFKA.trip(f"no answer within {timeout_s:g} s")
+        raise LogUnavailable() from exc
+    except (KafkaException, ProduceError) as exc:
         _quiet.warning("Kafka did not answer: %r", exc)
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is not None and error.code() in _KAFKA_AWAY:
+            KAFKA.trip(error)
         raise LogUnavailable() from exc
 
 
 @contextlib.asynccontextmanager
-async def from_store(pool: AsyncConnectionPool, timeout_s: float
+async def from_store(pool: AsyncConnectionPool, timeout_s: float, *, probe: bool = False
                      ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     """A connection for one short use, all of it within ``timeout_s``; ``StoreUnavailable``
-    if the database is away or does not answer."""
+    if the database is away or does not answer, at once while it is known to be (unless
+    this is the ``probe`` that finds out whether it is back)."""
+    if POSTGRES.open and not probe:
+        raise StoreUnavailable()
     try:
         async with asyncio.timeout(timeout_s), pool.connection(timeout=timeout_s) as conn:
             yield conn
     except (*DATABASE_AWAY, TimeoutError) as exc:
         _quiet.warning("PostgreSQL did not answer: %r", exc)
+        POSTGRES.trip(exc)
         raise StoreUnavailable() from exc
 
 
@@ -71,11 +123,16 @@ class Health:
                                                   self.timeout_s), self.timeout_s)
         except Exception as exc:  # whatever it is, Kafka did not answer
             down["kafka"] = self._why(exc)
+            KAFKA.trip(down["kafka"])
+        else:
+            KAFKA.close()
         try:
-            async with from_store(self.pool, self.timeout_s) as conn:
+            async with from_store(self.pool, self.timeout_s, probe=True) as conn:
                 await conn.execute("SELECT 1")
         except StoreUnavailable as exc:
             down["postgres"] = self._why(exc.__cause__)
+        else:
+            POSTGRES.close()
         if down != self.down:
             log.warning("dependencies %s", f"down: {down}" if down else "all back")
         self.down, self.checked_at = down, time.monotonic()
@@ -92,7 +149,9 @@ class Health:
     async def _run(self) -> None:
         while True:
             await self.check()
-            await asyncio.sleep(self.every_s)
+            # Sooner while a breaker is open: its dependency's callers wait for the probe.
+            every = self.every_s / 4 if KAFKA.open or POSTGRES.open else self.every_s
+            await asyncio.sleep(every)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -43,7 +43,7 @@ async def create(request: Request) -> Response:
     new = validate(NewSession, load_json(body) if body.strip() else {})
     event = SessionCreated(conversation_id=uuid.uuid4(), request_id=f"session-{uuid.uuid4().hex}",
                            tenant=tenant_of(request), title=new.title)
-    await from_log(res.producer.send(CONTROL, event), res.settings.dependency_timeout_s)
+    await from_log(lambda: res.producer.send(CONTROL, event), res.settings.dependency_timeout_s)
     created = session_json(event.conversation_id, new.title, event.occurred_at,
                            event.occurred_at)
     return JSONResponse(created, status_code=201)
@@ -77,7 +77,7 @@ async def delete(request: Request) -> Response:
     session = parse_session_id(request.path_params["session_id"])
     tenant = tenant_of(request)
     await res.chat.visible_view(session, tenant)
-    await from_log(res.producer.send(CONTROL, SessionDeleted(
+    await from_log(lambda: res.producer.send(CONTROL, SessionDeleted(
         conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}", tenant=tenant)),
         res.settings.dependency_timeout_s)
     return JSONResponse({"id": str(session), "object": "session.deleted", "deleted": True})

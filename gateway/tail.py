@@ -250,8 +250,9 @@ class GenerationTail:
             ends = {(t, partition): await self._end_of(t, partition) for t in TAILED}
             self._next.update(ends)
             try:
-                await from_log(self._consumer.call(self._consumer.add_partitions_sync, ends),
-                               self._timeout_s)
+                await from_log(
+                    lambda: self._consumer.call(self._consumer.add_partitions_sync, ends),
+                    self._timeout_s)
             except BaseException:
                 for tp in ends:
                     del self._next[tp]
