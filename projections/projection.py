@@ -90,9 +90,12 @@ DELETE FROM messages WHERE conversation_id = %s
 # A duplicate prompt (an idempotent retry) keeps the first one's position.
 _PROMPT_GENERATION = """
 INSERT INTO generations (request_id, conversation_id, tenant, model, sampling, status,
-    submitted_at, idempotency_key, background, prompt_offset)
-VALUES (%s, %s, %s, %s, %s, 'pending', %s, %s, %s, %s)
+    submitted_at, idempotency_key, background, prompt_offset, charge_key, charge_tokens)
+VALUES (%s, %s, %s, %s, %s, 'pending', %s, %s, %s, %s, %s, %s)
 ON CONFLICT (request_id) DO UPDATE SET
+    charge_key = COALESCE(generations.charge_key, EXCLUDED.charge_key),
+    charge_tokens = CASE WHEN generations.charge_key IS NULL THEN EXCLUDED.charge_tokens
+                         ELSE generations.charge_tokens END,
     model = EXCLUDED.model,
     sampling = EXCLUDED.sampling,
     submitted_at = EXCLUDED.submitted_at,
@@ -144,6 +147,24 @@ ON CONFLICT (request_id) DO UPDATE SET
 """
 
 
+# A turn's charge against its key's rate limit, trued up to its usage once both its
+# prompt and its end are stored (whichever came second), and once only.
+_TRUE_UP = """
+WITH turn AS (
+    SELECT request_id, charge_key,
+           COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0) - charge_tokens AS owed
+      FROM generations
+     WHERE request_id = %s AND charge_tokens IS NOT NULL AND finished_at IS NOT NULL
+       FOR UPDATE
+), settled AS (
+    UPDATE generations g SET charge_tokens = NULL FROM turn
+     WHERE g.request_id = turn.request_id
+    RETURNING turn.charge_key, turn.owed
+)
+SELECT true_up_bucket(charge_key, owed) FROM settled
+"""
+
+
 def _title(event: Event) -> str | None:
     if isinstance(event, SessionCreated):
         return title(event.title)
@@ -180,9 +201,13 @@ def project(event: Event, offset: int | None = None,
                 _PROMPT_GENERATION,
                 (event.request_id, conv, event.tenant, event.model,
                  Jsonb(event.sampling.model_dump(mode="json")), at, event.idempotency_key,
-                 event.background, offset),
+                 event.background, offset,
+                 event.charge.key_id if event.charge else None,
+                 event.charge.tokens if event.charge else None),
             )
         )
+        if event.charge is not None:
+            writes.append(write(_TRUE_UP, (event.request_id,)))
     elif isinstance(event, GenerationStarted):
         writes.append(
             write(
@@ -202,6 +227,7 @@ def project(event: Event, offset: int | None = None,
                  event.duration_ms, event.attempt, at, offset),
             )
         )
+        writes.append(write(_TRUE_UP, (event.request_id,)))
     elif isinstance(event, GenerationFailed):
         writes.append(
             write(
@@ -210,6 +236,7 @@ def project(event: Event, offset: int | None = None,
                  event.message, at, offset),
             )
         )
+        writes.append(write(_TRUE_UP, (event.request_id,)))
     # GenerationCancelled asks to stop; the worker's GenerationFinished(abort) records the
     # outcome. SessionCreated only makes the conversation row.
     return writes

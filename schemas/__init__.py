@@ -2,6 +2,7 @@
 
 from schemas.events import (
     EVENT_ADAPTER,
+    Charge,
     ChatMessage,
     ClientAttached,
     ClientDetached,
@@ -24,6 +25,7 @@ from schemas.events import (
 
 __all__ = [
     "EVENT_ADAPTER",
+    "Charge",
     "ChatMessage",
     "ClientAttached",
     "ClientDetached",

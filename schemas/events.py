@@ -20,7 +20,15 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    model_validator,
+)
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -56,8 +64,41 @@ new_event_id = _EventIds()
 os.register_at_fork(after_in_child=lambda: new_event_id.pool.clear())
 
 
+# What every record must be to reach a consumer's logic at all (one rule, here, for all
+# of them: a record outside it does not decode, and each consumer dead-letters what does
+# not decode). Numbers are finite and at most ``MAX_COUNT``; times carry a zone and lie
+# within ``EARLIEST``..``LATEST``; names (ids, tenants, models) hold no NUL and no lone
+# surrogate. Free text (messages, replies, titles) may hold anything: each reader stores
+# it by its own rule (``schemas.conversation.storable``).
+MAX_COUNT = 2**53  # exact in every JSON reader, and in a PostgreSQL bigint
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST = datetime(2999, 12, 31, tzinfo=UTC)
+
+
+def _plausible(at: datetime) -> datetime:
+    if not EARLIEST <= at <= LATEST:
+        raise ValueError(f"a time from {EARLIEST:%Y} to {LATEST:%Y}, not {at.isoformat()}")
+    return at
+
+
+def _a_name(text: str) -> str:
+    if "\0" in text:
+        raise ValueError("a name holds no NUL")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a name holds no lone surrogate") from None
+    return text
+
+
+Time = Annotated[AwareDatetime, AfterValidator(_plausible)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Name = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_a_name)]
+Millis = Annotated[float, Field(ge=0, le=1e12)]  # 31 years
+
+
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="allow")
+    model_config = ConfigDict(frozen=True, extra="allow", allow_inf_nan=False)
 
 
 class ChatMessage(Frozen):
@@ -68,18 +109,18 @@ class ChatMessage(Frozen):
 class SamplingParams(Frozen):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(default=1, ge=1, le=1)
     # Generate max_tokens even past end-of-sequence (benchmarks, tests), as vLLM allows.
     ignore_eos: bool = False
 
 
 class Usage(Frozen):
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
+    prompt_tokens: Count
+    completion_tokens: Count
 
     @property
     def total_tokens(self) -> int:
@@ -98,9 +139,9 @@ class EventBase(Frozen):
     v: int = 1
     event_id: uuid.UUID = Field(default_factory=new_event_id)
     conversation_id: uuid.UUID
-    request_id: str = Field(min_length=1, max_length=200)
-    occurred_at: datetime = Field(default_factory=_now)
-    tenant: str = Field(default="default", min_length=1, max_length=200)
+    request_id: Name
+    occurred_at: Time = Field(default_factory=_now)
+    tenant: Name = "default"
 
 
 class TurnRef(Frozen):
@@ -108,8 +149,17 @@ class TurnRef(Frozen):
     accepted prompt's offset in ``chat.prompts`` and its end's (the first
     ``GenerationFinished`` or ``GenerationFailed``) in ``chat.generations``."""
 
-    prompt: int = Field(ge=0)
-    end: int = Field(ge=0)
+    prompt: Count
+    end: Count
+
+
+class Charge(Frozen):
+    """What a turn was charged against its API key's tokens per minute when it was
+    accepted (its prompt, and ``max_tokens`` or a default). The projector trues the
+    key's bucket up to the turn's real usage when it ends."""
+
+    key_id: Name
+    tokens: Count
 
 
 # A history digest: sha256 of the canonical history, lowercase hex (``schemas.history``).
@@ -136,19 +186,21 @@ class PromptSubmitted(EventBase):
     its reply: ``schemas.history``), or inline, ``history`` (a prompt of v3, or one whose
     previous turn the gateway could not place). ``history_digest`` is what the gateway
     read the history to be, so a worker and an auditor can check what they rebuild.
+    ``charge`` (optional, added within v4): what the turn was charged against its key's
+    rate limit, trued up to its usage when it ends.
     """
 
     v: int = 4
     type: Literal["PromptSubmitted"] = "PromptSubmitted"
-    history_end: int | None = Field(default=None, ge=0)
-    model: str
-    alias: str | None = Field(default=None, max_length=200)
-    rollout: str | None = Field(default=None, max_length=200)
+    history_end: Count | None = None
+    model: Name
+    alias: Name | None = None
+    rollout: Name | None = None
     # This turn's new messages; they take the conversation's positions from
     # ``history_len`` on.
     messages: tuple[ChatMessage, ...] = Field(min_length=1)
     # How many messages of the session come before this turn's.
-    history_len: int = Field(default=0, ge=0)
+    history_len: Count = 0
     history: tuple[ChatMessage, ...] | None = None
     previous: TurnRef | None = None
     history_digest: Digest | None = None
@@ -156,6 +208,7 @@ class PromptSubmitted(EventBase):
     idempotency_key: str | None = None
     # Keep generating when every client has gone away (a client asked for it).
     background: bool = False
+    charge: Charge | None = None
 
     @model_validator(mode="after")
     def _history_given_once(self) -> PromptSubmitted:
@@ -188,15 +241,15 @@ class ClientDetached(EventBase):
     ``grace_s`` unless some client attaches again first (or the turn is ``background``)."""
 
     type: Literal["ClientDetached"] = "ClientDetached"
-    attachment: str = Field(min_length=1, max_length=200)
-    grace_s: float = Field(ge=0)
+    attachment: Name
+    grace_s: float = Field(ge=0, le=86_400 * 365)
 
 
 class ClientAttached(EventBase):
     """A client (re)attached to a running turn, possibly through another gateway."""
 
     type: Literal["ClientAttached"] = "ClientAttached"
-    attachment: str = Field(min_length=1, max_length=200)
+    attachment: Name
 
 
 class SessionCreated(EventBase):
@@ -223,12 +276,12 @@ class GenerationStarted(EventBase):
 
     v: int = 2
     type: Literal["GenerationStarted"] = "GenerationStarted"
-    ref: int | None = Field(default=None, ge=0)
-    model: str
-    worker: str
-    attempt: int = Field(default=0, ge=0)
-    reply_seq: int = Field(ge=0)
-    prompt_tokens: int = Field(ge=0)
+    ref: Count | None = None
+    model: Name
+    worker: Name
+    attempt: Count = 0
+    reply_seq: Count
+    prompt_tokens: Count
 
 
 class TokenDelta(EventBase):
@@ -239,8 +292,8 @@ class TokenDelta(EventBase):
     ``schemas.live``): read in logs of then, never written now."""
 
     type: Literal["TokenDelta"] = "TokenDelta"
-    attempt: int = Field(default=0, ge=0)
-    seq: int = Field(ge=0)
+    attempt: Count = 0
+    seq: Count
     text: str
     token_ids: tuple[int, ...] = ()
 
@@ -251,17 +304,17 @@ class GenerationFinished(EventBase):
 
     v: int = 2
     type: Literal["GenerationFinished"] = "GenerationFinished"
-    ref: int | None = Field(default=None, ge=0)  # v2: as GenerationStarted's
-    model: str
-    attempt: int = Field(default=0, ge=0)
-    reply_seq: int = Field(ge=0)
+    ref: Count | None = None  # v2: as GenerationStarted's
+    model: Name
+    attempt: Count = 0
+    reply_seq: Count
     finish_reason: FinishReason
     text: str
     usage: Usage
     # Number of deltas before this one, so readers can detect loss.
-    deltas: int = Field(ge=0)
-    ttft_ms: float | None = Field(default=None, ge=0)
-    duration_ms: float = Field(ge=0)
+    deltas: Count
+    ttft_ms: Millis | None = None
+    duration_ms: Millis
 
 
 class GenerationFailed(EventBase):
@@ -270,9 +323,9 @@ class GenerationFailed(EventBase):
 
     v: int = 2
     type: Literal["GenerationFailed"] = "GenerationFailed"
-    ref: int | None = Field(default=None, ge=0)  # v2: as GenerationStarted's
-    attempt: int = Field(default=0, ge=0)
-    code: str
+    ref: Count | None = None  # v2: as GenerationStarted's
+    attempt: Count = 0
+    code: Name
     message: str
 
 

@@ -40,6 +40,7 @@ from schemas.events import (
     GenerationFailed,
     GenerationFinished,
     GenerationStarted,
+    Name,
     TokenDelta,
     Usage,
 )
@@ -47,13 +48,13 @@ from schemas.events import (
 _INT32 = 2**31 - 1
 Ref = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Field(ge=0, le=_INT32)]
-RequestId = Annotated[str, Field(min_length=1, max_length=200)]
+RequestId = Name
 TokenId = Annotated[int, Field(ge=0, le=_INT32)]
 
 LiveStart = tuple[Ref, Count, RequestId]
 LiveDelta = tuple[Ref, Count, str, tuple[TokenId, ...]]
 LiveEnd = tuple[Ref, Count, FinishReason, Count, Count]
-LiveFailure = tuple[Ref, Annotated[str, Field(max_length=200)], str]
+LiveFailure = tuple[Ref, Name, str]
 
 
 class LiveBatch(BaseModel):
@@ -63,7 +64,7 @@ class LiveBatch(BaseModel):
 
     type: Literal["LiveBatch"] = "LiveBatch"
     v: int = 1
-    worker: str = Field(min_length=1, max_length=200)
+    worker: Name
     # When the worker wrote the record (Unix time, ms).
     at: int = Field(ge=0, le=253402300799999)
     starts: tuple[LiveStart, ...] = ()

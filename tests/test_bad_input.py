@@ -3,15 +3,19 @@ undecodable records go to the dead-letter topic and every consumer keeps running
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from typing import Any
 
 import httpx
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from pipeline.topics import DEADLETTER, PROMPTS
+from pipeline.topics import CONTROL, DEADLETTER, GENERATIONS, PROMPTS
 from tests.conftest import MODEL, Pipeline
 from tests.logread import end_offsets, read_records
 
@@ -162,3 +166,102 @@ def test_undecodable_records_are_dead_lettered_and_consumers_keep_running(
     session = r.headers["x-session-id"]
     stored = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30).json()
     assert [m["role"] for m in stored["data"]] == ["user", "assistant"]
+
+
+def _hostile(template: dict[str, object], field: str, value: object) -> bytes:
+    """``template`` with ``field`` set to ``value``, as JSON (NaN and infinities as the
+    bare words some writers put there, lone surrogates as escapes)."""
+    text = json.dumps({**template, field: value}, allow_nan=True)
+    return text.replace('"LONE-SURROGATE', '"\\ud800').encode()
+
+
+_IDS = {"conversation_id": "00000000-0000-4000-8000-00000000dead", "request_id": "hostile",
+        "tenant": "default", "occurred_at": "2026-11-26T00:00:00Z"}
+# A well-formed event of each kind a consumer of each topic acts on.
+TEMPLATES: dict[str, list[dict[str, object]]] = {
+    PROMPTS: [{**_IDS, "type": "PromptSubmitted", "v": 4, "model": MODEL,
+               "messages": [{"role": "user", "content": "hi"}]}],
+    CONTROL: [{**_IDS, "type": "ClientDetached", "attachment": "a", "grace_s": 5},
+              {**_IDS, "type": "GenerationCancelled"}],
+    GENERATIONS: [{**_IDS, "type": "GenerationFinished", "v": 2, "model": MODEL,
+                   "reply_seq": 1, "finish_reason": "stop", "text": "x", "deltas": 1,
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                   "duration_ms": 5}],
+}
+# Values that parse as JSON but no event may hold (schemas.events: one rule for all).
+HOSTILE: list[tuple[str, object]] = [
+    ("occurred_at", "2026-11-26T00:00:00"),  # naive
+    ("occurred_at", "9999-12-31T23:59:59Z"),
+    ("occurred_at", "0001-01-01T00:00:00Z"),
+    ("tenant", "LONE-SURROGATE"),
+    ("tenant", "nul\u0000here"),
+    ("tenant", "t" * 100_000),
+    ("request_id", ""),
+    ("grace_s", 1e308),
+    ("grace_s", float("inf")),
+    ("duration_ms", float("inf")),
+    ("duration_ms", float("nan")),
+    ("reply_seq", 2**70),
+    ("reply_seq", -1),
+    ("history_len", 10**30),
+    ("type", "NoSuchEvent"),
+]
+
+
+# Each hostile value in a field its event has (a field it does not have is kept unread).
+APPLICABLE = [(topic, template, field, value) for topic, templates in TEMPLATES.items()
+              for template in templates for field, value in HOSTILE
+              if field in template or field == "type"
+              or (field, template["type"]) in (("grace_s", "ClientDetached"),
+                                               ("history_len", "PromptSubmitted"))]
+
+
+@settings(max_examples=3, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(APPLICABLE), min_size=8, max_size=8))
+def test_records_that_decode_but_no_event_may_hold_are_dead_lettered_by_every_consumer(
+        pipeline: Pipeline, drawn: list[tuple[str, dict[str, object], str, object]]) -> None:
+    """Hostile records written straight to each topic (naive and far-off times,
+    infinities, NaN, huge and negative numbers, lone surrogates, NUL, long names, unknown
+    types) reached code that only caught Kafka's and PostgreSQL's errors. Each consumer
+    of the topic dead-letters each with its reason and keeps running; the store takes
+    nothing of them."""
+    bootstrap = pipeline.stack.bootstrap
+    producer = Producer({"bootstrap.servers": bootstrap})
+    written: dict[tuple[str, int, int], bytes] = {}
+    for topic, template, field, value in drawn:
+        record = _hostile(template, field, value)
+
+        def remember(err: object, msg: Any, record: bytes = record) -> None:
+            assert err is None, err
+            written[(msg.topic(), msg.partition(), msg.offset())] = record
+        producer.produce(topic, key=_IDS["conversation_id"].encode(), value=record,
+                         on_delivery=remember)
+    assert producer.flush(10) == 0
+    readers = {PROMPTS: ("workers", "projector"), CONTROL: ("workers", "projector"),
+               GENERATIONS: ("projector",)}
+    expected = {(c, *position) for position in written for c in readers[position[0]]}
+    deadline = time.monotonic() + 60
+    while True:
+        seen = set()
+        for _, value, headers in read_records(bootstrap, DEADLETTER):
+            key = (headers.get("consumer", b"").decode(),
+                   headers.get("source.topic", b"").decode(),
+                   int(headers.get("source.partition", b"-1")),
+                   int(headers.get("source.offset", b"-1")))
+            if key in expected:
+                assert headers["reason"] and value == written[key[1:]]
+                seen.add(key)
+        if seen == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert seen == expected, sorted(expected - seen)
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        stored = conn.execute(
+            "SELECT (SELECT count(*) FROM conversations WHERE id = %(c)s),"
+            " (SELECT count(*) FROM messages WHERE conversation_id = %(c)s),"
+            " (SELECT count(*) FROM generations WHERE conversation_id = %(c)s"
+            "  OR request_id = 'hostile')", {"c": _IDS["conversation_id"]}).fetchone()
+    assert stored == (0, 0, 0)
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", json=GOOD, timeout=60)
+    assert r.status_code == 200, r.text  # the worker and the projector still run
