@@ -147,7 +147,10 @@ def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: 
     process's by default)."""
     port = free_port()
     exe = [str(python or sys.executable), "-m", "launch"]
+    # One tenant's load: no tenant's cap applies (the capacity is what is measured).
     env = {**os.environ, "GATEWAY_MODELS": "sim", "GATEWAY_MAX_BACKLOG": "1000000",
+           "GATEWAY_MAX_WAITING_PER_TENANT": "1000000",
+           "GATEWAY_MAX_STREAMS_PER_TENANT": "1000000",
            "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **env}
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tree), env.get("PYTHONPATH"))))

@@ -70,13 +70,32 @@ async def livez(request: Request) -> Response:
     return JSONResponse({"status": "alive"})
 
 
-async def readyz(request: Request) -> Response:
-    """Whether requests can be served: 503, naming what is down, while Kafka or
+async def health(request: Request) -> Response:
+    """Whether this gateway can take requests: 503, naming what is down, while Kafka or
     PostgreSQL does not answer (as last checked, every 2 s)."""
     down = resources(request).health.down
     if down:
         return JSONResponse({"status": "unavailable", "down": down}, status_code=503,
                             headers={"Retry-After": "2"})
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Whether requests can be served: as ``/health``, and, until it has once been so,
+    whether every model of ``GATEWAY_MODELS`` has a live worker, which warms its engine
+    up before it says it lives (``workers.engine.warm_up``). Once ready, a model's
+    workers restarting make its turns wait or get 503, not the gateway unready."""
+    res = resources(request)
+    if res.health.down:
+        return await health(request)
+    if not res.ready:
+        missing = sorted(set(res.settings.models) - res.chat.fleet.models)
+        if missing:
+            return JSONResponse(
+                {"status": "warming", "waiting_for": {
+                    m: "no worker serving it has warmed up yet" for m in missing}},
+                status_code=503, headers={"Retry-After": "2"})
+        res.ready = True
     return JSONResponse({"status": "ok"})
 
 
@@ -111,7 +130,9 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         meta = AsyncConsumer(common.kafka_bootstrap, f"gateway-meta-{label}")
         reader = AsyncConsumer(common.kafka_bootstrap, f"gateway-reader-{label}",
                                **QUICK_ASSIGN)
-        fleet = Fleet(common.kafka_bootstrap, settings.max_backlog, configured=settings.models)
+        fleet = Fleet(common.kafka_bootstrap, settings.max_backlog, configured=settings.models,
+                      max_waiting_per_tenant=settings.max_waiting_per_tenant,
+                      max_running_per_tenant=settings.max_running_per_tenant)
         # Opened without waiting: a gateway starts while PostgreSQL is away (its requests
         # that need the store are refused meanwhile), and a connection broken by a
         # restart of the database is found and replaced when it is taken from the pool.
@@ -156,7 +177,8 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             gateway_metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
             gateway_metrics.prompt_transactions.set_function(
                 lambda: prompts.transactions if prompts else 0)
-            guard = Guard(pool, settings.require_auth, timeout_s=timeout_s)
+            guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
+                          failed_lookups=settings.failed_key_lookups)
             await _say_whether_keys_are_required(guard)
             chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,
                                gateway_metrics, settings.models)
@@ -197,7 +219,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         Route("/v1/usage", usage.get_usage, methods=["GET"]),
         Route("/livez", livez, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/health", readyz, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/", page.index, methods=["GET"]),
         Route("/static/{name}", page.asset, methods=["GET"]),

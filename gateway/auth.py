@@ -6,6 +6,10 @@
 * ``Authorization: Bearer sk-<id>.<secret>`` names a key; the secret is checked in
   constant time against the salted hash. A valid key is remembered for
   ``cache_s``, so a revocation takes effect within that time on every gateway.
+* A key that failed is remembered as failed for ``cache_s`` too, and each client
+  address may fail ``failed_lookups`` lookups per ``FAILED_WINDOW_S``: past that it gets
+  429 before any query, so keys made up at random cost the store nothing. (Behind a
+  proxy the address is the proxy's: the limit then holds for all its clients together.)
 * Limits are per key, requests and tokens per minute, as token buckets kept in
   Postgres (``take_from_buckets``, one atomic call per charge), so they hold across
   any number of gateway processes. A turn is charged its prompt (characters / 4)
@@ -34,6 +38,8 @@ T = TypeVar("T")
 DEFAULT_TENANT = "default"
 DEFAULT_COMPLETION_TOKENS = 512
 UNLIMITED = math.inf
+# The window over which a client address's failed key lookups are counted.
+FAILED_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,13 +68,16 @@ def _reset(limit: float, left: float) -> str:
 
 class Guard:
     def __init__(self, pool: AsyncConnectionPool, require: bool, cache_s: float = 2.0,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, failed_lookups: int = 20) -> None:
         self.pool = pool
         self.timeout_s = timeout_s  # auth and limits need the store: 503 when it is away
         self.require = require
         self.cache_s = cache_s
+        self.failed_lookups = failed_lookups
         self._enabled: tuple[float, bool] = (0.0, require)
         self._known: dict[bytes, tuple[float, Caller]] = {}
+        self._refused: dict[bytes, float] = {}  # keys that failed, when
+        self._failures: dict[str, tuple[float, int]] = {}  # per address: window, failures
         # Reads of the store under way, shared by every request that needs the same one:
         # when a cached answer expires under load, one query goes out, not one per request
         # (10,000 streams opened at once queued 10,000 for the pool, and got 503s).
@@ -101,9 +110,9 @@ class Guard:
         self._enabled = (time.monotonic(), on)
         return on
 
-    async def identify(self, authorization: str | None) -> Caller:
+    async def identify(self, authorization: str | None, address: str = "") -> Caller:
         """The caller a request's ``Authorization`` header names (401 if it must and
-        does not)."""
+        does not; 429 if ``address`` failed too often of late)."""
         if not await self.enabled():
             return OPEN
         if not authorization:
@@ -114,17 +123,45 @@ class Guard:
         if parts is None:
             raise _unauthorized("Incorrect API key provided.")
         fingerprint = hashlib.sha256(presented.strip().encode()).digest()
+        now = time.monotonic()
         cached = self._known.get(fingerprint)
-        if cached is not None and time.monotonic() - cached[0] < self.cache_s:
+        if cached is not None and now - cached[0] < self.cache_s:
             return cached[1]
+        if now - self._refused.get(fingerprint, -math.inf) < self.cache_s:
+            raise _unauthorized("Incorrect API key provided.")
+        self._check_failures(address, now)
         key_id, secret = parts
         caller = await self._once(fingerprint, lambda: self._lookup(key_id, secret))
         if caller is None:
+            self._failed(fingerprint, address)
             raise _unauthorized("Incorrect API key provided.")
         if len(self._known) > 10_000:
             self._known.clear()
         self._known[fingerprint] = (time.monotonic(), caller)
         return caller
+
+    def _check_failures(self, address: str, now: float) -> None:
+        began, failures = self._failures.get(address, (now, 0))
+        if now - began >= FAILED_WINDOW_S:
+            self._failures.pop(address, None)
+        elif failures >= self.failed_lookups:
+            retry = max(math.ceil(began + FAILED_WINDOW_S - now), 1)
+            raise APIError(429, f"Too many incorrect API keys from this address "
+                           f"({failures} in {FAILED_WINDOW_S:g} s); retry after {retry} s.",
+                           code="too_many_failed_keys", headers={"Retry-After": str(retry)})
+
+    def _failed(self, fingerprint: bytes, address: str) -> None:
+        now = time.monotonic()
+        if len(self._refused) > 10_000:
+            self._refused = {f: at for f, at in self._refused.items()
+                             if now - at < self.cache_s}
+            if len(self._refused) > 10_000:
+                self._refused.clear()
+        self._refused[fingerprint] = now
+        if len(self._failures) > 100_000:
+            self._failures.clear()
+        began, failures = self._failures.get(address, (now, 0))
+        self._failures[address] = (began, failures + 1)
 
     async def _lookup(self, key_id: str, secret: str) -> Caller | None:
         async with from_store(self.pool, self.timeout_s) as conn:
@@ -189,7 +226,9 @@ class Authenticate:
         guard: Guard = scope["app"].state.resources.guard
         header = dict(scope["headers"]).get(b"authorization")
         try:
-            caller = await guard.identify(header.decode("latin-1") if header else None)
+            client = scope.get("client")
+            caller = await guard.identify(header.decode("latin-1") if header else None,
+                                          client[0] if client else "")
             limits = await guard.charge(caller, requests=1, tokens=0)
         except APIError as exc:
             await exc.response()(scope, receive, send)

@@ -48,6 +48,7 @@ from gateway.problems import (
     SessionNotFound,
     StoreUnavailable,
     StreamLagging,
+    TenantLimit,
     TurnInProgress,
 )
 from gateway.settings import GatewaySettings
@@ -58,6 +59,7 @@ from pipeline.codec import Position, conversation_key, encode
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS
 from schemas import (
+    Charge,
     ChatMessage,
     ClientAttached,
     ClientDetached,
@@ -109,6 +111,7 @@ class ChatService:
         self.metrics = metrics
         self.configured_models = configured_models
         self._open: Counter[uuid.UUID] = Counter()  # conversations with an open stream
+        self._streams: Counter[str] = Counter()  # open streams per tenant
 
     @property
     def models(self) -> list[str]:
@@ -170,12 +173,18 @@ class ChatService:
                 if busy is not None:
                     raise TurnInProgress(busy.request_id)
                 history = view.history()
-        self.fleet.admit(version)
+        self.fleet.admit(version, tenant)
+        if request.stream:
+            self.check_streams(tenant)
         new = tuple(m.to_event() for m in request.messages)
         max_tokens = request.sampling().max_tokens
         self.check_context(version, history, new, max_tokens)
-        await self.guard.charge(caller, requests=0, tokens=estimate_tokens(
-            sum(len(m.content) for m in (*history, *new)), max_tokens))
+        estimate = estimate_tokens(sum(len(m.content) for m in (*history, *new)), max_tokens)
+        await self.guard.charge(caller, requests=0, tokens=estimate)
+        # Trued up to the turn's usage when it ends (the projector): a turn without
+        # max_tokens is charged a default now, and what it really used then.
+        charge = (Charge(key_id=caller.key_id, tokens=estimate)
+                  if caller.key_id is not None and caller.tpm is not None else None)
         # The history by reference (the session's last turn), or inline when that turn
         # cannot be placed in the log (stored before turns' ends were).
         previous = view.last_turn() if view is not None and history else None
@@ -187,7 +196,7 @@ class ChatService:
             history=tuple(history) if history and previous is None else None,
             history_digest=digest(history) if history else None,
             sampling=request.sampling(), idempotency_key=key, background=request.background,
-            history_end=view.prompts_end if view is not None else None,
+            history_end=view.prompts_end if view is not None else None, charge=charge,
         )
         size = len(encode(prompt)) + len(str(conversation))  # its value and its key
         if size > self.prompts.limit(PROMPTS):
@@ -274,9 +283,19 @@ class ChatService:
             raise CompletionNotFound(completion)
         return view, turn
 
+    def check_streams(self, tenant: str) -> None:
+        """Refuse (``TenantLimit``) another stream of a tenant with as many open here as
+        its cap allows."""
+        cap, count = self.settings.max_streams_per_tenant, self._streams[tenant]
+        if count >= cap:
+            raise TenantLimit("open streams", count, cap, "GATEWAY_MAX_STREAMS_PER_TENANT")
+
     async def attach(self, completion: str, tenant: str,
-                     last_event_id: EventPosition | None) -> Following:
-        """Follow a running or finished turn, after ``last_event_id`` if given."""
+                     last_event_id: EventPosition | None, stream: bool = False) -> Following:
+        """Follow a running or finished turn, after ``last_event_id`` if given (as a
+        ``stream``: within the tenant's cap on open streams)."""
+        if stream:
+            self.check_streams(tenant)
         view, turn = await self.find_turn(completion, tenant)
         return await self.attach_turn(view, turn, tenant, last_event_id)
 
@@ -424,6 +443,7 @@ class ChatService:
                         id_lines)
         self.metrics.active_streams.inc()
         self._open[f.conversation_id] += 1
+        self._streams[f.tenant] += 1
         self.metrics.active_sessions.set(len(self._open))
         complete = True
         try:
@@ -449,6 +469,9 @@ class ChatService:
             self._open[f.conversation_id] -= 1
             if self._open[f.conversation_id] <= 0:
                 del self._open[f.conversation_id]
+            self._streams[f.tenant] -= 1
+            if self._streams[f.tenant] <= 0:
+                del self._streams[f.tenant]
             self.metrics.active_sessions.set(len(self._open))
             self.tail.unfollow(f.sub)
             if not cursor.done:

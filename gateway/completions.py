@@ -93,7 +93,7 @@ async def stream(request: Request) -> Response:
     raw = (request.headers.get("last-event-id") or request.query_params.get("last_event_id")
            or request.query_params.get("starting_after"))
     following: Following = await res.chat.attach(
-        completion, tenant_of(request), parse_event_id(raw) if raw else None)
+        completion, tenant_of(request), parse_event_id(raw) if raw else None, stream=True)
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     # With id lines, so that an EventSource sends the last one back when it reconnects.
     return sse_response(request, res.chat.stream(following, include_usage, id_lines=True),

@@ -24,6 +24,7 @@ from gateway.problems import (
     StoreLagging,
     StoreUnavailable,
     StreamLagging,
+    TenantLimit,
     TurnInProgress,
 )
 
@@ -102,6 +103,8 @@ def api_error(problem: Problem) -> APIError:
         case StoreLagging():
             return APIError(503, message, code="projection_lagging",
                             headers={"Retry-After": "2"})
+        case TenantLimit():
+            return APIError(429, message, code=problem.code, headers={"Retry-After": "2"})
         case BacklogFull():
             return APIError(429, message, code="backlog_full",
                             headers={"Retry-After": str(problem.retry_after_s)})

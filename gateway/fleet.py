@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from gateway.problems import BacklogFull
+from gateway.problems import BacklogFull, TenantLimit
 from pipeline.kafka import GroupStatus
 from pipeline.retry import QuietLog
 from pipeline.rollout import Rollout, RolloutBook, route
@@ -47,9 +47,12 @@ class _Backlog:
 
 class Fleet:
     def __init__(self, bootstrap: str, max_backlog: int, interval_s: float = 0.25,
-                 configured: list[str] | None = None) -> None:
+                 configured: list[str] | None = None, max_waiting_per_tenant: int | None = None,
+                 max_running_per_tenant: int | None = None) -> None:
         self.bootstrap = bootstrap
         self.max_backlog = max_backlog
+        self.max_waiting_per_tenant = max_waiting_per_tenant
+        self.max_running_per_tenant = max_running_per_tenant
         self.interval_s = interval_s
         self.configured = list(configured or [])
         self.models: set[str] = set()  # served by live workers
@@ -81,8 +84,19 @@ class Fleet:
         """Aliases whose version is served now (for ``/v1/models``)."""
         return {a for a, r in self.rollouts.items() if r.stable in self.models}
 
-    def admit(self, model: str) -> None:
-        """Refuse (``BacklogFull``) while ``model``'s backlog is over the bound."""
+    def admit(self, model: str, tenant: str) -> None:
+        """Refuse ``tenant``'s new turn while it has as many turns waiting or running for
+        ``model`` as its caps allow (``TenantLimit``; as the workers' heartbeats said, at
+        most a few seconds ago), or while ``model``'s backlog is over the bound
+        (``BacklogFull``)."""
+        waiting, running = self._roster.tenant_load(model, tenant)
+        for count, cap, what, setting in (
+                (waiting, self.max_waiting_per_tenant, "waiting prompts",
+                 "GATEWAY_MAX_WAITING_PER_TENANT"),
+                (running, self.max_running_per_tenant, "running turns",
+                 "GATEWAY_MAX_RUNNING_PER_TENANT")):
+            if cap is not None and count >= cap:
+                raise TenantLimit(what, count, cap, setting)
         backlog = self._backlogs.get(model)
         if backlog is None:
             return

@@ -26,6 +26,7 @@ class Resources:
     settings: GatewaySettings
     health: Health
     streams: Streams
+    ready: bool = False  # /readyz has once found every configured model served
 
 
 def resources(request: Request) -> Resources:

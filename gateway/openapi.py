@@ -117,6 +117,19 @@ def openapi_spec() -> dict[str, Any]:
                         409, 413, 429, 503, body=append_body, params=[session])},
         "/v1/models": {"get": _op("listModels", "The models the workers serve",
                                   _json("Models"))},
+        # Its numbers are given without their bounds, so that a fuzzer tries past them
+        # (the gateway answers 400 naming the bound).
+        "/v1/usage": {"get": _op(
+            "getUsage", "The caller's tenant's usage, in buckets of time",
+            _json("A page of buckets"), 400, 503, params=[
+                {"name": "start_time", "in": "query", "required": True,
+                 "schema": {"type": "integer"}},
+                {"name": "end_time", "in": "query", "schema": {"type": "integer"}},
+                {"name": "bucket_width", "in": "query",
+                 "schema": {"type": "string", "enum": ["1m", "1h", "1d"]}},
+                {"name": "group_by", "in": "query", "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer"}},
+                {"name": "page", "in": "query", "schema": {"type": "string"}}])},
     }
     return {"openapi": "3.1.0",
             "info": {"title": "chat-pipeline gateway", "version": "0.1.0"},

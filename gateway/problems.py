@@ -95,6 +95,16 @@ class BacklogFull(Problem):
         self.retry_after_s = retry_after_s
 
 
+class TenantLimit(Problem):
+    """One tenant's share is used up (``what``: waiting prompts, running turns or open
+    streams), whatever the others do."""
+
+    def __init__(self, what: str, count: int, cap: int, setting: str) -> None:
+        super().__init__(f"This tenant has {count:,} {what} (the cap is {cap:,}, "
+                         f"{setting}); retry once some have ended.")
+        self.code = "tenant_" + what.replace(" ", "_") + "_cap"
+
+
 class GenerationTimeout(Problem):
     def __init__(self) -> None:
         super().__init__("The generation did not finish in time; it was cancelled.")

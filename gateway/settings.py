@@ -45,9 +45,16 @@ class GatewaySettings(BaseSettings):
     # unless one comes back (through any gateway). Requests with "background": true
     # keep running regardless.
     cancel_grace_s: float = Field(default=10.0, ge=0)
-    # Admission: refuse new turns (429) while the workers' backlog (prompts accepted but
-    # not finished, running ones included) is over this bound.
+    # Admission: refuse new turns (429) while the workers' backlog (prompts accepted and
+    # not yet started: a running turn is no backlog however long it runs) is over this
+    # bound.
     max_backlog: int = Field(default=2048, ge=1)
+    # Per tenant (429 naming the cap past it): prompts waiting for the workers, turns
+    # running (both as the workers' heartbeats tell, a few seconds late; unset: no cap),
+    # and streams open on this gateway.
+    max_waiting_per_tenant: int | None = Field(default=1024, ge=1)
+    max_running_per_tenant: int | None = Field(default=None, ge=1)
+    max_streams_per_tenant: int = Field(default=2000, ge=1)
     # A slow client's stream is dropped past this many queued events or bytes of text
     # (consecutive deltas merge first); it resumes with Last-Event-ID.
     stream_max_items: int = Field(default=1000, ge=8)
@@ -58,6 +65,9 @@ class GatewaySettings(BaseSettings):
     tail_linger_s: float = Field(default=60.0, ge=0)
     # API keys: required when set, and in any case as soon as one key exists.
     require_auth: bool = False
+    # Incorrect API keys one client address may present per 10 s before it gets 429
+    # without a lookup (keys made up at random would each cost the store a query).
+    failed_key_lookups: int = Field(default=20, ge=1)
     # Serve /metrics on this address instead of the API's (port 0: on the API's).
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0

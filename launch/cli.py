@@ -13,8 +13,9 @@
     pipeline rollout ALIAS --to V    a share of an alias's turns to version V, judged, then
                                      promoted or rolled back; `rollout status` shows them
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
-    pipeline bench [--quick] [PART]  serving, capacity, log, projection and analytics figures
+    pipeline bench [--quick] [PART]  serving, capacity, log, fairness, projection, analytics
     pipeline bench pair --b-env N=V  a change's cost per token, before / after, in pairs
+    pipeline fuzz [--examples N]     fuzz a running gateway from its OpenAPI document
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
@@ -171,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark programs that print and save figures")
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
-                            "(simulated engine), log (bytes), projection, analytics; "
+                            "(simulated engine), log (bytes), fairness (between tenants), "
+                            "projection, analytics; "
                             "default: all; or pair, alone (below)")
     bench.add_argument("--before", type=_checkout, metavar="PATH",
                        help="log: a checkout of earlier code, measured beside this one in "
@@ -200,8 +202,35 @@ def _parser() -> argparse.ArgumentParser:
                     help="rounds of 256 streams per run (default %(default)s)")
     ab.add_argument("--label", default="pair", type=_label,
                     help="names the report: pair-LABEL.md (letters, digits, . _ -)")
+    fz = sub.add_parser("fuzz", help="fuzz a running gateway from its OpenAPI document "
+                                     "(schemathesis, every route): fails on any 5xx")
+    fz.add_argument("--url", help="the gateway (default: GATEWAY_HOST and GATEWAY_PORT)")
+    fz.add_argument("--examples", type=int, default=1000,
+                    help="examples per route (default %(default)s; make test runs 25)")
+    fz.add_argument("--seed", type=int, help="hypothesis's seed (default: random)")
+    fz.add_argument("--key", help="an API key to send, when the gateway requires one")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
+
+
+def run_fuzz_command(args: argparse.Namespace) -> int:
+    """schemathesis against the gateway's own document: no request may get a server
+    error (run it against a healthy stack: a 503 while a dependency is away counts)."""
+    settings = GatewaySettings()
+    url = (args.url or f"http://{settings.host}:{settings.port}").rstrip("/")
+    st = Path(sys.executable).with_name("st")
+    if not st.exists():
+        raise SystemExit("pipeline fuzz: schemathesis is not installed (pip install "
+                         "'.[dev]')")
+    command = [str(st), "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
+               "--max-examples", str(args.examples), "--workers", "1"]
+    if args.seed is not None:
+        command += ["--seed", str(args.seed)]
+    if args.key:
+        command += ["--header", f"Authorization: Bearer {args.key}"]
+    print(" ".join(c if "Bearer" not in c else "Authorization: Bearer ..." for c in command),
+          flush=True)
+    return subprocess.run(command, check=False).returncode
 
 
 def _setting(text: str) -> tuple[str, str]:
@@ -551,6 +580,8 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
         return run_bench_command(common, args)
     elif args.command == "rollout":
         return run_rollout_command(common, args)
+    elif args.command == "fuzz":
+        return run_fuzz_command(args)
     elif args.command == "demo":
         from launch.demo import run_demo
 

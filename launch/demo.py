@@ -32,7 +32,9 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     base = f"http://{gateway.host}:{gateway.port}"
     try:
         try:
-            wait_http(f"{base}/health", list(procs.values()), timeout=120)
+            # Ready: the dependencies answer, and the worker has warmed its engine up
+            # (the first turns a benchmark sends then wait for no compilation).
+            wait_http(f"{base}/readyz", list(procs.values()), timeout=600)
         except StartupFailed as exc:
             raise SystemExit(str(exc)) from None
         print(_demo_banner(base, gateway.models[0],

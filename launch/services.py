@@ -112,7 +112,11 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                             transaction_interval_ms=settings.transaction_interval_ms,
                             max_record_bytes=common.max_record_bytes,
                             history_cache_chars=settings.history_cache_chars,
-                            compression=common.compression)
+                            compression=common.compression, read_ahead=settings.read_ahead,
+                            read_ahead_chars=settings.read_ahead_chars,
+                            tenant_weights=settings.weights,
+                            max_running_per_tenant=settings.max_running_per_tenant,
+                            fair=settings.scheduling == "fair")
             serve_metrics(registry, settings.metrics_port)
             runtime.settle()
             await worker.run(stop)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
 
@@ -29,18 +30,24 @@ EXPIRY_S = 10.0  # a worker not heard from for this long is taken for gone
 # A model served within this long is known: a request for it while no worker serves it
 # is refused for now (503), not as a model that does not exist (404).
 KNOWN_S = 3600.0
+# A heartbeat names at most this many tenants, the busiest: a tenant's cap is for tenants
+# with much waiting or running, and a heartbeat stays small.
+MAX_TENANTS = 500
 
 
 class Heartbeat:
     """A worker's side: ``beat()`` every ``HEARTBEAT_S``, ``leave()`` when stopping. A
     heartbeat also tells the model's context length and the most bytes of text one of its
-    tokens stands for, when the engine knows them (``Roster.limits``)."""
+    tokens stands for, when the engine knows them (``Roster.limits``), and the tenants
+    with turns waiting or running there, what ``load()`` says (``Roster.tenant_load``)."""
 
     def __init__(self, bootstrap: str, worker: str, model: str,
-                 context: int | None = None, token_bytes: int | None = None) -> None:
+                 context: int | None = None, token_bytes: int | None = None,
+                 load: Callable[[], dict[str, tuple[int, int]]] | None = None) -> None:
         self.worker = worker
         self.model = model
         self._limits = {"context": context, "token_bytes": token_bytes}
+        self._load = load
         self._last = 0.0
         self._quiet = QuietLog(log)
         self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0,
@@ -52,8 +59,10 @@ class Heartbeat:
         now = time.monotonic()
         if now - self._last >= HEARTBEAT_S:
             self._last = now
-            self._send(json.dumps({"model": self.model, "at": time.time(),
-                                   **self._limits}).encode())
+            load = self._load() if self._load is not None else {}
+            busiest = sorted(load.items(), key=lambda kv: -sum(kv[1]))[:MAX_TENANTS]
+            self._send(json.dumps({"model": self.model, "at": time.time(), **self._limits,
+                                   "tenants": dict(busiest)}).encode())
         self._producer.poll(0)
 
     def leave(self) -> None:
@@ -79,6 +88,15 @@ def _sizes(beat: dict[str, object]) -> tuple[int, int] | None:
     return None
 
 
+def _loads(beat: dict[str, object]) -> dict[str, tuple[int, int]]:
+    tenants = beat.get("tenants")
+    if not isinstance(tenants, dict):
+        return {}
+    return {str(t): (pair[0], pair[1]) for t, pair in list(tenants.items())[:MAX_TENANTS]
+            if isinstance(pair, list) and len(pair) == 2
+            and all(type(n) is int and n >= 0 for n in pair)}
+
+
 class Roster:
     """A gateway's side: the models live workers serve, from the heartbeats read so far,
     and the models served within ``KNOWN_S`` (``known``). ``refresh()`` reads what
@@ -93,6 +111,8 @@ class Roster:
         self._known: dict[str, float] = {}  # model -> last heard (wall clock)
         # worker -> (context, token bytes), as its latest heartbeat said
         self._sizes: dict[str, tuple[int, int]] = {}
+        # worker -> tenant -> (waiting, running), as its latest heartbeat said
+        self._loads: dict[str, dict[str, tuple[int, int]]] = {}
 
     @property
     def known(self) -> set[str]:
@@ -117,12 +137,14 @@ class Roster:
             value = msg.value()
             if value is None:
                 self._seen.pop(worker, None)
+                self._loads.pop(worker, None)
                 continue
             try:
                 beat = json.loads(value)
                 model, at = str(beat["model"]), float(beat["at"])
             except (ValueError, KeyError, TypeError):
                 continue
+            self._loads[worker] = _loads(beat)
             sizes = _sizes(beat)
             if sizes is None:
                 self._sizes.pop(worker, None)
@@ -135,6 +157,7 @@ class Roster:
             self._seen[worker] = (model, heard)
         now = time.monotonic()
         self._seen = {w: (m, at) for w, (m, at) in self._seen.items() if now - at < EXPIRY_S}
+        self._loads = {w: load for w, load in self._loads.items() if w in self._seen}
         return {m for m, _ in self._seen.values()}
 
     def limits(self, model: str) -> tuple[int, int] | None:
@@ -145,6 +168,15 @@ class Roster:
         if not said:
             return None
         return max(c for c, _ in said), max(b for _, b in said)
+
+    def tenant_load(self, model: str, tenant: str) -> tuple[int, int]:
+        """``tenant``'s turns waiting and running on the live workers of ``model``."""
+        waiting = running = 0
+        for worker, (served, _) in list(self._seen.items()):
+            if served == model:
+                w, r = self._loads.get(worker, {}).get(tenant, (0, 0))
+                waiting, running = waiting + w, running + r
+        return waiting, running
 
     def close(self) -> None:
         self._consumer.close()

@@ -8,11 +8,13 @@ streams are slow enough to interrupt and their text is known in advance.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,9 +28,11 @@ import psycopg
 import pytest
 
 from gateway.view import ConversationView
+from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.codec import Position
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, PROMPTS
+from projections.migrate import migrate
 from schemas import (
     ClientAttached,
     ClientDetached,
@@ -535,6 +539,96 @@ def running(url: str, request_ids: list[str], timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
+def test_ready_means_each_configured_model_has_a_warmed_worker(gw: Gateways) -> None:
+    """``/readyz`` said ready as soon as Kafka and PostgreSQL answered, before any worker
+    could start a turn (the first turns of a benchmark then waited out vLLM's warm-up).
+    It waits until every configured model has a live worker, which warms its engine up
+    before it says it lives; ``/health`` still says only whether the gateway can take
+    requests. Once ready, a model's workers going away does not make it unready."""
+    port = free_port()
+    later = f"sim-later-{uuid.uuid4().hex[:6]}"
+    gateway = start_service(gw.stack, "gateway-readiness", "gateway", "--port", str(port),
+                            GATEWAY_MODELS=f"sim,{later}")
+    url = f"http://127.0.0.1:{port}"
+    worker: Service | None = None
+    try:
+        wait_healthy(url, [gateway], timeout=60)  # /health: the dependencies answer
+        deadline = time.monotonic() + 30
+        while True:  # until it has read the sim worker's heartbeats
+            warming = httpx.get(f"{url}/readyz", timeout=10)
+            assert warming.status_code == 503, warming.text
+            if list(warming.json()["waiting_for"]) == [later]:
+                break
+            assert time.monotonic() < deadline, warming.text
+            time.sleep(0.3)
+        assert warming.headers["retry-after"]
+        worker = start_service(gw.stack, "worker-readiness", "worker", "--engine", "sim",
+                               "--served-model-name", later, "--max-num-seqs", "4")
+        deadline = time.monotonic() + 60
+        while (ready := httpx.get(f"{url}/readyz", timeout=10)).status_code != 200:
+            assert worker.proc.poll() is None, worker.tail()
+            assert time.monotonic() < deadline, ready.text
+            time.sleep(0.3)
+        assert "engine warmed up" in worker.tail(400), worker.tail()
+        worker.stop()
+        worker = None
+        time.sleep(1)
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+    finally:
+        if worker is not None:
+            worker.stop()
+        gateway.stop()
+
+
+def test_a_store_known_down_is_refused_at_once_until_a_probe_sees_it_back(
+        gw: Gateways) -> None:
+    """Each call waited out the 5 s dependency timeout for its 503 while PostgreSQL was
+    down, though the gateway knew it was: thousands of retrying clients held thousands of
+    connections. Once a call has failed, later ones are refused at once (a breaker)
+    until the gateway's probe sees the store answer; ``/readyz`` names it. Here the store
+    is a PostgreSQL not started yet (20 calls: median under 100 ms), then started."""
+    own = PostgresServer(home=Path(tempfile.mkdtemp(prefix="pipeline-test-pg-late-")),
+                         port=free_port(), database="late")
+    port = free_port()
+    gateway = start_service(Stack(gw.stack.bootstrap, own.url, gw.stack.logs),
+                            "gateway-no-store", "gateway", "--port", str(port),
+                            GATEWAY_MODELS="sim")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert gateway.proc.poll() is None, gateway.tail()
+            assert time.monotonic() < deadline, "/readyz never named the store"
+            with contextlib.suppress(httpx.HTTPError):
+                ready = httpx.get(f"{url}/readyz", timeout=10)
+                if "postgres" in ready.json().get("down", {}):
+                    break
+            time.sleep(0.3)
+        answers = []
+        for _ in range(20):
+            sent = time.monotonic()
+            r = httpx.get(f"{url}/v1/sessions", timeout=30)
+            answers.append((r, time.monotonic() - sent))
+        assert {r.status_code for r, _ in answers} == {503}
+        assert all(r.json()["error"]["code"] == "store_unavailable"
+                   and r.headers["retry-after"] for r, _ in answers)
+        seconds = sorted(t for _, t in answers)
+        assert seconds[len(seconds) // 2] < 0.1, seconds
+        own.start()
+        migrate(own.url)
+        deadline = time.monotonic() + 15
+        # The store answers again (empty, no projector feeds it: the gateway then says
+        # it lags behind the log, which it reads from the store).
+        while "postgres" in httpx.get(f"{url}/readyz", timeout=10).text or (
+                httpx.get(f"{url}/v1/sessions", timeout=30).json()
+                .get("error", {}).get("code") == "store_unavailable"):
+            assert time.monotonic() < deadline, "the store never answered again"
+            time.sleep(0.2)
+    finally:
+        gateway.stop()
+        own.stop()
+
+
 def test_overload_gets_429_with_retry_after(gw: Gateways) -> None:
     """Prompts waiting for the worker's 16 slots (and its 2 of prefetch) make the backlog."""
     port = free_port()
@@ -590,14 +684,13 @@ def test_running_turns_are_no_backlog_however_long_they_run(gw: Gateways) -> Non
 def test_fuzzing_the_openapi_schema_finds_no_server_error(
     gw: Gateways, tmp_path: Path
 ) -> None:
-    st = os.path.join(os.path.dirname(sys.executable), "st")
-    # One worker: schemathesis's workers are threads, and Python 3.11's ast.parse (which
-    # hypothesis calls to describe its strategies) is not thread-safe: two at once failed
-    # a run with "SystemError: AST constructor recursion depth mismatch" (CPython
-    # gh-106905).
+    """``pipeline fuzz`` (schemathesis, one worker: its workers are threads, and Python
+    3.11's ast.parse, which hypothesis calls, is not thread-safe, CPython gh-106905), a
+    short pass; ``/v1/usage`` is in the document, its numbers without their bounds."""
+    assert "/v1/usage" in httpx.get(f"{gw.url}/openapi.json", timeout=10).json()["paths"]
     run = subprocess.run(  # in tmp_path, where it keeps its example database
-        [st, "run", f"{gw.url}/openapi.json", "--checks", "not_a_server_error",
-         "--max-examples", "25", "--workers", "1", "--seed", "1"],
+        [sys.executable, "-m", "launch", "fuzz", "--url", gw.url, "--examples", "25",
+         "--seed", "1"], env=gw.stack.env(),
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1]

@@ -211,3 +211,20 @@ def test_stop_ends_the_reply_where_the_store_ends_it(site: Site, browser: WebDri
     browser.find_element(By.ID, "stop").click()
     shown = finished(browser, site, session)
     assert REPLY.startswith(shown) and len(shown) < len(REPLY)
+
+
+def test_a_failed_turn_shows_its_error_once_and_the_page_stops(site: Site,
+                                                               browser: WebDriver) -> None:
+    """A turn the engine refuses (longer than the simulated model's 8,192 tokens) ends
+    with an error in its stream. The page took that for a dropped connection and
+    reconnected forever, reading the same error each time; it shows it once and stops."""
+    signed_in(browser, site)
+    browser.find_element(By.ID, "new-chat").click()
+    script(browser, "document.getElementById('prompt').value = 'x '.repeat(8200);")
+    browser.find_element(By.ID, "send").click()
+    until(lambda: reply_state(browser) == "done", "the failed turn to end", 60)
+    shown = reply_text(browser)
+    assert shown.count("maximum context length") == 1, shown
+    time.sleep(2)  # no reconnecting afterwards
+    assert "reconnecting" not in browser.find_element(By.ID, "status").text
+    assert reply_text(browser) == shown

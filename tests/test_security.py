@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
 from infra.process import free_port
@@ -74,8 +75,11 @@ def secured(sim_stack: Stack) -> Iterator[Secured]:
                                    PROJECTOR_GROUP="projector-secure"),
         "worker": start_service(stack, "secure-worker", "worker", "--engine", "sim",
                                 "--max-num-seqs", "16", WORKER_SIM_TOKENS_PER_S="20"),
+        # The fuzz pass presents thousands of wrong keys from this address: the bound
+        # on failed lookups has a test and a gateway of its own.
         "gateway": start_service(stack, "secure-gateway", "gateway", "--port", str(port),
-                                 GATEWAY_MODELS="sim", GATEWAY_CANCEL_GRACE_S="2"),
+                                 GATEWAY_MODELS="sim", GATEWAY_CANCEL_GRACE_S="2",
+                                 GATEWAY_FAILED_KEY_LOOKUPS="1000000"),
     }
     s = Secured(stack, f"http://127.0.0.1:{port}", services)
     try:
@@ -191,6 +195,47 @@ def test_a_revoked_key_is_refused(secured: Secured) -> None:
     assert r.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_keys_made_up_at_random_are_refused_without_a_lookup_past_a_bound(
+        secured: Secured) -> None:
+    """Each well-formed key cost the store a query, without a limit before
+    authentication. A key that failed is remembered, and an address that failed 20
+    lookups in 10 s gets 429 for the rest of the window, before any query, whatever key
+    it presents; a key known good still passes."""
+    erin = secured.key("erin")
+    port = free_port()
+    gateway = start_service(secured.stack, "secure-gateway-made-up-keys", "gateway",
+                            "--port", str(port), GATEWAY_MODELS="sim")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [gateway], timeout=60)
+
+        def made_up() -> str:
+            return f"sk-{uuid.uuid4().hex[:12]}.{uuid.uuid4().hex}{uuid.uuid4().hex}"
+
+        first = made_up()
+        codes = [httpx.get(f"{url}/v1/models", headers=bearer(key), timeout=30)
+                 for key in [first] + [made_up() for _ in range(18)]]
+        # Looked up (19 failures so far), so remembered good for the next 2 s.
+        assert httpx.get(f"{url}/v1/models", headers=bearer(erin), timeout=30).status_code == 200
+        codes.append(httpx.get(f"{url}/v1/models", headers=bearer(made_up()), timeout=30))
+        assert [r.status_code for r in codes] == [401] * 20, [r.text for r in codes]
+        again = httpx.get(f"{url}/v1/models", headers=bearer(first), timeout=30)
+        assert again.status_code == 401  # remembered as failed: no lookup, no count
+        started = time.monotonic()
+        refused = httpx.get(f"{url}/v1/models", headers=bearer(made_up()), timeout=30)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "too_many_failed_keys"
+        assert 1 <= int(refused.headers["retry-after"]) <= 10
+        assert time.monotonic() - started < 1
+        known = httpx.get(f"{url}/v1/models", headers=bearer(erin), timeout=30)
+        assert known.status_code == 200  # cached good: the bound is on unknown keys
+        time.sleep(int(refused.headers["retry-after"]) + 0.5)
+        later = httpx.get(f"{url}/v1/models", headers=bearer(made_up()), timeout=30)
+        assert later.status_code == 401, later.text  # a new window
+    finally:
+        gateway.stop()
+
+
 def test_rate_limits_answer_429_with_openai_headers(secured: Secured) -> None:
     dave = bearer(secured.key("dave", "--rpm", "3"))
     answers = [httpx.get(f"{secured.url}/v1/models", headers=dave, timeout=30)
@@ -215,6 +260,38 @@ def test_rate_limits_answer_429_with_openai_headers(secured: Secured) -> None:
     too_big = httpx.post(f"{secured.url}/v1/chat/completions", json=chat("c", 5000),
                          headers=bearer(secured.key("frank", "--tpm", "700")), timeout=60)
     assert too_big.status_code == 429 and "more than this key's limit" in too_big.text
+
+
+def test_a_turn_is_charged_what_it_used_once_it_ends(secured: Secured) -> None:
+    """A turn is charged its prompt and max_tokens when accepted, or a default of 512
+    without max_tokens, which it may pass (up to the context length) or fall short of.
+    When it ends, the projector trues the key's bucket up to its real usage, once: here
+    a turn without max_tokens used 64 of the 512 it was charged, and the next turn,
+    which the leftover of a 600-token minute could not take before, is accepted."""
+    grace = bearer(secured.key("grace", "--tpm", "600"))
+    body = {"model": "sim", "messages": [{"role": "user", "content": f"{MARKER} no limit"}]}
+    first = httpx.post(f"{secured.url}/v1/chat/completions", json=body, headers=grace,
+                       timeout=60)
+    assert first.status_code == 200, first.text
+    request_id = first.headers["x-request-id"]
+    used = first.json()["usage"]["total_tokens"]
+    assert used < 200  # the simulated engine's default reply is 64 tokens
+    with psycopg.connect(secured.stack.database_url) as conn:
+        deadline = time.monotonic() + 30
+        while (row := conn.execute(
+                "SELECT charge_key, charge_tokens, finished_at FROM generations"
+                " WHERE request_id = %s", (request_id,)).fetchone()) is None or row[1] is not None:
+            assert time.monotonic() < deadline, f"never trued up: {row}"
+            time.sleep(0.2)
+            conn.commit()
+    assert row[0] == grace["Authorization"].split()[1][3:].split(".")[0]
+    # 600 - 515 + a few seconds' refill could not take ~455; 600 - 70 can.
+    with httpx.stream("POST", f"{secured.url}/v1/chat/completions",
+                      json=chat("then", 450, stream=True), headers=grace, timeout=60) as second:
+        assert second.status_code == 200, second.read()
+        request_id = second.headers["x-request-id"]
+    httpx.post(f"{secured.url}/v1/chat/completions/{request_id}/cancel", headers=grace,
+               timeout=30)
 
 
 def test_fuzzed_headers_and_tokens_find_no_server_error(secured: Secured, tmp_path: Path) -> None:

@@ -524,7 +524,9 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
             return bool(finished)
 
         wait_for(ended, 90, "the refused turn to end")
-        assert registry.get_sample_value("worker_fenced_total") == 1
+        # Refused at least once (a transaction begun before the worker handled the first
+        # refusal shows the same stale generation, and is refused too).
+        assert (registry.get_sample_value("worker_fenced_total") or 0) >= 1
         # Ended once, whole, each delta once (what the refused transaction held is not
         # in the log; the takeover ran the turn on from what is).
         assert len(finished) == 1

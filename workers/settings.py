@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -59,6 +60,47 @@ class WorkerSettings(BaseSettings):
     # Characters of session history kept in memory, so a session's next turn needs not
     # read it back from the log (least recently used first out).
     history_cache_chars: int = Field(default=64 * 2**20, ge=0)
+    # Prompts read ahead of the engine, waiting for a slot: the fair share between
+    # tenants chooses among those read, so keep it at least the gateways' backlog bound.
+    read_ahead: int = Field(default=4096, ge=0)
+    # ... and at most this many characters of them.
+    read_ahead_chars: int = Field(default=256 * 2**20, ge=0)
+    # Which waiting prompt starts next: "fair", a token-weighted fair share between
+    # tenants (workers/fairness.py); "fifo", the order they were read in.
+    scheduling: Literal["fair", "fifo"] = "fair"
+    # Tenants' shares of the engine, as tenant=weight pairs (e.g. "gold=4,free=0.5");
+    # a tenant not named weighs 1.
+    tenant_weights: str = ""
+    # The most turns one tenant may run at once on this worker (unset: every slot).
+    # Slots are not taken back from running turns: a cap below max_num_seqs keeps
+    # slots for other tenants when one tenant's long turns came first.
+    max_running_per_tenant: int | None = Field(default=None, ge=1)
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights_parse(cls, value: str) -> str:
+        parse_weights(value)
+        return value
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return parse_weights(self.tenant_weights)
+
     # The simulated engine: time to first token and per-sequence decode rate.
     sim_ttft_ms: float = Field(default=50.0, ge=0)
     sim_tokens_per_s: float = Field(default=50.0, gt=0)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``tenant=weight,...`` as a dict; ValueError naming what is wrong."""
+    weights: dict[str, float] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, raw = pair.rpartition("=")
+        try:
+            weight = float(raw)
+        except ValueError:
+            weight = math.nan
+        if not sep or not tenant or not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"'{pair}': each tenant weight is tenant=<a positive number>")
+        weights[tenant.strip()] = weight
+    return weights

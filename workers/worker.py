@@ -32,7 +32,7 @@ import os
 import socket
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -83,7 +83,8 @@ from schemas.conversation import TurnLedger, Verdict
 from schemas.history import History, turn_messages
 from workers.coalescer import Coalescer
 from workers.control import ControlBook
-from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
+from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest, warm_up
+from workers.fairness import FairQueue
 from workers.history import Histories, HistoryMetrics, HistoryUnavailable, Position3
 from workers.offsets import OffsetTracker
 from workers.output import Output
@@ -212,7 +213,10 @@ class Worker:
         coalesce_ms: float = 10.0, transaction_timeout_ms: int = 10_000,
         transactional_id: str = "", transaction_interval_ms: float = 0.0,
         max_record_bytes: int = 8 * 2**20, history_cache_chars: int = 64 * 2**20,
-        compression: str = "zstd",
+        compression: str = "zstd", read_ahead: int = 4096,
+        read_ahead_chars: int = 256 * 2**20,
+        tenant_weights: dict[str, float] | None = None,
+        max_running_per_tenant: int | None = None, fair: bool = True,
     ) -> None:
         self.engine = engine
         self.bootstrap = bootstrap
@@ -231,7 +235,12 @@ class Worker:
                                  or f"chat-worker-{self.name}-{uuid.uuid4().hex[:8]}")
         self.tracker = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
-        self.waiting: deque[Waiting] = deque()
+        # Prompts read and waiting for a slot, started by a fair share between tenants.
+        self.read_ahead = read_ahead
+        self.read_ahead_chars = read_ahead_chars
+        self.waiting: FairQueue[Waiting] = FairQueue(
+            lambda w: w.prompt.tenant, tenant_weights, max_running_per_tenant,
+            size_of=_waiting_chars, fair=fair)
         self.peak_in_flight = 0
         self.recovered = Found()
         self.ended: OrderedDict[str, None] = OrderedDict()
@@ -255,9 +264,11 @@ class Worker:
 
     @property
     def capacity(self) -> int:
-        """Prompts taken at most: those the engine runs, and a few waiting for a slot."""
+        """Prompts taken at most: those the engine runs, and ``read_ahead`` waiting for a
+        slot (at least a few per 8 slots): the fair share chooses among those read, so
+        it reads as far ahead as the backlog a gateway admits."""
         slots = self.engine.max_num_seqs
-        return slots + slots * PREFETCH_PER_8_SLOTS // 8
+        return slots + max(self.read_ahead, slots * PREFETCH_PER_8_SLOTS // 8)
 
     # -- rebalances (these run on the consumer's thread, inside a poll) -------
     def _on_assign(self, assigned: list[TP]) -> dict[TP, int]:
@@ -364,7 +375,7 @@ class Worker:
     async def _abandon(self, partitions: list[int]) -> None:
         """Stop this worker's turns in ``partitions``; their next owner resumes them."""
         # Waiting prompts first: a turn that ends meanwhile starts the next waiting one.
-        self.waiting = deque(w for w in self.waiting if w.tp[1] not in partitions)
+        self.waiting.remove(lambda w: w.tp[1] in partitions)
         flights = [f for f in self.in_flight.values() if f.tp[1] in partitions]
         for flight in flights:
             flight.task.cancel()
@@ -405,8 +416,17 @@ class Worker:
         self._history_reader = AsyncConsumer(self.bootstrap, f"worker-history-{self.name}",
                                              **QUICK_ASSIGN)
         await asyncio.to_thread(self.writer.start)
+        # Ready means a turn starts without waiting for the engine's first batches: the
+        # worker joins its group (and says it is alive) only once it has run its own.
+        began = time.monotonic()
+        try:
+            await warm_up(self.engine)
+        except EngineRejected as exc:  # a model that takes none of them: it serves anyway
+            log.warning("the engine refused its warm-up turns: %s", exc)
+        log.info("engine warmed up in %.1f s; taking prompts", time.monotonic() - began)
         heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name,
-                              self.engine.max_model_len, self.engine.max_token_bytes)
+                              self.engine.max_model_len, self.engine.max_token_bytes,
+                              load=self.waiting.load)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=self._on_assign,
                            on_revoke=self._on_revoke)
         paused: bool | None = None  # as applied to the assignment of version `applied`
@@ -429,7 +449,8 @@ class Worker:
                     self.output.drop()
                     if rejoin:
                         await consumer.call(consumer.rejoin_sync)
-                full = len(self.in_flight) + len(self.waiting) >= self.capacity
+                full = (len(self.in_flight) + len(self.waiting) >= self.capacity
+                        or self.waiting.size >= self.read_ahead_chars)
                 # A new assignment may hold partitions paused before a rebalance, or
                 # none paused while the engine is full: set the state anew each time.
                 if full != paused or applied != self._assignments:
@@ -529,7 +550,7 @@ class Worker:
             self._done((topic, partition), offset)
             return
         self.tracker.queued((topic, partition), offset)
-        self.waiting.append(Waiting(event, (topic, partition), offset))
+        self.waiting.push(Waiting(event, (topic, partition), offset))
 
     def _done(self, tp: TP, offset: int) -> None:
         if tp[0] == PROMPTS:
@@ -621,12 +642,16 @@ class Worker:
     def _start_waiting(self) -> None:
         if self._stopping:
             return  # left in the log for the partitions' next owner
-        while self.waiting and len(self.in_flight) < self.engine.max_num_seqs:
-            item = self.waiting.popleft()
+        while len(self.in_flight) < self.engine.max_num_seqs:
+            item = self.waiting.pop()
+            if item is None:
+                return  # nothing waits, or only tenants at their cap
             self.tracker.started(item.tp, item.offset)
-            self._start(item.prompt, item.tp, item.offset)
+            if not self._start(item.prompt, item.tp, item.offset):
+                self.waiting.ended(item.prompt.tenant)
 
-    def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> None:
+    def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> bool:
+        """Start a turn (False: it needs not run: it ran, or runs, already)."""
         assert self.writer is not None
         rid = prompt.request_id
         plan = plan_start(prompt, self.recovered.take(rid, tp[1], offset),
@@ -635,7 +660,7 @@ class Worker:
         epoch = self.writer.epoch
         if plan.action is Action.SKIP:  # never run twice
             self._done(tp, offset)
-            return
+            return False
         if plan.action is Action.END:
             log.info("not starting %s: %s", rid, plan.reason)
             self.metrics.unstarted.inc()
@@ -648,6 +673,7 @@ class Worker:
             self._arm_grace(flight)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
         self.metrics.in_flight_peak.set(self.peak_in_flight)
+        return True
 
     async def _cancel(self, flight: InFlight, after_s: float = 0.0) -> None:
         if after_s:
@@ -714,6 +740,7 @@ class Worker:
                 if ttft is None:
                     ttft = now - started
                     prompt_tokens = out.prompt_tokens
+                    self.waiting.served(prompt.tenant, prompt_tokens=prompt_tokens)
                     self.metrics.ttft.observe(ttft)
                     output.start(partition, offset, GenerationStarted(
                         **ids, ref=offset, model=self.engine.model_name, worker=self.name,
@@ -726,6 +753,7 @@ class Worker:
                     self.metrics.itl.observe((now - last_token) / len(out.token_ids))
                 last_token = now
                 self.metrics.tokens.inc(len(out.token_ids))
+                self.waiting.served(prompt.tenant, output_tokens=len(out.token_ids))
                 emit(coalescer.add(out.text, out.token_ids, now))
                 if self.writer is not None and self.writer.backlogged:
                     await self.writer.room()  # Kafka takes tokens slower than they come
@@ -838,14 +866,22 @@ class Worker:
 
     def _forget(self, request_id: str, ended: bool = False) -> None:
         flight = self.in_flight.pop(request_id, None)
-        if flight is not None and flight.grace is not None:
-            flight.grace.cancel()
+        if flight is not None:
+            self.waiting.ended(flight.prompt.tenant)
+            if flight.grace is not None:
+                flight.grace.cancel()
         if ended:
             self.book.forget(request_id)
             self.ended[request_id] = None
             while len(self.ended) > ENDED_MEMORY:
                 self.ended.popitem(last=False)
             self._start_waiting()  # the slot is free now, not at the loop's next turn
+
+
+def _waiting_chars(item: Waiting) -> int:
+    """What a waiting prompt holds in memory, in characters (what bounds the read-ahead)."""
+    prompt = item.prompt
+    return sum(len(m.content) for m in (*prompt.messages, *(prompt.history or ())))
 
 
 def reported(records: Iterable[Record], since_ms: int, what: str,

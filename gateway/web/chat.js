@@ -14,6 +14,9 @@ const SESSION = "pipeline.session";
 const MODEL = "pipeline.model";
 
 const $ = (id) => document.getElementById(id);
+// Errors inside a stream that pass: a stream dropped for falling behind, a dependency away.
+const PASSING = new Set(["stream_lagging", "log_unavailable", "store_unavailable",
+                         "projection_lagging"]);
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 class ApiError extends Error {
@@ -157,8 +160,11 @@ async function follow(pending, reply) {
           const chunk = JSON.parse(data);
           pending.completion = pending.completion || chunk.id;
           if (chunk.error) {
-            if (chunk.error.code === "stream_lagging") break;  // resume where we are
-            throw new ApiError(500, chunk.error.message, chunk.error.code);
+            // Resume where we are, or after a while, from a refusal that passes;
+            // anything else is the turn's own end (it failed, or timed out): show it
+            // once and stop, for a retry would only read the same end again.
+            if (PASSING.has(chunk.error.code)) break;
+            throw new ApiError(422, chunk.error.message, chunk.error.code);
           }
           for (const choice of chunk.choices || []) pending.text += choice.delta.content || "";
           if (chunk.event_id) pending.lastEventId = chunk.event_id;
