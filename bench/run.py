@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
-PARTS = ("serving", "capacity", "log", "projection", "analytics")
+PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics")
 # The capacity figures of the code before the work on plumbing cost, kept to set beside
 # every later run's.
 CAPACITY_BEFORE = Path("docs/benchmarks/capacity-before.json")
@@ -105,6 +105,24 @@ def log(common: CommonSettings, quick: bool, out: Path, before: Path | None) -> 
     return table
 
 
+def fairness(common: CommonSettings, quick: bool, out: Path) -> str:
+    from bench import fairness as bench
+
+    figures = bench.run(common.kafka_bootstrap, common.state_dir / "bench-logs", quick)
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.table(figures)
+    _save(out, "fairness", "How a worker shares its engine between tenants", figures, table,
+          f"SIMULATED worker, {figures['slots']} slots, {figures['tokens_per_s']} tokens/s "
+          "per turn, prompts written straight to chat.prompts. Beta's first token: from "
+          "its prompt's write to its GenerationStarted, 10 turns of 16 tokens, alone on "
+          f"an idle worker, then right after alpha's {figures['backlog']} turns of 64. Two "
+          f"backlogs: alpha's {figures['both']} turns of 32 tokens, then beta's as many; "
+          "tokens served while both had turns waiting, and Jain's index over them (1: "
+          f"equal). On {figures['machine']}. Measured with `pipeline bench fairness"
+          f"{' --quick' if quick else ''}`.")
+    return table
+
+
 def projection(common: CommonSettings, quick: bool, out: Path) -> str:
     from bench.projection import run
 
@@ -151,6 +169,8 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = capacity(common, quick, out)
         elif part == "log":
             table = log(common, quick, out, before)
+        elif part == "fairness":
+            table = fairness(common, quick, out)
         elif part == "projection":
             table = projection(common, quick, out)
         else:

@@ -1,0 +1,238 @@
+"""``pipeline bench fairness``: how a worker shares its engine between tenants. A
+SIMULATED worker (16 slots, 20 tokens/s per turn) is fed prompts written straight to
+``chat.prompts`` (no gateway: the worker's order is what is measured), in three ways:
+
+* **fair**: the token-weighted fair share (``workers/fairness.py``, the default);
+* **fair, capped**: the same with ``WORKER_MAX_RUNNING_PER_TENANT=8``;
+* **log order**: ``WORKER_SCHEDULING=fifo``, the order before the fair share.
+
+Two scenarios each:
+
+* **a backlog and a latecomer**: tenant alpha writes 200 turns of 64 tokens, then tenant
+  beta 10 turns of 16; beta's time from its prompt to its first token, against beta
+  alone on an idle worker (after a first round of beta's, not counted).
+* **two backlogs**: alpha writes 100 turns, then beta 100, at once; Jain's fairness index
+  over the tokens each was served while both had turns waiting (1: equal shares, 0.5:
+  one tenant had everything), as llm-d's fairness work reports it.
+
+A turn's first token is its ``GenerationStarted`` (written at the first token); its tokens
+are counted as served evenly between that and its ``GenerationFinished``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from infra.process import free_port
+from pipeline.codec import conversation_key, decode, encode
+from pipeline.topics import GENERATIONS, PROMPTS
+from schemas import (
+    ChatMessage,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    PromptSubmitted,
+    SamplingParams,
+)
+
+SLOTS = 16
+TOKENS_PER_S = 20
+SIDES: tuple[tuple[str, dict[str, str]], ...] = (
+    ("fair", {}), ("fair, capped", {"WORKER_MAX_RUNNING_PER_TENANT": "8"}),
+    ("log order", {"WORKER_SCHEDULING": "fifo"}))
+
+
+@dataclass
+class Turn:
+    tenant: str
+    sent: float  # wall clock
+    started: float | None = None
+    finished: float | None = None
+    tokens: int = 0
+
+
+def jain(values: list[float]) -> float:
+    """Jain's fairness index: 1 when all are equal, 1/n when one has everything."""
+    total = sum(values)
+    squares = sum(v * v for v in values)
+    return total * total / (len(values) * squares) if squares else float("nan")
+
+
+@contextmanager
+def _worker(bootstrap: str, log_dir: Path, model: str, env: dict[str, str]) -> Iterator[None]:
+    metrics = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"fairness-{model}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launch", "worker", "--engine", "sim", "--served-model-name",
+             model, "--max-num-seqs", str(SLOTS), "--metrics-port", str(metrics)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": bootstrap,
+                 "WORKER_SIM_TOKENS_PER_S": str(TOKENS_PER_S), **env})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the worker exited; see {log.name}"
+            assert time.monotonic() < deadline, f"the worker never took partitions; {log.name}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics",
+                                            timeout=2) as resp:
+                    text = resp.read().decode()
+                if any(line.startswith("worker_assigned_partitions ")
+                       and float(line.split()[1]) > 0 for line in text.splitlines()):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _send(producer: Producer, model: str, tenant: str, count: int, tokens: int,
+          turns: dict[str, Turn]) -> None:
+    for i in range(count):
+        conversation = uuid.uuid4()
+        request_id = f"fair-{tenant}-{i}-{uuid.uuid4().hex[:8]}"
+        prompt = PromptSubmitted(
+            conversation_id=conversation, request_id=request_id, tenant=tenant, model=model,
+            messages=(ChatMessage(role="user", content=f"{tenant} turn {i}"),),
+            sampling=SamplingParams(max_tokens=tokens, ignore_eos=True))
+        turns[request_id] = Turn(tenant, time.time())
+        producer.produce(PROMPTS, key=conversation_key(conversation), value=encode(prompt))
+    producer.flush(30)
+
+
+def _follow(bootstrap: str, since_ms: int, turns: dict[str, Turn], timeout: float) -> None:
+    """Read each turn's start and end from ``chat.generations`` until all have ended."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-fairness",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        meta = consumer.list_topics(GENERATIONS, timeout=10).topics[GENERATIONS]
+        starts = consumer.offsets_for_times(
+            [TopicPartition(GENERATIONS, p, since_ms) for p in meta.partitions], timeout=10)
+        consumer.assign(starts)
+        deadline = time.monotonic() + timeout
+        while any(t.finished is None for t in turns.values()):
+            assert time.monotonic() < deadline, "turns did not end in time"
+            for msg in consumer.consume(1000, 0.5):
+                if msg.error() or msg.value() is None:
+                    continue
+                try:
+                    event = decode(msg.value())
+                except ValueError:
+                    continue
+                turn = turns.get(event.request_id)
+                if turn is None:
+                    continue
+                at = event.occurred_at.timestamp()
+                if isinstance(event, GenerationStarted) and turn.started is None:
+                    turn.started = at
+                elif isinstance(event, GenerationFinished):
+                    turn.finished, turn.tokens = at, event.usage.completion_tokens
+                elif isinstance(event, GenerationFailed):
+                    turn.finished = at
+    finally:
+        consumer.close()
+
+
+def _served(turns: list[Turn], start: float, end: float) -> float:
+    """Tokens these turns were served between ``start`` and ``end``, each turn's spread
+    evenly over its run."""
+    total = 0.0
+    for t in turns:
+        if t.started is None or t.finished is None or t.finished <= t.started:
+            continue
+        overlap = min(t.finished, end) - max(t.started, start)
+        if overlap > 0:
+            total += t.tokens * overlap / (t.finished - t.started)
+    return total
+
+
+def _waits(turns: list[Turn]) -> list[float]:
+    return sorted((t.started - t.sent) * 1000 for t in turns if t.started is not None)
+
+
+def run(bootstrap: str, log_dir: Path, quick: bool) -> dict[str, Any]:
+    producer = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random",
+                         "linger.ms": 5})
+    backlog = 60 if quick else 200
+    both = 40 if quick else 100
+    results: dict[str, Any] = {}
+    for i, (side, env) in enumerate(SIDES, 1):
+        model = f"sim-fairness-{uuid.uuid4().hex[:6]}"
+        print(f"[{i}/{len(SIDES)}] {side} ...", flush=True)
+        with _worker(bootstrap, log_dir, model, env):
+            since = int(time.time() * 1000) - 5000
+            # The worker's first turns (its partitions' ledgers read, its first batches)
+            # are slower than any after: a round first, not counted.
+            first: dict[str, Turn] = {}
+            _send(producer, model, "beta", 10, 16, first)
+            _follow(bootstrap, since, first, 120)
+            alone: dict[str, Turn] = {}
+            _send(producer, model, "beta", 10, 16, alone)
+            _follow(bootstrap, since, alone, 120)
+            late: dict[str, Turn] = {}
+            _send(producer, model, "alpha", backlog, 64, late)
+            time.sleep(2.0)  # alpha's turns hold the slots
+            _send(producer, model, "beta", 10, 16, late)
+            _follow(bootstrap, since, late, 900)
+            pair: dict[str, Turn] = {}
+            _send(producer, model, "alpha", both, 32, pair)
+            _send(producer, model, "beta", both, 32, pair)
+            _follow(bootstrap, since, pair, 900)
+        beta_alone = _waits(list(alone.values()))
+        beta_late = _waits([t for t in late.values() if t.tenant == "beta"])
+        by = {tenant: [t for t in pair.values() if t.tenant == tenant]
+              for tenant in ("alpha", "beta")}
+        start = min(t.sent for t in pair.values())
+        # While both had turns waiting: until the first of them had its last turn start.
+        end = min(max(t.started or 0.0 for t in ts) for ts in by.values())
+        served = {tenant: _served(ts, start, end) for tenant, ts in by.items()}
+        results[side] = {
+            "beta_alone_first_token_ms": beta_alone,
+            "beta_behind_alpha_first_token_ms": beta_late,
+            "beta_median_ratio": statistics.median(beta_late) / statistics.median(beta_alone),
+            "both_window_s": end - start, "both_served_tokens": served,
+            "jain": jain(list(served.values()))}
+        r = results[side]
+        print(f"      beta's first token: median {statistics.median(beta_late):.0f} ms behind "
+              f"alpha's {backlog} turns, {statistics.median(beta_alone):.0f} ms alone "
+              f"({r['beta_median_ratio']:.2f}x); two backlogs: Jain {r['jain']:.3f}",
+              flush=True)
+    return {"backlog": backlog, "both": both, "slots": SLOTS, "tokens_per_s": TOKENS_PER_S,
+            "results": results}
+
+
+def table(figures: dict[str, Any]) -> str:
+    out = ["| worker | beta's first token alone, median / max (ms) | behind alpha's "
+           f"{figures['backlog']} turns, median / max (ms) | ratio of medians | two backlogs "
+           "of {0}: tokens served alpha / beta | Jain's index |".format(figures["both"]),
+           "|---|---|---|---|---|---|"]
+    for side, r in figures["results"].items():
+        alone, late = r["beta_alone_first_token_ms"], r["beta_behind_alpha_first_token_ms"]
+        served = r["both_served_tokens"]
+        out.append(f"| {side} | {statistics.median(alone):,.0f} / {max(alone):,.0f} | "
+                   f"{statistics.median(late):,.0f} / {max(late):,.0f} | "
+                   f"{r['beta_median_ratio']:.2f}x | {served['alpha']:,.0f} / "
+                   f"{served['beta']:,.0f} | {r['jain']:.3f} |")
+    return "\n".join(out)
