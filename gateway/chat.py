@@ -182,9 +182,10 @@ class ChatService:
         estimate = estimate_tokens(sum(len(m.content) for m in (*history, *new)), max_tokens)
         await self.guard.charge(caller, requests=0, tokens=estimate)
         # Trued up to the turn's usage when it ends (the projector): a turn without
-        # max_tokens is charged a default now, and what it really used then.
+        # max_tokens is charged a default now, and what it really used then. It also
+        # names the turn's key, whose revocation stops it (``gateway.keys.stop_turns``).
         charge = (Charge(key_id=caller.key_id, tokens=estimate)
-                  if caller.key_id is not None and caller.tpm is not None else None)
+                  if caller.key_id is not None else None)
         # The history by reference (the session's last turn), or inline when that turn
         # cannot be placed in the log (stored before turns' ends were).
         previous = view.last_turn() if view is not None and history else None

@@ -87,3 +87,33 @@ def revoke(conn: psycopg.Connection[Any], key_id: str) -> bool:
 
 def decoy() -> tuple[bytes, bytes]:
     return _DECOY
+
+
+def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> int:
+    """Cancel the turns of ``key_id`` that have not ended (background ones included), as
+    the store knows them: a ``GenerationCancelled`` each, to ``chat.control``, which their
+    workers stop them on and their streams end with. The number cancelled."""
+    from confluent_kafka import Producer
+
+    from pipeline.codec import conversation_key, encode
+    from pipeline.topics import CONTROL
+    from schemas import GenerationCancelled
+
+    rows = conn.execute(
+        "SELECT request_id, conversation_id, tenant FROM generations"
+        " WHERE charge_key = %s AND status IN ('pending', 'running')", (key_id,)).fetchall()
+    if not rows:
+        return 0
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                         "partitioner": "murmur2_random"})
+    failed: list[object] = []
+    for request_id, conversation_id, tenant in rows:
+        event = GenerationCancelled(conversation_id=conversation_id, request_id=request_id,
+                                    tenant=tenant, reason="api key revoked")
+        producer.produce(CONTROL, key=conversation_key(conversation_id), value=encode(event),
+                         on_delivery=lambda err, _msg: failed.append(err) if err else None)
+    left = producer.flush(30)
+    if left or failed:
+        raise RuntimeError(f"{left + len(failed)} of {len(rows)} cancellations not written "
+                           f"({failed[:1] or 'timed out'}); revoke again to retry")
+    return len(rows)

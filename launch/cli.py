@@ -32,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -360,11 +361,30 @@ def run_keys_command(common: CommonSettings, args: argparse.Namespace) -> int:
                         else "active"
                     print(f"{key.id}  {key.tenant:<20} {key.name or '-':<20} "
                           f"rpm {key.rpm or '-':<8} tpm {key.tpm or '-':<10} {state}")
-        elif not keys.revoke(conn, args.key_id):
-            print(f"no active key {args.key_id}", file=sys.stderr)
-            return 1
         else:
-            print(f"revoked {args.key_id}")
+            return _revoke(common, conn, args.key_id)
+    return 0
+
+
+def _revoke(common: CommonSettings, conn: Any, key_id: str) -> int:
+    """Revoke a key, and stop its turns still running, background ones included (again
+    for a key revoked before), once now and once after the gateways' 2 s cache of it
+    (turns accepted meanwhile, or that the store had not shown yet)."""
+    from gateway import keys
+
+    if keys.revoke(conn, key_id):
+        print(f"revoked {key_id}; gateways refuse it within 2 s", flush=True)
+    elif not any(k.id == key_id for k in keys.listed(conn)):
+        print(f"no key {key_id}", file=sys.stderr)
+        return 1
+    else:
+        print(f"{key_id} was revoked already", flush=True)
+    for sweep in (0, 1):
+        if sweep:
+            time.sleep(3.0)
+        stopped = keys.stop_turns(conn, common.kafka_bootstrap, key_id)
+        if stopped:
+            print(f"stopped {stopped} of its turns", flush=True)
     return 0
 
 

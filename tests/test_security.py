@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -234,6 +235,51 @@ def test_keys_made_up_at_random_are_refused_without_a_lookup_past_a_bound(
         assert later.status_code == 401, later.text  # a new window
     finally:
         gateway.stop()
+
+
+def test_revoking_a_key_stops_its_running_turns_and_their_streams(secured: Secured) -> None:
+    """A revoked key was refused from then on, but its background turns ran on to their
+    end and its open streams kept streaming. Revoking it now cancels its turns that
+    have not ended (``pipeline keys revoke``), and their streams end with them."""
+    ivan_key = secured.key("ivan")
+    ivan = bearer(ivan_key)
+    with httpx.stream("POST", f"{secured.url}/v1/chat/completions", headers=ivan, timeout=60,
+                      json=chat("background", 2000, stream=True, background=True)) as resp:
+        assert resp.status_code == 200
+        background = resp.headers["x-request-id"]
+    ended = threading.Event()
+    streamed: list[str] = []
+
+    def follow() -> None:
+        with httpx.stream("POST", f"{secured.url}/v1/chat/completions", headers=ivan,
+                          timeout=120, json=chat("followed", 2000, stream=True)) as resp:
+            streamed.append(resp.headers["x-request-id"])
+            for _ in resp.iter_lines():
+                pass
+        ended.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+
+    def statuses() -> list[str]:
+        with psycopg.connect(secured.stack.database_url) as conn:
+            return [r[0] for r in conn.execute(
+                "SELECT status FROM generations WHERE request_id = ANY(%s)",
+                ([background, *streamed],)).fetchall()]
+
+    deadline = time.monotonic() + 30
+    while len(streamed) != 1 or statuses() != ["running", "running"]:
+        assert time.monotonic() < deadline, statuses()
+        time.sleep(0.2)
+    revoked = subprocess.run([sys.executable, "-m", "launch", "keys", "revoke",
+                              ivan_key[3:].split(".")[0]], env=secured.env(),
+                             capture_output=True, text=True, timeout=60)
+    assert revoked.returncode == 0, revoked.stderr
+    assert "stopped 2 of its turns" in revoked.stdout, revoked.stdout
+    assert ended.wait(15), "the stream went on after its key was revoked"
+    deadline = time.monotonic() + 15
+    while any(s in ("pending", "running") for s in statuses()):
+        assert time.monotonic() < deadline, statuses()
+        time.sleep(0.2)
 
 
 def test_rate_limits_answer_429_with_openai_headers(secured: Secured) -> None:
