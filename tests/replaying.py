@@ -29,17 +29,24 @@ CONVERSATION_COLUMN = {"conversations": "id", "messages": "conversation_id",
 
 
 def snapshot(database_url: str, schema: str,
-             leave_out: frozenset[uuid.UUID] = frozenset()) -> dict[str, list[tuple[Any, ...]]]:
+             leave_out: frozenset[uuid.UUID] = frozenset(),
+             only: frozenset[uuid.UUID] | None = None) -> dict[str, list[tuple[Any, ...]]]:
+    """Each table's rows, but those of the ``leave_out`` conversations; with ``only``,
+    the rows of those conversations alone (and no table that names none)."""
     with psycopg.connect(database_url) as conn:
         out = {}
         for table, order in TABLES.items():
+            column = CONVERSATION_COLUMN.get(table)
+            if only is not None and column is None:
+                continue
             query = sql.SQL("SELECT * FROM {}.{}").format(sql.Identifier(schema),
                                                          sql.Identifier(table))
-            column = CONVERSATION_COLUMN.get(table)
             if column is not None:
-                query += sql.SQL(" WHERE NOT {} = ANY(%s)").format(sql.Identifier(column))
+                query += sql.SQL(" WHERE ({} = ANY(%s)) = %s").format(sql.Identifier(column))
             query += sql.SQL(" ORDER BY " + order)
-            out[table] = conn.execute(query, (list(leave_out),) if column else ()).fetchall()
+            args = ((list(only), True) if only is not None else (list(leave_out), False)) \
+                if column else ()
+            out[table] = conn.execute(query, args).fetchall()
         return out
 
 
