@@ -376,15 +376,18 @@ def test_aborted_transactions_and_poison_records(an: Analytics) -> None:
         (producer.commit_transaction if commit else producer.abort_transaction)(30)
     plain = Producer({"bootstrap.servers": an.stack.bootstrap})
     plain.produce(GENERATIONS, key=b"garbage", value=b'{"type": "TokenDelta", "v"')
-    # Events that decode but that the tables cannot hold: parked too, not a crash loop.
-    poison = [GenerationFinished(conversation_id=uuid.uuid4(), request_id=f"huge-{uuid.uuid4()}",
-                                 tenant="txn", model="txn-model", reply_seq=1,
-                                 finish_reason="stop", text="", deltas=0, duration_ms=1.0,
-                                 usage=Usage(prompt_tokens=1, completion_tokens=2**40)),
-              GenerationFailed(conversation_id=uuid.uuid4(), request_id=f"nul-{uuid.uuid4()}",
-                               tenant="txn", code="engine\x00dead", message="x")]
-    for event in poison:
-        plain.produce(GENERATIONS, key=key_of(event), value=encode(event))
+    # An event that decodes but that the tables cannot hold: parked too, not a crash
+    # loop; and one no event may hold (a NUL in a name: schemas.events), which does not
+    # decode (it reached the tables before the rule).
+    huge = GenerationFinished(conversation_id=uuid.uuid4(), request_id=f"huge-{uuid.uuid4()}",
+                              tenant="txn", model="txn-model", reply_seq=1,
+                              finish_reason="stop", text="", deltas=0, duration_ms=1.0,
+                              usage=Usage(prompt_tokens=1, completion_tokens=2**40))
+    nul = encode(GenerationFailed(conversation_id=uuid.uuid4(), request_id=f"nul-{uuid.uuid4()}",
+                                  tenant="txn", code="engine-dead", message="x")
+                 ).replace(b"engine-dead", b"engine\\u0000dead")
+    plain.produce(GENERATIONS, key=key_of(huge), value=encode(huge))
+    plain.produce(GENERATIONS, key=b"nul", value=nul)
     plain.flush(30)
     del producer, plain  # (their connections closed now, not at the session's end)
     wait_equal("the committed turn", lambda: totals(an.stack.database_url).get(
@@ -396,8 +399,8 @@ def test_aborted_transactions_and_poison_records(an: Analytics) -> None:
               if h.get("consumer") == b"analytics"]
     reasons = {value: h["reason"].decode() for value, h in parked}
     assert "not an event" in reasons[b'{"type": "TokenDelta", "v"']
-    for event in poison:
-        assert "the analytics tables refuse it" in reasons[encode(event)]
+    assert "the analytics tables refuse it" in reasons[encode(huge)]
+    assert "NUL" in reasons[nul], reasons[nul]
     assert scrape(an.metrics["analytics"]).get("analytics_dead_letters_total", 0) >= 3
     assert an.services["analytics"].proc.poll() is None  # still running
     # and still counting: a turn through the pipeline after them is in the tables
