@@ -16,19 +16,26 @@ from schemas.history import History, session_inputs
 from schemas.live import Delta, Start, StreamItem, entries
 
 RawRecord = tuple[Position, bytes | None, dict[str, bytes]]
+Marks = dict[str, dict[int, int]]  # topic -> partition -> offset
 
 
 def read_records(bootstrap: str, topic: str, committed: bool = True,
-                 timeout: float = 30.0) -> list[RawRecord]:
+                 timeout: float = 30.0, since: Marks | None = None,
+                 stable: bool = False) -> list[RawRecord]:
+    """The topic's records from ``since`` (each partition's offset; the beginning if
+    None) to its end. A committed read waits for open transactions to end, unless
+    ``stable``: then it stops at the last stable offset (what is committed now), so a
+    writer frozen mid-transaction does not hold it."""
     isolation = "read_committed" if committed else "read_uncommitted"
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{uuid.uuid4()}",
                          "enable.auto.commit": False, "isolation.level": isolation})
     try:
         parts = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-        ends = end_offsets(bootstrap, topic)
-        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        ends = end_offsets(bootstrap, topic, stable=stable and committed)
+        starts = (since or {}).get(topic, {})
+        consumer.assign([TopicPartition(topic, p, starts.get(p, 0)) for p in parts])
         out = []
-        remaining = {p for p, end in ends.items() if end > 0}
+        remaining = {p for p, end in ends.items() if end > starts.get(p, 0)}
         deadline = time.monotonic() + timeout
         while remaining:
             assert time.monotonic() < deadline, f"timed out reading {topic}"
@@ -47,10 +54,12 @@ def read_records(bootstrap: str, topic: str, committed: bool = True,
         consumer.close()
 
 
-def read_events(bootstrap: str, topic: str,
-                committed: bool = True) -> list[tuple[Position, Event]]:
+def read_events(bootstrap: str, topic: str, committed: bool = True,
+                since: Marks | None = None, stable: bool = False,
+                ) -> list[tuple[Position, Event]]:
     events = []
-    for position, value, _ in read_records(bootstrap, topic, committed):
+    for position, value, _ in read_records(bootstrap, topic, committed,
+                                           since=since, stable=stable):
         try:
             events.append((position, decode(value)))
         except DecodeError:
@@ -58,16 +67,23 @@ def read_events(bootstrap: str, topic: str,
     return events
 
 
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    """Each partition's true end (its high watermark, open transactions included)."""
+def end_offsets(bootstrap: str, topic: str, stable: bool = False) -> dict[int, int]:
+    """Each partition's true end (its high watermark, open transactions included), or
+    if ``stable`` its last stable offset (where the first open transaction begins)."""
+    isolation = "read_committed" if stable else "read_uncommitted"
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{uuid.uuid4()}",
-                         "isolation.level": "read_uncommitted"})
+                         "isolation.level": isolation})
     try:
         parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
                 for p in parts}
     finally:
         consumer.close()
+
+
+def marks(bootstrap: str, *topics: str) -> Marks:
+    """The topics' ends now: read from them to see only what is written after."""
+    return {topic: end_offsets(bootstrap, topic) for topic in topics}
 
 
 @dataclass(frozen=True)
@@ -81,13 +97,17 @@ class LiveItem:
     worker: str  # the worker that wrote its record
 
 
-def read_live(bootstrap: str, committed: bool = True) -> list[LiveItem]:
-    """Every entry of chat.live, in log order per partition, with its turn's request id
-    (from the turn's start entry, or from the prompt its reference names)."""
+def read_live(bootstrap: str, committed: bool = True, since: Marks | None = None,
+              stable: bool = False) -> list[LiveItem]:
+    """Every entry of chat.live (from ``since``, as read_records), in log order per
+    partition, with its turn's request id (from the turn's start entry, or from the
+    prompt its reference names)."""
     prompts = {(p.partition, p.offset): e.request_id
-               for p, e in read_events(bootstrap, PROMPTS) if isinstance(e, PromptSubmitted)}
+               for p, e in read_events(bootstrap, PROMPTS, since=since)
+               if isinstance(e, PromptSubmitted)}
     out = []
-    for position, value, _ in read_records(bootstrap, LIVE, committed):
+    for position, value, _ in read_records(bootstrap, LIVE, committed, since=since,
+                                           stable=stable):
         try:
             batch = decode_live(value)
         except DecodeError:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from infra.process import free_port
 from pipeline.kafka import AsyncConsumer, EventProducer
-from pipeline.topics import CONTROL, GENERATIONS, PROMPTS, workers_group
+from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
 from schemas import (
     ChatMessage,
     GenerationFinished,
@@ -40,7 +40,7 @@ from tests.conftest import (
     start_service,
     wait_healthy,
 )
-from tests.logread import deltas_of, read_events, read_live
+from tests.logread import Marks, deltas_of, marks, read_events, read_live
 from tests.sse import Streamed, scrape, stream_chat
 from workers.sim_engine import SimEngine, sim_token_text
 from workers.worker import Worker
@@ -271,11 +271,12 @@ def test_vllm_worker_paused_past_its_session_is_fenced(
     extra, extra_url = extra_worker
     wait_for(lambda: _owns_partitions(extra_url), 120, "the extra worker to own partitions")
     body = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+    since = marks(pipeline.stack.bootstrap, PROMPTS, LIVE)
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(stream_chat, pipeline.url, {
             **body, "model": MODEL, "messages": [{"role": "user", "content": f"z{i}"}]})
             for i in range(16)]
-        wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid), 60,
+        wait_for(lambda: _has_written(pipeline.stack, extra.proc.pid, since), 60,
                  "the extra worker's deltas to reach the log")
         os.kill(extra.proc.pid, signal.SIGSTOP)
         try:
@@ -337,6 +338,7 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
     wait_for(lambda: _owns_partitions(extra_url), 120, "the extra worker to own partitions")
     # Long turns that cannot end early on end-of-sequence, so the kill lands mid-turn.
     body = {"max_tokens": 400, "ignore_eos": True}
+    since = marks(pipeline.stack.bootstrap, PROMPTS, LIVE)
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(stream_chat, pipeline.url, {
             **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
@@ -344,7 +346,7 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
         # Kill it mid-turn: frozen (SIGSTOP) while the log is read, so a turn it has
         # started and not finished stays so until the SIGKILL (a tiny model can finish
         # every turn between a check and a kill).
-        wait_for(lambda: _frozen_mid_turn(pipeline.stack, extra.proc.pid), 60,
+        wait_for(lambda: _frozen_mid_turn(pipeline.stack, extra.proc.pid, since), 60,
                  "the extra worker to be caught with a turn half written")
         extra.kill()
         results = [f.result() for f in futures]
@@ -444,17 +446,20 @@ def test_workers_back_after_their_recovery_window_resume_and_honour_departures(
             service.stop()
 
 
-def _has_written(stack: Stack, pid: int) -> bool:
-    """Whether the worker process ``pid`` has a turn with deltas in the log."""
+def _has_written(stack: Stack, pid: int, since: Marks) -> bool:
+    """Whether the worker process ``pid`` has a turn with deltas in the log since."""
     return any(isinstance(i.item, Delta) and i.worker.endswith(f"-{pid}")
-               for i in read_live(stack.bootstrap))
+               for i in read_live(stack.bootstrap, since=since))
 
 
-def _frozen_mid_turn(stack: Stack, pid: int) -> bool:
-    """Freezes the worker ``pid``; True, leaving it frozen, if it has a turn in the log
-    with deltas and no end; else it runs on."""
+def _frozen_mid_turn(stack: Stack, pid: int, since: Marks) -> bool:
+    """Freezes the worker ``pid``; True, leaving it frozen, if it has a turn with
+    committed deltas and no committed end since; else it runs on. What is committed now
+    is read (up to the last stable offset): a transaction the frozen worker left open
+    would hold a read to the log's end until the broker aborts it on its timeout, and
+    the worker then drops its turns (the check failed, in CI, for 60 s)."""
     os.kill(pid, signal.SIGSTOP)
-    live = read_live(stack.bootstrap)
+    live = read_live(stack.bootstrap, since=since, stable=True)
     written = {i.request_id for i in live
                if isinstance(i.item, Delta) and i.worker.endswith(f"-{pid}")}
     ended = {i.request_id for i in live if isinstance(i.item, (End, Failure))}
