@@ -39,6 +39,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from infra.process import free_port
 from pipeline.codec import conversation_key, decode, encode
+from pipeline.kafka import client_config
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
     ChatMessage,
@@ -124,7 +125,7 @@ def _send(producer: Producer, model: str, tenant: str, count: int, tokens: int,
 
 def _follow(bootstrap: str, since_ms: int, turns: dict[str, Turn], timeout: float) -> None:
     """Read each turn's start and end from ``chat.generations`` until all have ended."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-fairness",
+    consumer = Consumer({**client_config(bootstrap), "group.id": "bench-fairness",
                          "enable.auto.commit": False, "isolation.level": "read_committed"})
     try:
         meta = consumer.list_topics(GENERATIONS, timeout=10).topics[GENERATIONS]
@@ -173,7 +174,7 @@ def _waits(turns: list[Turn]) -> list[float]:
 
 
 def run(bootstrap: str, log_dir: Path, quick: bool) -> dict[str, Any]:
-    producer = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random",
+    producer = Producer({**client_config(bootstrap), "partitioner": "murmur2_random",
                          "linger.ms": 5})
     backlog = 60 if quick else 200
     both = 40 if quick else 100

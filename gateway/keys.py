@@ -96,6 +96,7 @@ def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> in
     from confluent_kafka import Producer
 
     from pipeline.codec import conversation_key, encode
+    from pipeline.kafka import client_config
     from pipeline.topics import CONTROL
     from schemas import GenerationCancelled
 
@@ -104,7 +105,7 @@ def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> in
         " WHERE charge_key = %s AND status IN ('pending', 'running')", (key_id,)).fetchall()
     if not rows:
         return 0
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+    producer = Producer({**client_config(bootstrap), "enable.idempotence": True,
                          "partitioner": "murmur2_random"})
     failed: list[object] = []
     for request_id, conversation_id, tenant in rows:

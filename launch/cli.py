@@ -1,6 +1,7 @@
 """``pipeline``: run each component as its own process, and the local infrastructure.
 
     pipeline infra up|down|status    Kafka (KRaft) + PostgreSQL on 127.0.0.1, topics, migrations
+                                     (up --secure: TLS and SASL/SCRAM listeners too)
     pipeline migrate                 apply database migrations
     pipeline gateway                 the OpenAI-compatible HTTP gateway
     pipeline worker                  a generation worker (vLLM)
@@ -46,6 +47,7 @@ from launch.services import (
     run_projector,
     run_worker,
 )
+from pipeline.kafka_config import AccessRefused, ClientConfigError
 from pipeline.retry import RepeatFilter
 from pipeline.rollout import HealthPolicy
 from pipeline.settings import CommonSettings
@@ -74,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     infra.add_argument("action", choices=["up", "down", "status"])
     infra.add_argument("--brokers", type=_positive,
                        help="up: Kafka nodes in the local cluster (default PIPELINE_BROKERS, 1)")
+    infra.add_argument("--secure", action="store_true",
+                       help="up: also listen with SASL_SSL (SCRAM) on port+100 and mutual "
+                            "TLS on port+101, and write the matching client files")
     sub.add_parser("migrate", help="apply database migrations")
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
@@ -501,12 +506,17 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("librdkafka", "pipeline.kafka"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
+        if args.command in KAFKA_COMMANDS:
+            _check_kafka_access(common)
         return _run(args, common, external_db)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
         print(f"pipeline {args.command}: {exc.strerror} (address in use: is another "
               "one running?)", file=sys.stderr)
+        return 2
+    except (AccessRefused, ClientConfigError) as exc:
+        print(f"pipeline {args.command}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
         down = service_down(exc, common, external_db)
@@ -517,6 +527,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 ONE_SHOT = {"migrate", "keys", "replay", "audit", "usage", "rollout"}
+# What talks to Kafka: it is refused at once if the cluster will not let it in.
+KAFKA_COMMANDS = {"gateway", "worker", "projector", "analytics", "keys", "replay", "audit",
+                  "rollout"}
+
+
+def _check_kafka_access(common: CommonSettings) -> None:
+    """Stops the command (AccessRefused, one line) if the cluster refuses this process's
+    clients; a cluster that does not answer yet is the services' to wait for."""
+    from pipeline.kafka import check_access
+
+    check_access(common.kafka_bootstrap)
 
 
 def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> str | None:
@@ -546,7 +567,7 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
         from launch.local import infra_down, infra_status, infra_up
 
         if args.action == "up":
-            infra_up(common, external_db, args.brokers)
+            infra_up(common, external_db, args.brokers, args.secure)
         elif args.action == "down":
             infra_down(common)
         else:

@@ -41,14 +41,28 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from pipeline.codec import TP, Position, encode, key_of
+from pipeline.kafka_config import AccessRefused, client_properties, describe_listener
 from pipeline.retry import QuietLog, RepeatFilter
 from pipeline.topics import DEADLETTER_HEADROOM, TopicSpec
 from schemas import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-__all__ = ["AsyncConsumer", "EventProducer", "Fenced", "GroupStatus", "KafkaException",
-           "Outgoing", "ProduceError", "Record", "RecordTooLarge", "TransactionalProducer"]
+__all__ = [
+    "AccessRefused",
+    "AsyncConsumer",
+    "EventProducer",
+    "Fenced",
+    "GroupStatus",
+    "KafkaException",
+    "Outgoing",
+    "ProduceError",
+    "Record",
+    "RecordTooLarge",
+    "TransactionalProducer",
+    "check_access",
+    "client_config",
+]
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,12 @@ class Fenced(ProduceError):
     """The broker refused a transaction: this process no longer owns what it wrote for."""
 
 
+def client_config(bootstrap: str) -> dict[str, Any]:
+    """What every Kafka client starts from: the cluster's address and the operator's
+    client properties (``PIPELINE_KAFKA_CONFIG``: TLS, SASL)."""
+    return {**client_properties(), "bootstrap.servers": bootstrap}
+
+
 # librdkafka leaves Nagle's algorithm on. A turn's first events then waited for the
 # previous request's TCP acknowledgement: measured here, up to 265 ms between a worker
 # producing a turn's first token and the gateway reading it (3-6 ms without Nagle).
@@ -88,7 +108,7 @@ NO_NAGLE = {"socket.nagle.disable": True}
 def _producer_config(bootstrap: str, linger_ms: float, timeout_ms: int,
                      compression: str) -> dict[str, Any]:
     return {
-        "bootstrap.servers": bootstrap,
+        **client_config(bootstrap),
         "compression.type": compression,
         "acks": "all",
         "enable.idempotence": True,
@@ -405,7 +425,7 @@ class TransactionalProducer:
         offset_metadata: Callable[[TP], str] | None = None, compression: str = "zstd",
     ) -> None:
         self._config = {
-            "bootstrap.servers": bootstrap,
+            **client_config(bootstrap),
             "compression.type": compression,
             "transactional.id": transactional_id,
             "transaction.timeout.ms": timeout_ms,
@@ -934,7 +954,7 @@ class AsyncConsumer:
 
     def __init__(self, bootstrap: str, group_id: str, **extra: Any) -> None:
         config: dict[str, Any] = {
-            "bootstrap.servers": bootstrap,
+            **client_config(bootstrap),
             "group.id": group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -1220,7 +1240,7 @@ def group_committed(bootstrap: str, group: str, partitions: list[TP],
                     timeout: float = 10.0) -> dict[TP, int]:
     """Another group's committed offsets (without joining it); partitions it never
     committed are left out."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+    consumer = Consumer({**client_config(bootstrap), "group.id": group,
                          "enable.auto.commit": False, **client_logging("group-status")})
     try:
         found = consumer.committed([TopicPartition(t, p) for t, p in partitions],
@@ -1235,7 +1255,7 @@ class GroupStatus:
     end of a topic (its committed offsets)."""
 
     def __init__(self, bootstrap: str, group: str) -> None:
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+        self._consumer = Consumer({**client_config(bootstrap), "group.id": group,
                                    **client_logging("group-status"),
                                    "enable.auto.commit": False})
         self._known: dict[str, tuple[float, list[int]]] = {}
@@ -1288,7 +1308,7 @@ def high_watermarks(bootstrap: str, topic: str, partitions: list[int],
                     timeout: float = 10.0) -> dict[int, int]:
     """The true end of each partition, open transactions' records included (a
     read_committed client's watermark is the last stable offset instead)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks",
+    consumer = Consumer({**client_config(bootstrap), "group.id": "watermarks",
                          **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
     try:
@@ -1315,7 +1335,7 @@ def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
     todo = {p: span for p, span in spans.items() if span[0] < span[1]}
     if not todo:
         return
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+    consumer = Consumer({**client_config(bootstrap), "group.id": "scan",
                          **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_committed",
                          **NO_NAGLE})
@@ -1373,7 +1393,7 @@ def scan_partitions(
     if ends is None:
         ends = high_watermarks(bootstrap, topic, partitions)
     since = since_ms if isinstance(since_ms, dict) else dict.fromkeys(partitions, since_ms)
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "scan",
+    consumer = Consumer({**client_config(bootstrap), "group.id": "scan",
                          **client_logging("scan"),
                          "enable.auto.commit": False})
     try:
@@ -1386,8 +1406,61 @@ def scan_partitions(
     return iter_spans(bootstrap, topic, spans, timeout)
 
 
+# What a cluster answers a client it will not let in, or that cannot trust it.
+ACCESS_ERRORS = {KafkaError._AUTHENTICATION, KafkaError._SSL,
+                 KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError.ILLEGAL_SASL_STATE,
+                 KafkaError.UNSUPPORTED_SASL_MECHANISM,
+                 KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+                 KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                 KafkaError.GROUP_AUTHORIZATION_FAILED}
+
+
+def _refusal(err: KafkaError) -> bool:
+    """An error that says the cluster will not take this client as configured: refused
+    credentials or certificates, a TLS alert (no client certificate where one is
+    required), or a listener of another protocol."""
+    text = err.str()
+    return err.code() in ACCESS_ERRORS or (err.code() == KafkaError._TRANSPORT and any(
+        sign in text for sign in ("SSL handshake failed", "SSL routines", "security.protocol")))
+
+
+def check_access(bootstrap: str, timeout: float = 15.0) -> bool:
+    """Whether the cluster answers this process's clients, as configured: True once it
+    answered, False if no broker answered (not this check's business: services wait for
+    the cluster). Raises ``AccessRefused`` if the client properties cannot be used or the
+    cluster refused the client (a wrong password, an untrusted certificate): a service
+    that would otherwise retry forever stops at once with one line."""
+    where = describe_listener(bootstrap)
+    errors: list[KafkaError] = []
+    try:
+        # Its own log lines say what the one line raised says: kept quiet.
+        quiet = logging.getLogger("librdkafka.access-check")
+        quiet.setLevel(logging.CRITICAL + 1)
+        config: dict[str, Any] = {**client_config(bootstrap), "logger": quiet,
+                                  "log.connection.close": False, "error_cb": errors.append}
+        admin = AdminClient(config)
+    except KafkaException as exc:
+        raise AccessRefused(f"the Kafka client settings for {where} cannot be used: "
+                            f"{exc.args[0].str() if exc.args else exc}") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        admin.poll(0)
+        refused = [e for e in errors if _refusal(e)]
+        if refused:
+            reason = refused[0].str().splitlines()[0]
+            raise AccessRefused(f"Kafka refused this client at {where}: {reason}")
+        if any(e.code() == KafkaError._ALL_BROKERS_DOWN for e in errors):
+            return False
+        try:
+            admin.list_topics(timeout=0.5)
+            return True
+        except KafkaException:
+            if time.monotonic() > deadline:
+                return False
+
+
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -1399,14 +1472,31 @@ def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
+def set_scram_password(bootstrap: str, user: str, password: str,
+                       mechanism: str = "SCRAM-SHA-512") -> None:
+    """Creates or changes a SASL/SCRAM user's password (the cluster's credentials)."""
+    # Re-exported by confluent_kafka.admin without being marked so (as NewTopic above).
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        ScramCredentialInfo,
+        ScramMechanism,
+        UserScramCredentialUpsertion,
+    )
+
+    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    info = ScramCredentialInfo(ScramMechanism[mechanism.replace("-", "_")], 8192)
+    upsert = UserScramCredentialUpsertion(user, info, password.encode())
+    for future in admin.alter_user_scram_credentials([upsert], request_timeout=30).values():
+        future.result()
+
+
 def delete_topics(bootstrap: str, names: list[str]) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
     for fut in admin.delete_topics(names, operation_timeout=30).values():
         fut.result()
 
 
 def broker_count(bootstrap: str, timeout: float = 10.0) -> int:
-    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
     return len(admin.list_topics(timeout=timeout).brokers)
 
 
@@ -1415,7 +1505,7 @@ def topic_limits(bootstrap: str, topics: Sequence[str], default: int,
     """Each topic's largest record (its ``max.message.bytes`` as the cluster has it): what
     a producer may send there. ``default`` for a topic the cluster does not say (a
     DescribeConfigs refused, say)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
     out = dict.fromkeys(topics, default)
     futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t)
                                       for t in topics], request_timeout=timeout)
@@ -1458,7 +1548,7 @@ def _raise_limits(bootstrap: str, admin: AdminClient, specs: list[TopicSpec],
 def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> list[str]:
     """Create missing topics; return the names created. Existing ones are left as they are,
     but for their record limit, which is raised to the spec's."""
-    admin = AdminClient({"bootstrap.servers": bootstrap, **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
     existing = set(admin.list_topics(timeout=10).topics)
     _raise_limits(bootstrap, admin, specs, existing)
     new = [

@@ -28,7 +28,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.codec import DecodeError, decode
-from pipeline.kafka import client_logging
+from pipeline.kafka import client_config, client_logging
 from pipeline.roster import Roster
 from pipeline.topics import GENERATIONS, PROMPTS, ROLLOUTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted
@@ -102,7 +102,7 @@ class RolloutBook:
     what arrived (call it from one thread)."""
 
     def __init__(self, bootstrap: str) -> None:
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "rollouts",
+        self._consumer = Consumer({**client_config(bootstrap), "group.id": "rollouts",
                                    "enable.auto.commit": False,
                                    "isolation.level": "read_committed",
                                    **client_logging("rollouts")})
@@ -163,7 +163,7 @@ def newer_rollout(history: list[Rollout], record: Rollout) -> Rollout | None:
 
 def publish(bootstrap: str, record: Rollout, timeout: float = 30.0) -> None:
     """Write ``record``; return once it is durable, or raise."""
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all",
+    producer = Producer({**client_config(bootstrap), "acks": "all",
                          "enable.idempotence": True, **client_logging("rollout-writer")})
     failed: list[object] = []
     producer.produce(ROLLOUTS, key=record.alias.encode(),
@@ -293,7 +293,7 @@ class Controller:
         (or the time is up, or someone else ended the rollout), then promote or roll back."""
         assert record.candidate is not None
         health = Health({record.stable, record.candidate})
-        reader = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"rollout-{record.id}",
+        reader = Consumer({**client_config(self.bootstrap), "group.id": f"rollout-{record.id}",
                            "enable.auto.commit": False, "isolation.level": "read_committed",
                            **client_logging("rollout-watch")})
         reader.assign([TopicPartition(topic, int(p), offset)
@@ -389,7 +389,7 @@ class Controller:
             roster.close()
 
     def _ends(self) -> dict[str, dict[int, int]]:
-        probe = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "rollout-probe",
+        probe = Consumer({**client_config(self.bootstrap), "group.id": "rollout-probe",
                           **client_logging("rollout-probe")})
         try:
             out: dict[str, dict[int, int]] = {}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
 
-from pipeline.kafka import client_logging
+from pipeline.kafka import client_config, client_logging
 from pipeline.retry import QuietLog
 from pipeline.topics import WORKERS
 
@@ -50,7 +50,7 @@ class Heartbeat:
         self._load = load
         self._last = 0.0
         self._quiet = QuietLog(log)
-        self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0,
+        self._producer = Producer({**client_config(bootstrap), "linger.ms": 0,
                                    "message.timeout.ms": int(EXPIRY_S * 1000),
                                    **client_logging("heartbeat")})
 
@@ -103,7 +103,7 @@ class Roster:
     arrived (call it from one thread)."""
 
     def __init__(self, bootstrap: str) -> None:
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "roster",
+        self._consumer = Consumer({**client_config(bootstrap), "group.id": "roster",
                                    "enable.auto.commit": False,
                                    **client_logging("roster")})
         self._assigned = False

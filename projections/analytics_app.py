@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any
 
 import faust
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from pipeline.codec import DecodeError, Position, decode
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import EventProducer, KafkaException, Record, wait_for_broker
+from pipeline.kafka_config import ENV, ClientConfigError, client_properties
 from projections.analytics import AnalyticsMetrics, AnalyticsStore
 from projections.settings import AnalyticsSettings
 from schemas import Event
@@ -50,12 +52,43 @@ class _App(faust.App):
         return _Transport(self.conf.broker_consumer, self)
 
 
+def broker_credentials(props: dict[str, str]) -> Any:
+    """The operator's librdkafka client properties (``PIPELINE_KAFKA_CONFIG``) as faust's
+    credentials for aiokafka: TLS (with a client certificate for mutual TLS), SASL PLAIN
+    and SCRAM. None for plaintext. OAUTHBEARER and GSSAPI are refused: aiokafka takes
+    them only with code (a token provider, Kerberos) the file cannot carry."""
+    protocol = props.get("security.protocol", "PLAINTEXT").upper()
+    if protocol == "PLAINTEXT":
+        return None
+    context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        ca = props.get("ssl.ca.location")
+        context = ssl.create_default_context(cafile=None if ca in (None, "probe") else ca)
+        if "ssl.certificate.location" in props:
+            context.load_cert_chain(props["ssl.certificate.location"],
+                                    props.get("ssl.key.location"),
+                                    props.get("ssl.key.password"))
+        if props.get("ssl.endpoint.identification.algorithm", "https").lower() == "none":
+            context.check_hostname = False
+    if protocol == "SSL":
+        return faust.SSLCredentials(context)
+    mechanism = (props.get("sasl.mechanism") or props.get("sasl.mechanisms") or "GSSAPI")
+    if mechanism.upper() not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+        raise ClientConfigError(f"{ENV}: sasl.mechanism {mechanism} is not one the analytics "
+                                "consumer (faust-streaming on aiokafka) can take from a "
+                                "file: use PLAIN or SCRAM for it")
+    return faust.SASLCredentials(username=props.get("sasl.username", ""),
+                                 password=props.get("sasl.password", ""),
+                                 ssl_context=context, mechanism=mechanism.upper())
+
+
 def build_app(settings: AnalyticsSettings, bootstrap: str, store: AnalyticsStore,
               deadletters: EventProducer) -> faust.App:
     """The application: one agent folding both topics, batch by batch, into ``store``."""
     app = _App(
         settings.group,
         broker=[f"kafka://{host}" for host in bootstrap.split(",")],
+        broker_credentials=broker_credentials(client_properties()),
         processing_guarantee="at_least_once",
         consumer_auto_offset_reset="earliest",
         broker_session_timeout=settings.session_timeout_s,
