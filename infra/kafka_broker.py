@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.process import port_open, read_pid, spawn_daemon, stop_pid, wait_until
+from infra.tls import Authority
 
 POM_DIR = Path(__file__).resolve().parent / "kafka"
 
@@ -50,11 +51,50 @@ class KafkaBroker:
     # new topics; min.insync.replicas follows (2 with 3 or more replicas).
     replication: int = 1
     cluster_id: str | None = None  # a cluster's nodes are formatted with one id
+    # Secured listeners beside PLAINTEXT (which brokers keep between themselves, and the
+    # local tools use): SASL_SSL with SCRAM-SHA-512 on ``sasl_port``, and SSL with client
+    # certificates (mutual TLS) on ``mtls_port``, both with ``tls``'s server certificate.
+    tls: Authority | None = None
+    sasl_port: int | None = None
+    mtls_port: int | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def sasl_bootstrap(self) -> str:
+        return f"127.0.0.1:{self.sasl_port}"
+
+    @property
+    def mtls_bootstrap(self) -> str:
+        return f"127.0.0.1:{self.mtls_port}"
+
+    def _listeners(self) -> dict[str, str]:
+        listeners = {"PLAINTEXT": f"127.0.0.1:{self.port}"}
+        if self.tls is not None:
+            listeners.update({"SASL_SSL": f"127.0.0.1:{self.sasl_port}",
+                              "SSL": f"127.0.0.1:{self.mtls_port}"})
+        return listeners
+
+    def _security(self) -> dict[str, str]:
+        if self.tls is None:
+            return {}
+        password = self.tls.keystore_password
+        return {
+            "inter.broker.listener.name": "PLAINTEXT",
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512",
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "ssl.keystore.type": "PKCS12",
+            "ssl.keystore.location": str(self.tls.keystore("server")),
+            "ssl.keystore.password": password,
+            "ssl.key.password": password,
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.tls.ca),
+            "listener.name.ssl.ssl.client.auth": "required",
+        }
 
     @property
     def pid_file(self) -> Path:
@@ -83,10 +123,14 @@ class KafkaBroker:
             "process.roles": "broker,controller",
             "node.id": str(self.node_id),
             **quorum,
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "listeners": ",".join(f"{n}://{a}" for n, a in self._listeners().items())
+            + f",CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": ",".join(f"{n}://{a}"
+                                             for n, a in self._listeners().items()),
             "controller.listener.names": "CONTROLLER",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "listener.security.protocol.map": ",".join(
+                f"{n}:{n}" for n in self._listeners()) + ",CONTROLLER:PLAINTEXT",
+            **self._security(),
             "log.dirs": str(data),
             "offsets.topic.replication.factor": replicas,
             "offsets.topic.num.partitions": "6",
@@ -140,7 +184,8 @@ class KafkaBroker:
                                   self.pid_file)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
-        wait_until(lambda: self.running() and port_open(self.port), timeout,
+        ports = [self.port] + ([self.sasl_port or 0, self.mtls_port or 0] if self.tls else [])
+        wait_until(lambda: self.running() and all(port_open(p) for p in ports), timeout,
                    f"Kafka broker on {self.bootstrap}", self.log_file)
 
     @property
@@ -168,23 +213,38 @@ class KafkaCluster:
     size: int = 1
     heap: str = "768m"
     ports: list[tuple[int, int]] | None = None  # (client, controller) per node, if not derived
+    # With an authority, every node also listens with SASL_SSL (SCRAM) on its client
+    # port + 100, and with mutual TLS on the next port (KafkaBroker).
+    tls: Authority | None = None
 
     def __post_init__(self) -> None:
         ports = self.ports or [(self.port + 2 * i, self.port + 2 * i + 1)
                                for i in range(self.size)]
+        secure = [{"tls": self.tls, "sasl_port": p + 100, "mtls_port": p + 101}
+                  if self.tls else {} for p, _ in ports]
         if self.size == 1:
             self.nodes = [KafkaBroker(home=self.home, libs=self.libs, port=ports[0][0],
-                                      controller_port=ports[0][1], heap=self.heap)]
+                                      controller_port=ports[0][1], heap=self.heap,
+                                      **secure[0])]  # type: ignore[arg-type]
             return
         voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
         self.nodes = [KafkaBroker(home=self.home / f"node-{i + 1}", libs=self.libs,
                                   port=p, controller_port=c, heap=self.heap, node_id=i + 1,
-                                  voters=voters, replication=min(3, self.size))
+                                  voters=voters, replication=min(3, self.size),
+                                  **secure[i])  # type: ignore[arg-type]
                       for i, (p, c) in enumerate(ports)]
 
     @property
     def bootstrap(self) -> str:
         return ",".join(node.bootstrap for node in self.nodes)
+
+    @property
+    def sasl_bootstrap(self) -> str:
+        return ",".join(node.sasl_bootstrap for node in self.nodes)
+
+    @property
+    def mtls_bootstrap(self) -> str:
+        return ",".join(node.mtls_bootstrap for node in self.nodes)
 
     def start(self, timeout: float = 120.0) -> None:
         if self.size == 1:

