@@ -68,6 +68,10 @@ class GatewaySettings(BaseSettings):
     # Incorrect API keys one client address may present per 10 s before it gets 429
     # without a lookup (keys made up at random would each cost the store a query).
     failed_key_lookups: int = Field(default=20, ge=1)
+    # On SIGTERM the gateway stops taking requests and lets open streams run this long
+    # before it closes them (their clients resume elsewhere with Last-Event-ID). A pod's
+    # termination grace should be longer (deploy/helm: drainSeconds).
+    drain_s: int = Field(default=10, ge=0, le=3600)
     # Serve /metrics on this address instead of the API's (port 0: on the API's).
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0

@@ -3,6 +3,7 @@
     pipeline infra up|down|status    Kafka (KRaft) + PostgreSQL on 127.0.0.1, topics, migrations
                                      (up --secure: TLS and SASL/SCRAM listeners too)
     pipeline migrate                 apply database migrations
+    pipeline topics                  create the pipeline's topics on an operator's cluster
     pipeline gateway                 the OpenAI-compatible HTTP gateway
     pipeline worker                  a generation worker (vLLM)
     pipeline projector               the Postgres projection
@@ -80,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="up: also listen with SASL_SSL (SCRAM) on port+100 and mutual "
                             "TLS on port+101, and write the matching client files")
     sub.add_parser("migrate", help="apply database migrations")
+    sub.add_parser("topics", help="create the pipeline's topics on the configured cluster "
+                                  "(PIPELINE_KAFKA_BOOTSTRAP), if missing")
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
@@ -343,6 +346,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def run_topics_command(common: CommonSettings) -> int:
+    """The topics an operator's cluster needs, made with the topic settings
+    (``PIPELINE_PARTITIONS``, ``PIPELINE_REPLICATION_FACTOR``, ...); existing ones are
+    kept (their record limit raised to the pipeline's)."""
+    from pipeline.kafka import broker_count, ensure_topics
+    from pipeline.topics import topic_specs
+
+    specs = topic_specs(common.topic_policy(), broker_count(common.kafka_bootstrap))
+    created = ensure_topics(common.kafka_bootstrap, specs)
+    for spec in specs:
+        print(f"{spec.name:<20} " + (
+            f"created ({spec.partitions} partitions, replication {spec.replication}, "
+            f"{spec.config.get('min.insync.replicas')} in sync)" if spec.name in created
+            else "exists (kept as it is)"))
+    return 0
+
+
 def run_keys_command(common: CommonSettings, args: argparse.Namespace) -> int:
     import psycopg
 
@@ -526,10 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-ONE_SHOT = {"migrate", "keys", "replay", "audit", "usage", "rollout"}
+ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout"}
 # What talks to Kafka: it is refused at once if the cluster will not let it in.
-KAFKA_COMMANDS = {"gateway", "worker", "projector", "analytics", "keys", "replay", "audit",
-                  "rollout"}
+KAFKA_COMMANDS = {"gateway", "worker", "projector", "analytics", "topics", "keys", "replay",
+                  "audit", "rollout"}
 
 
 def _check_kafka_access(common: CommonSettings) -> None:
@@ -577,6 +597,8 @@ def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) ->
 
         applied = migrate(common.database_url)
         print("applied: " + (", ".join(applied) or "nothing (up to date)"))
+    elif args.command == "topics":
+        return run_topics_command(common)
     elif args.command == "gateway":
         gateway = GatewaySettings(**_overrides(args, "host", "port", "require_auth",
                                                "metrics_port", "workers"))

@@ -48,7 +48,8 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
 
     app = create_app(settings, common)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                            access_log=False, timeout_graceful_shutdown=10, loop="uvloop",
+                            access_log=False, timeout_graceful_shutdown=settings.drain_s,
+                            loop="uvloop",
                             http="httptools")
     server = uvicorn.Server(config)
     if reuse_port:
@@ -117,7 +118,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                             tenant_weights=settings.weights,
                             max_running_per_tenant=settings.max_running_per_tenant,
                             fair=settings.scheduling == "fair")
-            serve_metrics(registry, settings.metrics_port)
+            serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
             await worker.run(stop)
         finally:
@@ -136,7 +137,7 @@ def run_analytics(common: CommonSettings, settings: AnalyticsSettings) -> None:
     url = in_schema(common.database_url, settings.schema_name)
     migrate(common.database_url, settings.schema_name)
     registry = CollectorRegistry()
-    serve_metrics(registry, settings.metrics_port)
+    serve_metrics(registry, settings.metrics_port, common.metrics_host)
     log.info("analytics: group %s, tables in %s", settings.group,
              settings.schema_name or "the store's schema")
     analytics_app.run(settings, common.kafka_bootstrap, url, registry)
@@ -151,7 +152,7 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
 
     migrate(common.database_url)
     registry = CollectorRegistry()
-    serve_metrics(registry, settings.metrics_port)
+    serve_metrics(registry, settings.metrics_port, common.metrics_host)
     projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
     runtime.settle()
     _run_until_signalled(projector.run)

@@ -7,12 +7,14 @@ is read and checked once per process; a file that cannot be used stops the comma
 one line naming the file, its line and the property. Paths (``*.location``) relative to
 the file are taken from its folder. The pipeline sets some properties itself, for its
 guarantees (idempotence, transactions, isolation, groups, compression, record sizes):
-the file may not set those.
+the file may not set those. A value may name an environment variable, as
+``${env:KAFKA_PASSWORD}``, so that secrets stay out of the file.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 ENV = "PIPELINE_KAFKA_CONFIG"
@@ -68,10 +70,27 @@ def read_properties(path: Path) -> dict[str, str]:
         if key in OWNED:
             raise ClientConfigError(f"{path}:{number}: {key} is not the file's to set "
                                     f"({OWNED[key]})")
+        value = _expand(value, path, number)
         if key.endswith(".location") and value and not os.path.isabs(value):
             value = str((path.parent / value).resolve())
         out[key] = value
     return out
+
+
+_ENV_REFERENCE = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _expand(value: str, path: Path, number: int) -> str:
+    """``${env:NAME}`` is the variable's value (Kafka's EnvVarConfigProvider syntax), so a
+    password can come from a Secret's environment while the file is a ConfigMap."""
+    def variable(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise ClientConfigError(f"{path}:{number}: ${{env:{name}}} names a variable "
+                                    "that is not set")
+        return os.environ[name]
+
+    return _ENV_REFERENCE.sub(variable, value)
 
 
 _cache: dict[str, dict[str, str]] = {}

@@ -46,6 +46,9 @@ class CommonSettings(BaseSettings):
     # keeps the durable record near the compressed size of its text.
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "zstd"
     state_dir: Path = REPO_ROOT / ".state"
+    # Where workers, projectors and analytics serve /metrics (their --metrics-port):
+    # loopback by default; 0.0.0.0 in a pod, for Prometheus and the probes.
+    metrics_host: str = "127.0.0.1"
 
     def topic_policy(self) -> TopicPolicy:
         return TopicPolicy(self.partitions, self.replication_factor, self.min_insync_replicas,

@@ -56,6 +56,17 @@ def test_the_client_file_is_read_as_kafka_tools_read_it(tmp_path: Path) -> None:
         "ssl.key.location": "/abs/key.pem"}
 
 
+def test_a_value_may_come_from_the_environment(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "client.properties"
+    path.write_text("sasl.username=app\nsasl.password=${env:KAFKA_PASSWORD}\n")
+    monkeypatch.setenv("KAFKA_PASSWORD", "s3cret${env:NOT_AGAIN}")
+    assert read_properties(path)["sasl.password"] == "s3cret${env:NOT_AGAIN}"
+    monkeypatch.delenv("KAFKA_PASSWORD")
+    with pytest.raises(ClientConfigError, match=r":2: \$\{env:KAFKA_PASSWORD\} names a var"):
+        read_properties(path)
+
+
 @pytest.mark.parametrize(("text", "named"), [
     ("acks=1\n", r"client.properties:1: acks is not the file's to set"),
     ("security.protocol=SSL\nisolation.level=read_uncommitted\n",
