@@ -41,10 +41,27 @@ $(DEBIAN_PG):
 	fi
 	mkdir -p $(@D) && touch $@
 
+# The Helm chart's test (tests/test_deploy.py) renders it with helm and checks KEDA's
+# objects against KEDA's own CRDs: both from the Go module proxy, pinned.
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+TOOLS := .state/tools
+HELM_VERSION := v3.22.0
+KEDA_VERSION := v2.18.0
+HELM := $(TOOLS)/helm-$(HELM_VERSION)/helm
+KEDA_CRDS := $(TOOLS)/keda-$(KEDA_VERSION)/.complete
+$(HELM):
+	GOBIN=$(abspath $(@D)) GOFLAGS=-mod=mod $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+$(KEDA_CRDS):
+	mkdir -p $(@D)
+	dir=$$(GOFLAGS=-mod=mod $(GO) mod download -json github.com/kedacore/keda/v2@$(KEDA_VERSION) \
+	  | $(PYTHON) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])') \
+	  && cp $$dir/config/crd/bases/keda.sh_*.yaml $(@D)/
+	touch $@
+
 demo: venv
 	$(VENV)/bin/pipeline demo
 
-test: venv $(CHROMEDRIVER) $(DEBIAN_PG)
+test: venv $(CHROMEDRIVER) $(DEBIAN_PG) $(HELM) $(KEDA_CRDS)
 	$(VENV)/bin/pytest
 
 lint: venv
