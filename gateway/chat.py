@@ -57,6 +57,7 @@ from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, lega
 from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key, encode
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
+from pipeline.logs import bind_turn
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS
 from schemas import (
     Charge,
@@ -158,6 +159,7 @@ class ChatService:
         version, routed_by = self.fleet.route(request.model, conversation)
         self.check_model(version)
         request_id = completion_id(conversation, tenant, key)
+        bind_turn(request_id=request_id, conversation_id=conversation, tenant=tenant)
         history = []
         view: ConversationView | None = None
         if session is not None or key is not None:
@@ -278,10 +280,12 @@ class ChatService:
     # -- an existing turn ---------------------------------------------------------
     async def find_turn(self, completion: str,
                         tenant: str) -> tuple[ConversationView, TurnState]:
+        bind_turn(request_id=completion, tenant=tenant)
         view = await self.store.view(conversation_of(completion))
         turn = view.turns.get(completion)
         if turn is None or not view.visible_to(tenant):
             raise CompletionNotFound(completion)
+        bind_turn(conversation_id=view.id)
         return view, turn
 
     def check_streams(self, tenant: str) -> None:

@@ -49,6 +49,7 @@ from launch.services import (
     run_worker,
 )
 from pipeline.kafka_config import AccessRefused, ClientConfigError
+from pipeline.logs import log_format, setup_logging
 from pipeline.retry import RepeatFilter
 from pipeline.rollout import HealthPolicy
 from pipeline.settings import CommonSettings
@@ -59,10 +60,7 @@ log = logging.getLogger("pipeline")
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(os.environ.get("PIPELINE_LOG_LEVEL", "INFO"), log_format())
     # The connection pool logs each failed attempt to reach a database that is away:
     # once per 30 s per kind of failure is enough.
     logging.getLogger("psycopg.pool").addFilter(RepeatFilter(every_s=30.0))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gateway.settings import GatewaySettings
 from pipeline import runtime
+from pipeline.logs import log_format
 from pipeline.settings import CommonSettings
 from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.engine import Engine
@@ -42,15 +43,17 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
     """One gateway process; with ``reuse_port``, on a port other processes share
     (``pipeline gateway --workers N``, ``launch.gateways``)."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from gateway.app import create_app
     from launch.gateways import reuse_port_socket
 
     app = create_app(settings, common)
+    # uvicorn's own handlers write text; with JSON its lines go to the root's instead.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            log_config=LOGGING_CONFIG if log_format() == "text" else None,
                             access_log=False, timeout_graceful_shutdown=settings.drain_s,
-                            loop="uvloop",
-                            http="httptools")
+                            loop="uvloop", http="httptools")
     server = uvicorn.Server(config)
     if reuse_port:
         server.run(sockets=[reuse_port_socket(settings.host, settings.port)])

@@ -158,6 +158,9 @@ def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
     asyncio.set_event_loop(loop)
     worker = faust.Worker(app, loop=loop, loglevel=logging.getLogger().level,
                           override_logging=False, quiet=True)
+    # Its terminal spinner wrote cursor codes into the service's log (a JSON line began
+    # with one): a service has no terminal.
+    worker.spinner = None
     try:
         worker.execute_from_commandline()
     finally:

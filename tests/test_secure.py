@@ -7,6 +7,7 @@ without a broker."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -179,7 +180,8 @@ def test_postgres_takes_tls_with_a_client_certificate_only(secured: Secured) -> 
 
 def test_a_turn_is_served_stored_resumed_and_counted_over_the_secured_listeners(
         secured: Secured) -> None:
-    env = {"PIPELINE_KAFKA_CONFIG": str(secured.sasl_file)}
+    # Their logs as a log shipper would take them: JSON, one object per line.
+    env = {"PIPELINE_KAFKA_CONFIG": str(secured.sasl_file), "PIPELINE_LOG_FORMAT": "json"}
     port, stack = free_port(), secured.stack
     services: list[Service] = [
         start_service(stack, "secure-projector", "projector", "--metrics-port",
@@ -220,7 +222,10 @@ def test_a_turn_is_served_stored_resumed_and_counted_over_the_secured_listeners(
         assert stored == (expected,)
         for service in services:  # none of them fell back to anything else
             assert service.proc.poll() is None, service.tail()
-            assert "PLAINTEXT" not in service.log.read_text(errors="replace")
+            text = service.log.read_text(errors="replace")
+            assert "PLAINTEXT" not in text
+            for line in text.splitlines():
+                assert isinstance(json.loads(line), dict), (service.name, line)
     finally:
         for service in services:
             service.stop()

@@ -55,6 +55,7 @@ from pipeline.kafka import (
     scan_partitions,
     topic_limits,
 )
+from pipeline.logs import turn_fields
 from pipeline.retry import Backoff, QuietLog
 from pipeline.roster import Heartbeat
 from pipeline.topics import (
@@ -546,7 +547,7 @@ class Worker:
             if verdict is not None:
                 self.metrics.skipped.labels(verdict.value).inc()
                 log.info("not running %s: its prompt at %s is %s", event.request_id,
-                         record.position, verdict.value)
+                         record.position, verdict.value, extra=turn_fields(event))
             self._done((topic, partition), offset)
             return
         self.tracker.queued((topic, partition), offset)
@@ -662,7 +663,7 @@ class Worker:
             self._done(tp, offset)
             return False
         if plan.action is Action.END:
-            log.info("not starting %s: %s", rid, plan.reason)
+            log.info("not starting %s: %s", rid, plan.reason, extra=turn_fields(prompt))
             self.metrics.unstarted.inc()
             task = asyncio.create_task(self._end_unstarted(prompt, tp, offset, plan.progress,
                                                            epoch))
@@ -678,7 +679,8 @@ class Worker:
     async def _cancel(self, flight: InFlight, after_s: float = 0.0) -> None:
         if after_s:
             await asyncio.sleep(after_s)
-            log.info("no client came back for %s: stopping it", flight.prompt.request_id)
+            log.info("no client came back for %s: stopping it", flight.prompt.request_id,
+                     extra=turn_fields(flight.prompt))
         if not flight.cancelled:
             flight.cancelled = True
             await self.engine.abort(flight.prompt.request_id)
@@ -724,7 +726,7 @@ class Worker:
         if attempt:
             self.metrics.resumed.inc()
             log.info("resuming %s at seq %d (attempt %d)", prompt.request_id,
-                     len(progress.parts), attempt)
+                     len(progress.parts), attempt, extra=turn_fields(prompt))
         try:
             if prompt.model != self.engine.model_name:
                 raise EngineRejected("model_not_served", f"This worker serves "
@@ -783,7 +785,7 @@ class Worker:
                                      message=str(exc))
             self._fatal = exc
         except Exception as exc:
-            log.exception("generation %s failed", prompt.request_id)
+            log.exception("generation %s failed", prompt.request_id, extra=turn_fields(prompt))
             final = GenerationFailed(**ids, ref=offset, attempt=attempt, code="internal_error",
                                      message=type(exc).__name__)
         await self._finish(prompt, tp, offset, final, epoch)
@@ -836,7 +838,8 @@ class Worker:
             self._forget(prompt.request_id)
             return
         except Exception as exc:  # the turn stays uncommitted and is redelivered
-            log.error("could not record the end of %s: %s", prompt.request_id, exc)
+            log.error("could not record the end of %s: %s", prompt.request_id, exc,
+                      extra=turn_fields(prompt))
             self._fatal = exc
             self._forget(prompt.request_id)
             return
