@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,9 +145,11 @@ class ChatService:
 
     # -- a new turn -------------------------------------------------------------
     async def accept(self, request: ChatRequest, session: uuid.UUID | None, caller: Caller,
-                     idempotency_key: str | None) -> Following:
-        """Write the turn's PromptSubmitted; return once Kafka acknowledged it. With an
-        idempotency key that was used before, follow the original turn instead."""
+                     idempotency_key: str | None,
+                     trace: Sequence[tuple[str, bytes]] = ()) -> Following:
+        """Write the turn's PromptSubmitted (with ``trace``, its trace context, in the
+        record's headers); return once Kafka acknowledged it. With an idempotency key
+        that was used before, follow the original turn instead."""
         self.check_limits(request)
         # The whole acceptance is bounded: past this, a prompt not yet asked to commit is
         # refused (503), and certainly never written.
@@ -211,7 +213,8 @@ class ChatService:
             if KAFKA.open:  # refused at once, until a probe sees Kafka answer
                 raise LogUnavailable(request_id)
             try:  # answered definitely: committed, or never to be written
-                written = await self.prompts.send(PROMPTS, prompt, deadline=deadline)
+                written = await self.prompts.send(PROMPTS, prompt, deadline=deadline,
+                                                  headers=trace)
             except RecordTooLarge as exc:
                 raise PromptTooLarge(exc.size, exc.limit) from exc
             except ProduceError as exc:

@@ -6,6 +6,8 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -16,6 +18,7 @@ from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
 from gateway.openai_api import ChatRequest, parse_chat_request
 from gateway.problems import Problem, SessionNotFound
+from pipeline.tracing import TRACER, Span, from_http, ms_to_ns, record_headers
 
 SESSION_HEADER = "X-Session-Id"
 # Where a broken stream continues: GET it with the last chunk's ``event_id`` as
@@ -55,10 +58,26 @@ async def respond(request: Request, chat_request: ChatRequest,
                   session: uuid.UUID | None) -> Response:
     """Accept a turn (or find the one an idempotency key names) and answer with it."""
     res = resources(request)
-    following = await res.chat.accept(chat_request, session, caller_of(request),
-                                      idempotency_key(request.headers.get("Idempotency-Key")))
+    span = TRACER.start_span("chat.request", context=from_http(request.headers),
+                             kind=SpanKind.SERVER, attributes={
+                                 "http.route": "/v1/chat/completions",
+                                 "chat.model": chat_request.model,
+                                 "chat.stream": bool(chat_request.stream)})
+    try:
+        with trace.use_span(span, end_on_exit=False):
+            carried = record_headers()  # the worker's spans go in this request's
+            with TRACER.start_as_current_span("chat.accept"):
+                following = await res.chat.accept(
+                    chat_request, session, caller_of(request),
+                    idempotency_key(request.headers.get("Idempotency-Key")), carried)
+    except BaseException as exc:
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        span.end()
+        raise
+    span.set_attribute("chat.request_id", following.completion_id)
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
-        return sse_response(request, res.chat.stream(following, chat_request.include_usage()),
+        events = res.chat.stream(following, chat_request.include_usage())
+        return sse_response(request, traced(events, span, following),
                             stream_headers(following))
     try:
         body = await res.chat.collect(following)
@@ -66,7 +85,38 @@ async def respond(request: Request, chat_request: ChatRequest,
         error = api_error(exc)
         return JSONResponse(error.body(), status_code=error.status,
                             headers={**error.headers, **turn_headers(following)})
+    finally:
+        span.end()
     return JSONResponse(body, headers=turn_headers(following))
+
+
+def traced(events: AsyncGenerator[bytes, None], request_span: Span,
+           following: Following) -> AsyncGenerator[bytes, None]:
+    """``events`` as they are, untraced; traced, in a ``chat.stream`` span (and the
+    first live record's ``chat.delta_hop``) that ends ``request_span`` with it."""
+    if not request_span.is_recording():
+        request_span.end()
+        return events
+
+    async def stream() -> AsyncGenerator[bytes, None]:
+        parent = trace.set_span_in_context(request_span)
+        span = TRACER.start_span("chat.stream", context=parent)
+        hopped = False
+        try:
+            async for event in events:
+                if not hopped and following.sub.first_live is not None:
+                    hopped = True
+                    written_ms, read_ns = following.sub.first_live
+                    TRACER.start_span("chat.delta_hop", context=parent,
+                                      start_time=ms_to_ns(written_ms),
+                                      attributes={"chat.request_id": following.completion_id}
+                                      ).end(end_time=read_ns)
+                yield event
+        finally:
+            span.end()
+            request_span.end()
+
+    return stream()
 
 
 async def create(request: Request) -> Response:

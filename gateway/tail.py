@@ -101,6 +101,9 @@ class Subscription:
         self._bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self._nudged = False
+        # The first live record it got: when the worker wrote it (the record's time, ms)
+        # and when this gateway read it (ns): a trace's delta hop.
+        self.first_live: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -311,6 +314,8 @@ class GenerationTail:
             if subs:
                 delivered = Delivered(record.position, item, index)
                 for sub in subs:
+                    if sub.first_live is None:
+                        sub.first_live = (record.timestamp_ms, time.time_ns())
                     sub.push(delivered)
 
     def _route_legacy(self, record: Record) -> None:

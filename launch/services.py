@@ -13,6 +13,7 @@ from gateway.settings import GatewaySettings
 from pipeline import runtime
 from pipeline.logs import log_format
 from pipeline.settings import CommonSettings
+from pipeline.tracing import setup_tracing
 from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.engine import Engine
 from workers.settings import WorkerSettings
@@ -48,6 +49,7 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
     from gateway.app import create_app
     from launch.gateways import reuse_port_socket
 
+    setup_tracing("gateway")
     app = create_app(settings, common)
     # uvicorn's own handlers write text; with JSON its lines go to the root's instead.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
@@ -99,6 +101,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
     from workers.worker import Worker
 
     registry = CollectorRegistry()
+    setup_tracing("worker")
 
     async def main(stop: asyncio.Event) -> None:
         engine = make_engine(common, settings)

@@ -71,6 +71,7 @@ class Record:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int
+    headers: list[tuple[str, str | bytes | None]] | None = None  # a prompt's trace context
 
 
 @dataclass(frozen=True)
@@ -288,9 +289,14 @@ def _poll(consumer: Consumer, max_records: int, timeout: float) -> list[Record]:
         _, ts = msg.timestamp()
         records.append(Record(
             Position(msg.topic() or "", msg.partition() or 0, msg.offset() or 0),
-            msg.key(), msg.value(), ts,
+            msg.key(), msg.value(), ts, _headers(msg),
         ))
     return records
+
+
+def _headers(msg: Message) -> list[tuple[str, str | bytes | None]] | None:
+    headers = msg.headers()
+    return list(headers.items()) if isinstance(headers, dict) else headers
 
 
 def _resolve(future: asyncio.Future[Position], result: Position | BaseException) -> None:
@@ -499,11 +505,11 @@ class TransactionalProducer:
         self._thread.start()
         self._watchdog.start()
 
-    def send(self, topic: str, event: Event, epoch: int = 0,
-             deadline: float | None = None) -> asyncio.Future[Position]:
+    def send(self, topic: str, event: Event, epoch: int = 0, deadline: float | None = None,
+             headers: Sequence[tuple[str, bytes]] = ()) -> asyncio.Future[Position]:
         """Queue ``event``; the future resolves with its position once its transaction
         committed (see the class)."""
-        return self.send_raw(topic, key_of(event), encode(event), (), epoch, deadline)
+        return self.send_raw(topic, key_of(event), encode(event), headers, epoch, deadline)
 
     def send_nowait(self, topic: str, event: Event, epoch: int = 0,
                     key: bytes | None = None) -> None:

@@ -68,6 +68,7 @@ from pipeline.topics import (
     worker_client_id,
     workers_group,
 )
+from pipeline.tracing import TRACER, Context, Span, from_record, ms_to_ns
 from schemas import (
     Event,
     EventIds,
@@ -197,6 +198,15 @@ class Waiting:
     prompt: PromptSubmitted
     tp: TP
     offset: int
+    trace: Traced | None = None
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A prompt's trace context (its record's headers) and when the log appended it."""
+
+    parent: Context
+    appended_ms: int
 
 
 @dataclass
@@ -551,7 +561,9 @@ class Worker:
             self._done((topic, partition), offset)
             return
         self.tracker.queued((topic, partition), offset)
-        self.waiting.push(Waiting(event, (topic, partition), offset))
+        parent = from_record(record.headers)
+        self.waiting.push(Waiting(event, (topic, partition), offset, None if parent is None
+                                  else Traced(parent, record.timestamp_ms)))
 
     def _done(self, tp: TP, offset: int) -> None:
         if tp[0] == PROMPTS:
@@ -648,10 +660,11 @@ class Worker:
             if item is None:
                 return  # nothing waits, or only tenants at their cap
             self.tracker.started(item.tp, item.offset)
-            if not self._start(item.prompt, item.tp, item.offset):
+            if not self._start(item.prompt, item.tp, item.offset, item.trace):
                 self.waiting.ended(item.prompt.tenant)
 
-    def _start(self, prompt: PromptSubmitted, tp: TP, offset: int) -> bool:
+    def _start(self, prompt: PromptSubmitted, tp: TP, offset: int,
+               traced: Traced | None = None) -> bool:
         """Start a turn (False: it needs not run: it ran, or runs, already)."""
         assert self.writer is not None
         rid = prompt.request_id
@@ -668,7 +681,8 @@ class Worker:
             task = asyncio.create_task(self._end_unstarted(prompt, tp, offset, plan.progress,
                                                            epoch))
         else:
-            task = asyncio.create_task(self._generate(prompt, tp, offset, plan.progress, epoch))
+            task = asyncio.create_task(self._generate(prompt, tp, offset, plan.progress, epoch,
+                                                      traced))
         flight = self.in_flight[rid] = InFlight(tp, task, prompt)
         if plan.action is Action.RUN:
             self._arm_grace(flight)
@@ -699,6 +713,7 @@ class Worker:
 
     async def _generate(
         self, prompt: PromptSubmitted, tp: TP, offset: int, progress: Progress, epoch: int,
+        traced: Traced | None = None,
     ) -> None:
         output = self.output
         assert output is not None
@@ -727,6 +742,7 @@ class Worker:
             self.metrics.resumed.inc()
             log.info("resuming %s at seq %d (attempt %d)", prompt.request_id,
                      len(progress.parts), attempt, extra=turn_fields(prompt))
+        span = self._trace_start(prompt, offset, attempt, traced)
         try:
             if prompt.model != self.engine.model_name:
                 raise EngineRejected("model_not_served", f"This worker serves "
@@ -776,6 +792,9 @@ class Worker:
             # uncommitted, and the next owner resumes from what was emitted (tokens
             # still held back here are generated again by the next owner).
             self._forget(prompt.request_id)
+            if span is not None:
+                span.set_attribute("chat.abandoned", True)
+                span.end()
             raise
         except (EngineRejected, HistoryUnavailable) as exc:
             final = GenerationFailed(**ids, ref=offset, attempt=attempt, code=exc.code,
@@ -788,7 +807,24 @@ class Worker:
             log.exception("generation %s failed", prompt.request_id, extra=turn_fields(prompt))
             final = GenerationFailed(**ids, ref=offset, attempt=attempt, code="internal_error",
                                      message=type(exc).__name__)
+        if span is not None:
+            span.set_attributes(_ended(final))
+            span.end()
         await self._finish(prompt, tp, offset, final, epoch)
+
+    def _trace_start(self, prompt: PromptSubmitted, offset: int, attempt: int,
+                     traced: Traced | None) -> Span | None:
+        """The turn's ``chat.queue`` span (from the log's append until now, when the
+        engine takes it) and its ``chat.engine`` span, begun (``pipeline.tracing``)."""
+        if traced is None:
+            return None
+        turn: dict[str, str | int] = {
+            "chat.request_id": prompt.request_id, "chat.tenant": prompt.tenant,
+            "chat.model": self.engine.model_name, "chat.attempt": attempt,
+            "messaging.kafka.offset": offset, "chat.worker": self.name}
+        TRACER.start_span("chat.queue", context=traced.parent, attributes=turn,
+                          start_time=ms_to_ns(traced.appended_ms)).end()
+        return TRACER.start_span("chat.engine", context=traced.parent, attributes=turn)
 
     def _gather_soon(self) -> None:
         """Once the turns this loop has ready have run, queue what they wrote (one live
@@ -879,6 +915,15 @@ class Worker:
             while len(self.ended) > ENDED_MEMORY:
                 self.ended.popitem(last=False)
             self._start_waiting()  # the slot is free now, not at the loop's next turn
+
+
+def _ended(final: GenerationFinished | GenerationFailed) -> dict[str, str | int | float]:
+    if isinstance(final, GenerationFailed):
+        return {"chat.failure": final.code}
+    return {"chat.finish_reason": final.finish_reason,
+            "gen_ai.usage.input_tokens": final.usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": final.usage.completion_tokens,
+            "chat.ttft_ms": final.ttft_ms or 0.0}
 
 
 def _waiting_chars(item: Waiting) -> int:
