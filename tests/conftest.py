@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,12 +95,15 @@ class Service:
                 self.kill()
 
 
-def start_service(stack: Stack, name: str, *args: str, **env: str) -> Service:
+def start_service(stack: Stack, name: str, *args: str, inside: Sequence[str] = (),
+                  **env: str) -> Service:
+    """``pipeline *args`` as its own process (``inside``: on another host, as
+    ``ip netns exec NS`` runs it; it execs, so the pid is the service's)."""
     log = stack.logs / f"{name}-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
         # Its own process group: a crash test kills the service with all its children,
         # as a container runtime or systemd does.
-        proc = subprocess.Popen([sys.executable, "-m", "launch", *args],
+        proc = subprocess.Popen([*inside, sys.executable, "-m", "launch", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=stack.env(**env),
                                 start_new_session=True)
     return Service(name, proc, log)

@@ -35,6 +35,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,45 @@ class Fleet(Pipeline):
         return {name: s.proc.poll() for name, s in self.services.items()}
 
 
+@contextmanager
+def running(cluster: KafkaCluster, postgres: PostgresServer, pg_home: Path, logs: Path,
+            start: Callable[[Stack], tuple[dict[str, Service], tuple[str, ...]]],
+            ) -> Iterator[Fleet]:
+    """The cluster, PostgreSQL, and what ``start`` starts on them (its services and the
+    gateways' URLs), with an API key and a first turn served; all stopped after."""
+    services: dict[str, Service] = {}
+    try:
+        cluster.start()
+        postgres.start()
+        wait_for_broker(cluster.bootstrap)
+        ensure_topics(cluster.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 3))
+        migrate(postgres.url)
+        stack = Stack(cluster.bootstrap, postgres.url, logs)
+        started, urls = start(stack)
+        services.update(started)
+        made = subprocess.run([sys.executable, "-m", "launch", "keys", "create", "--tenant",
+                               "outages", "--rpm", "1000000", "--tpm", "1000000000"],
+                              env=stack.env(), capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        f = Fleet(stack, urls[0], services, cluster=cluster, postgres=postgres, urls=urls,
+                  auth={"Authorization": f"Bearer {made.stdout.strip()}"})
+        for url in urls:
+            wait_healthy(url, list(services.values()), timeout=120)
+        warm = httpx.post(f"{urls[0]}/v1/chat/completions", timeout=120, headers={
+            **f.auth, "Idempotency-Key": "warm"}, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm"}]})
+        assert warm.status_code == 200, warm.text + f.logs()
+        f.known = {"session": warm.headers["x-session-id"],
+                   "completion": warm.headers["x-request-id"], "key": "warm"}
+        yield f
+    finally:
+        for s in services.values():
+            s.stop()
+        postgres.stop()
+        cluster.stop()
+        shutil.rmtree(pg_home, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     ports = [(free_port(), free_port()) for _ in range(3)]
@@ -116,14 +156,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                            ports=ports)
     pg_home = Path(tempfile.mkdtemp(prefix="pipeline-test-pg-outages-"))
     postgres = PostgresServer(home=pg_home, port=free_port(), database="outages")
-    services: dict[str, Service] = {}
-    try:
-        cluster.start()
-        postgres.start()
-        wait_for_broker(cluster.bootstrap)
-        ensure_topics(cluster.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 3))
-        migrate(postgres.url)
-        stack = Stack(cluster.bootstrap, postgres.url, tmp_path_factory.mktemp("outage-logs"))
+
+    def start(stack: Stack) -> tuple[dict[str, Service], tuple[str, ...]]:
+        services = {}
         gateway_ports = (free_port(), free_port())
         gateway_env = {"GATEWAY_MODELS": MODEL,
                        "GATEWAY_ACCEPT_TIMEOUT_S": str(ACCEPT_TIMEOUT_S),
@@ -137,28 +172,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 stack, f"outage-gateway-{i}", "gateway", "--port", str(gateway_ports[i - 1]),
                 **gateway_env)
         services["projector"] = start_service(stack, "outage-projector", "projector")
-        made = subprocess.run([sys.executable, "-m", "launch", "keys", "create", "--tenant",
-                               "outages", "--rpm", "1000000", "--tpm", "1000000000"],
-                              env=stack.env(), capture_output=True, text=True, timeout=60)
-        assert made.returncode == 0, made.stderr
-        urls = tuple(f"http://127.0.0.1:{p}" for p in gateway_ports)
-        f = Fleet(stack, urls[0], services, cluster=cluster, postgres=postgres, urls=urls,
-                  auth={"Authorization": f"Bearer {made.stdout.strip()}"})
-        for url in urls:
-            wait_healthy(url, list(services.values()), timeout=90)
-        warm = httpx.post(f"{urls[0]}/v1/chat/completions", timeout=90, headers={
-            **f.auth, "Idempotency-Key": "warm"}, json={
-            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm"}]})
-        assert warm.status_code == 200, warm.text + f.logs()
-        f.known = {"session": warm.headers["x-session-id"],
-                   "completion": warm.headers["x-request-id"], "key": "warm"}
+        return services, tuple(f"http://127.0.0.1:{p}" for p in gateway_ports)
+
+    with running(cluster, postgres, pg_home, tmp_path_factory.mktemp("outage-logs"),
+                 start) as f:
         yield f
-    finally:
-        for s in services.values():
-            s.stop()
-        postgres.stop()
-        cluster.stop()
-        shutil.rmtree(pg_home, ignore_errors=True)
 
 
 # -- clients -----------------------------------------------------------------------------
