@@ -1,7 +1,7 @@
 """Many hosts, and the faults only a network makes. Network namespaces on this machine
 stand for hosts, each with an address of its own on a bridge: three brokers (a KRaft
 cluster, replication 3, min.insync.replicas 2), two gateways, two SIMULATED-engine
-workers and the projector; PostgreSQL and the test's clients are on the bridge's own
+workers, the projector and PostgreSQL; the test's clients are on the bridge's own
 address. No component reaches another through 127.0.0.1.
 
 Under the outage suite's streaming load (its clients and its checker:
@@ -30,7 +30,6 @@ import pytest
 
 from infra.kafka_broker import KafkaCluster
 from infra.postgres import PostgresServer
-from infra.process import free_port
 from pipeline.settings import REPO_ROOT
 from pipeline.topics import GENERATIONS
 from tests.conftest import PARTITIONS, Service, Stack, start_service
@@ -50,7 +49,7 @@ pytestmark = pytest.mark.integration
 
 BROKERS = ["kafka-1", "kafka-2", "kafka-3"]
 HOSTS = {"kafka-1": 11, "kafka-2": 12, "kafka-3": 13, "gateway-1": 21, "gateway-2": 22,
-         "worker-1": 31, "worker-2": 32, "projector": 41}
+         "worker-1": 31, "worker-2": 32, "projector": 41, "postgres": 51}
 GATEWAY_PORT = 8000
 METRICS_PORT = 9100
 
@@ -72,8 +71,8 @@ def hosts(net: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fl
                            ports=[(9092, 9093)] * 3,
                            hosts=[(net.address(b), net.namespace(b)) for b in BROKERS])
     pg_home = Path(tempfile.mkdtemp(prefix="pipeline-test-pg-hosts-"))
-    postgres = PostgresServer(home=pg_home, port=free_port(), database="hosts",
-                              host=net.gateway_address)
+    postgres = PostgresServer(home=pg_home, port=5432, database="hosts",
+                              host=net.address("postgres"), netns=net.namespace("postgres"))
 
     def start(stack: Stack) -> tuple[dict[str, Service], tuple[str, ...]]:
         services = {}
@@ -102,7 +101,7 @@ def test_every_component_is_on_a_host_of_its_own(hosts: Fleet, net: Network) -> 
     """Nothing reaches another component through loopback: the brokers advertise their
     hosts' addresses, and the services' settings name them."""
     assert all(not a.startswith("127.") for a in hosts.stack.bootstrap.split(","))
-    assert "127.0.0.1" not in hosts.stack.database_url
+    assert net.address("postgres") in hosts.stack.database_url
     for service in hosts.services.values():
         args = service.proc.args
         assert isinstance(args, list) and args[:3] == ["ip", "netns", "exec"], args
