@@ -9,8 +9,9 @@ prompt is durable) and ``chat.stream`` (until the last event is sent) in it, and
 ``chat.delta_hop`` (the first live record, from the worker's write to the gateway's
 read); the worker's ``chat.queue`` (from the prompt's append to the log to the engine
 taking it) and ``chat.engine`` (the generation) are children of ``chat.request``, by the
-record's headers. Context is always passed on, so a traced client's trace goes through
-a gateway that exports nothing.
+record's headers, and vLLM's own ``llm_request`` span is a child of ``chat.engine``.
+Context is always passed on, so a traced client's trace goes through a gateway that
+exports nothing.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-__all__ = ["TRACER", "Context", "Span", "enabled", "from_http", "from_record", "ms_to_ns",
-           "record_headers", "setup_tracing"]
+__all__ = ["TRACER", "Context", "Span", "carrier_of", "enabled", "from_http", "from_record",
+           "ms_to_ns", "record_headers", "setup_tracing", "traces_endpoint"]
 
 TRACER = trace.get_tracer("chat-pipeline")
 _enabled = False
@@ -53,6 +54,23 @@ def setup_tracing(service: str) -> bool:
 
 def enabled() -> bool:
     return _enabled
+
+
+def traces_endpoint() -> str | None:
+    """Where spans go (OTLP/HTTP), for engines that export their own (vLLM)."""
+    explicit = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if explicit:
+        return explicit
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return f"{base.rstrip('/')}/v1/traces" if base else None
+
+
+def carrier_of(span: Span) -> dict[str, str]:
+    """``span``'s context as W3C headers, for a library that takes them (vLLM's
+    ``trace_headers``): its spans become children of ``span``."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
 
 
 def from_http(headers: Mapping[str, str]) -> Context:

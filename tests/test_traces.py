@@ -36,6 +36,7 @@ from tests.conftest import (
 from tests.sse import stream_chat
 
 MODEL = "traced-sim"
+VLLM_MODEL = "traced-vllm"
 SPANS = {"chat.request", "chat.accept", "chat.stream", "chat.delta_hop", "chat.queue",
          "chat.engine"}
 
@@ -126,8 +127,11 @@ def traced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
             start_service(own, "traced-worker", "worker", "--engine", "sim",
                           "--served-model-name", MODEL, "--metrics-port", str(free_port()),
                           WORKER_SIM_TOKENS_PER_S="100", **otel),
+            # vLLM (the tiny model), whose own request spans join the turn's trace.
+            start_service(own, "traced-vllm-worker", "worker", "--served-model-name",
+                          VLLM_MODEL, "--max-num-seqs", "4", **otel),
             start_service(own, "traced-gateway", "gateway", "--port", str(port),
-                          GATEWAY_MODELS=MODEL, **otel),
+                          GATEWAY_MODELS=f"{MODEL},{VLLM_MODEL}", **otel),
         ]
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, services, timeout=90)
@@ -140,11 +144,12 @@ def traced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         collector.server_close()
 
 
-def _trace_of(traced: Traced, trace_id: str) -> dict[str, Exported]:
+def _trace_of(traced: Traced, trace_id: str,
+              wanted: frozenset[str] = frozenset(SPANS)) -> dict[str, Exported]:
     deadline = time.monotonic() + 60
     while True:
         spans = traced.collector.of_trace(trace_id)
-        if SPANS <= set(spans):
+        if wanted <= set(spans):
             return spans
         assert time.monotonic() < deadline, (sorted(spans), [s.tail() for s in traced.services])
         time.sleep(0.1)
@@ -196,3 +201,18 @@ def test_a_request_without_a_trace_starts_its_own(traced: Traced) -> None:
     assert root.parent_id == ""
     spans = _trace_of(traced, root.trace_id)
     assert spans["chat.engine"].parent_id == root.span_id
+
+
+def test_vllms_own_request_span_is_in_the_turns_trace(traced: Traced) -> None:
+    """vLLM traces its requests (``llm_request``, with its own timings) when given an
+    endpoint: the worker gives it the turn's context, so the span is ``chat.engine``'s
+    child."""
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    done = stream_chat(traced.url, {"model": VLLM_MODEL, "max_tokens": 8, "ignore_eos": True,
+                                    "messages": [{"role": "user", "content": "trace vllm"}]},
+                       headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+                       timeout=300)
+    assert done.done, (done.error, [s.tail() for s in traced.services])
+    spans = _trace_of(traced, trace_id, frozenset(SPANS | {"llm_request"}))
+    assert spans["llm_request"].parent_id == spans["chat.engine"].span_id
+    assert spans["chat.engine"].start_ns <= spans["llm_request"].start_ns

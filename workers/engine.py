@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +17,8 @@ class EngineRequest:
     sampling: SamplingParams
     # Tokens an earlier attempt already emitted: the engine continues after them.
     prefix_token_ids: tuple[int, ...] = ()
+    # The turn's trace context (W3C headers), for an engine that traces (vLLM).
+    trace_headers: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.tracing import traces_endpoint
 from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
 from workers.host import (
     lower_engine_priority,
@@ -40,6 +41,10 @@ def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
     elif settings.kv_cache_memory_bytes is not None:
         args["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    endpoint = traces_endpoint()
+    if endpoint is not None:  # vLLM's own request spans, in the turns' traces
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        args["otlp_traces_endpoint"] = endpoint
     return args
 
 
@@ -193,7 +198,8 @@ class VllmEngine:
         prompt_ids += request.prefix_token_ids
         self._running.add(request.request_id)
         try:
-            stream = self._llm.generate(tokens_input(prompt_ids), params, request.request_id)
+            stream = self._llm.generate(tokens_input(prompt_ids), params, request.request_id,
+                                        trace_headers=request.trace_headers)
             async for out in stream:
                 completion = out.outputs[0]
                 yield EngineOutput(

@@ -68,7 +68,7 @@ from pipeline.topics import (
     worker_client_id,
     workers_group,
 )
-from pipeline.tracing import TRACER, Context, Span, from_record, ms_to_ns
+from pipeline.tracing import TRACER, Context, Span, carrier_of, from_record, ms_to_ns
 from schemas import (
     Event,
     EventIds,
@@ -752,7 +752,8 @@ class Worker:
             if flight is not None:
                 flight.history = messages[:prompt.history_len]
             request = EngineRequest(prompt.request_id, messages, prompt.sampling,
-                                    tuple(progress.token_ids))
+                                    tuple(progress.token_ids),
+                                    None if span is None else carrier_of(span))
             async for out in self.engine.generate(request):
                 now = time.monotonic()
                 if ttft is None:
