@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 from pipeline.settings import REPO_ROOT
@@ -53,6 +54,9 @@ def test_the_tree_is_the_readmes_layout_table() -> None:
     table = readme.split("## Layout", 1)[1]
     listed = {line.split("`")[1].rstrip("/") for line in table.splitlines()
               if line.startswith("| `")}
-    folders = {p.name for p in REPO_ROOT.iterdir()
-               if (p.is_dir() and (p / "__init__.py").exists()) or p.name == "tests"}
-    assert listed == folders | {"docs"}
+    # Every folder the repository holds (not what tools make: .venv, .state, egg-info).
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    folders = {path.split("/", 1)[0] for path in tracked if "/" in path
+               and not path.startswith(".")}
+    assert listed == folders
