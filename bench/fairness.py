@@ -35,11 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
-
 from infra.process import free_port
 from pipeline.codec import conversation_key, decode, encode
-from pipeline.kafka import client_config
+from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
     ChatMessage,
@@ -109,7 +107,7 @@ def _worker(bootstrap: str, log_dir: Path, model: str, env: dict[str, str]) -> I
             proc.wait()
 
 
-def _send(producer: Producer, model: str, tenant: str, count: int, tokens: int,
+def _send(producer: PlainWriter, model: str, tenant: str, count: int, tokens: int,
           turns: dict[str, Turn]) -> None:
     for i in range(count):
         conversation = uuid.uuid4()
@@ -119,27 +117,24 @@ def _send(producer: Producer, model: str, tenant: str, count: int, tokens: int,
             messages=(ChatMessage(role="user", content=f"{tenant} turn {i}"),),
             sampling=SamplingParams(max_tokens=tokens, ignore_eos=True))
         turns[request_id] = Turn(tenant, time.time())
-        producer.produce(PROMPTS, key=conversation_key(conversation), value=encode(prompt))
-    producer.flush(30)
+        producer.send(PROMPTS, conversation_key(conversation), encode(prompt))
+    failed = producer.flush(30)
+    assert not failed, f"prompts not written: {failed[0]}"
 
 
 def _follow(bootstrap: str, since_ms: int, turns: dict[str, Turn], timeout: float) -> None:
     """Read each turn's start and end from ``chat.generations`` until all have ended."""
-    consumer = Consumer({**client_config(bootstrap), "group.id": "bench-fairness",
-                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    consumer = PlainReader(bootstrap, "bench-fairness")
     try:
-        meta = consumer.list_topics(GENERATIONS, timeout=10).topics[GENERATIONS]
-        starts = consumer.offsets_for_times(
-            [TopicPartition(GENERATIONS, p, since_ms) for p in meta.partitions], timeout=10)
-        consumer.assign(starts)
+        consumer.start_at_time(GENERATIONS, since_ms)
         deadline = time.monotonic() + timeout
         while any(t.finished is None for t in turns.values()):
             assert time.monotonic() < deadline, "turns did not end in time"
-            for msg in consumer.consume(1000, 0.5):
-                if msg.error() or msg.value() is None:
+            for msg in consumer.read(1000, 0.5):
+                if msg.value is None:
                     continue
                 try:
-                    event = decode(msg.value())
+                    event = decode(msg.value)
                 except ValueError:
                     continue
                 turn = turns.get(event.request_id)
@@ -174,8 +169,7 @@ def _waits(turns: list[Turn]) -> list[float]:
 
 
 def run(bootstrap: str, log_dir: Path, quick: bool) -> dict[str, Any]:
-    producer = Producer({**client_config(bootstrap), "partitioner": "murmur2_random",
-                         "linger.ms": 5})
+    producer = PlainWriter(bootstrap, "bench-fairness")
     backlog = 60 if quick else 200
     both = 40 if quick else 100
     results: dict[str, Any] = {}

@@ -274,8 +274,8 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int
             del waiting[prompt.request_id]
         return request
 
-    await reader.call(reader.follow_from_end_sync, LIVE)
-    await reader.call(reader.follow_from_end_sync, GENERATIONS)
+    await reader.follow_from_end(LIVE)
+    await reader.follow_from_end(GENERATIONS)
     reading = asyncio.create_task(read())
     try:
         yield one

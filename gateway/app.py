@@ -152,7 +152,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
             partitions = await _partitions(meta, settings.startup_timeout_s)
             for consumer in (meta, reader):  # so a client's first call waits for no lookup
                 for topic in (*CONVERSATION_TOPICS, LIVE):
-                    await consumer.call(consumer.partitions_sync, topic)
+                    await consumer.partitions(topic)
             # A prompt the topic would refuse is refused alone, before it is queued.
             limits = await asyncio.to_thread(topic_limits, common.kafka_bootstrap, [PROMPTS],
                                              common.max_record_bytes)
@@ -252,7 +252,7 @@ async def _partitions(meta: AsyncConsumer, timeout_s: float) -> int:
     backoff = Backoff(0.5, 5.0)
     while True:
         try:
-            return len(await meta.call(meta.partitions_sync, PROMPTS, 5.0))
+            return len(await meta.partitions(PROMPTS, 5.0))
         except KafkaException as exc:
             if time.monotonic() > deadline:
                 raise

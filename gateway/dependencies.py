@@ -18,11 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import psycopg
-from confluent_kafka import KafkaError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from gateway.problems import LogUnavailable, StoreUnavailable
-from pipeline.kafka import AsyncConsumer, KafkaException, ProduceError
+from pipeline.kafka import AsyncConsumer, KafkaException, ProduceError, unreachable
 from pipeline.retry import QuietLog
 from pipeline.topics import PROMPTS
 
@@ -61,11 +60,6 @@ class Breaker:
 # One of each per process: every app of a process shares its dependencies' fate.
 KAFKA = Breaker("kafka")
 POSTGRES = Breaker("postgres")
-# Kafka errors that say the cluster did not answer, not that this one call was wrong.
-_KAFKA_AWAY = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
-               KafkaError._MSG_TIMED_OUT, KafkaError.REQUEST_TIMED_OUT,
-               KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE}
-
 
 async def from_log(call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
     """The result of a call to Kafka (made by ``call()``), or ``LogUnavailable`` after
@@ -79,9 +73,8 @@ async def from_log(call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
         raise LogUnavailable() from exc
     except (KafkaException, ProduceError) as exc:
         _quiet.warning("Kafka did not answer: %r", exc)
-        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if error is not None and error.code() in _KAFKA_AWAY:
-            KAFKA.trip(error)
+        if unreachable(exc):
+            KAFKA.trip(exc.args[0])
         raise LogUnavailable() from exc
 
 
@@ -119,7 +112,7 @@ class Health:
     async def check(self) -> dict[str, str]:
         down = {}
         try:
-            await asyncio.wait_for(self.meta.call(self.meta.partitions_sync, PROMPTS,
+            await asyncio.wait_for(self.meta.partitions(PROMPTS,
                                                   self.timeout_s), self.timeout_s)
         except Exception as exc:  # whatever it is, Kafka did not answer
             down["kafka"] = self._why(exc)

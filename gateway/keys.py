@@ -93,10 +93,8 @@ def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> in
     """Cancel the turns of ``key_id`` that have not ended (background ones included), as
     the store knows them: a ``GenerationCancelled`` each, to ``chat.control``, which their
     workers stop them on and their streams end with. The number cancelled."""
-    from confluent_kafka import Producer
-
     from pipeline.codec import conversation_key, encode
-    from pipeline.kafka import client_config
+    from pipeline.kafka.plain import PlainWriter
     from pipeline.topics import CONTROL
     from schemas import GenerationCancelled
 
@@ -105,16 +103,13 @@ def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> in
         " WHERE charge_key = %s AND status IN ('pending', 'running')", (key_id,)).fetchall()
     if not rows:
         return 0
-    producer = Producer({**client_config(bootstrap), "enable.idempotence": True,
-                         "partitioner": "murmur2_random"})
-    failed: list[object] = []
+    writer = PlainWriter(bootstrap, "key-revocation")
     for request_id, conversation_id, tenant in rows:
         event = GenerationCancelled(conversation_id=conversation_id, request_id=request_id,
                                     tenant=tenant, reason="api key revoked")
-        producer.produce(CONTROL, key=conversation_key(conversation_id), value=encode(event),
-                         on_delivery=lambda err, _msg: failed.append(err) if err else None)
-    left = producer.flush(30)
-    if left or failed:
-        raise RuntimeError(f"{left + len(failed)} of {len(rows)} cancellations not written "
-                           f"({failed[:1] or 'timed out'}); revoke again to retry")
+        writer.send(CONTROL, conversation_key(conversation_id), encode(event))
+    failed = writer.flush(30)
+    if failed:
+        raise RuntimeError(f"cancellations of {len(rows)} turns not all written "
+                           f"({failed[0]}); revoke again to retry")
     return len(rows)

@@ -50,12 +50,12 @@ class ConversationStore:
         return partition_for(conversation_key(conversation_id), self.partitions)
 
     async def end_of(self, topic: str, partition: int) -> int:
-        ends = await from_log(lambda: self.meta.call(self.meta.watermarks_sync, topic, partition,
+        ends = await from_log(lambda: self.meta.watermarks(topic, partition,
                                              self.timeout_s), self.timeout_s)
         return ends[1]
 
     async def offset_at(self, topic: str, partition: int, ms: int) -> int:
-        return await from_log(lambda: self.reader.call(self.reader.offset_for_time_sync, topic,
+        return await from_log(lambda: self.reader.offset_for_time(topic,
                                                partition, ms, self.timeout_s), self.timeout_s)
 
     async def events(self, topic: str, conversation_id: uuid.UUID, start: int,
@@ -64,9 +64,9 @@ class ConversationStore:
         (records that do not decode are the projector's to dead-letter); with ``keyed``
         false, every record's, the others' as None (what positions the log holds)."""
         key = conversation_key(conversation_id)
-        records = await from_log(lambda: self.reader.call(
-            self.reader.read_range_sync, topic, self.partition_of(conversation_id), start, end,
-            2 * self.timeout_s), 2 * self.timeout_s)
+        records = await from_log(lambda: self.reader.read_range(
+            topic, self.partition_of(conversation_id), start, end, 2 * self.timeout_s),
+            2 * self.timeout_s)
         out: list[tuple[Record, Event | None]] = []
         for record in records:
             if record.key == key:
@@ -80,9 +80,8 @@ class ConversationStore:
     async def live(self, partition: int, start: int, end: int) -> list[tuple[Record, LiveBatch]]:
         """The live stream's batches in ``[start, end)`` of ``partition`` (records that do
         not decode are passed over: the fan-out says so)."""
-        records = await from_log(lambda: self.reader.call(
-            self.reader.read_range_sync, LIVE, partition, start, end, 2 * self.timeout_s),
-            2 * self.timeout_s)
+        records = await from_log(lambda: self.reader.read_range(
+            LIVE, partition, start, end, 2 * self.timeout_s), 2 * self.timeout_s)
         out = []
         for record in records:
             with contextlib.suppress(DecodeError):
@@ -92,7 +91,7 @@ class ConversationStore:
     async def event_at(self, topic: str, partition: int, offset: int) -> Event | None:
         """The event at ``offset`` (None: no event is there, or no longer)."""
         position = (topic, partition, offset)
-        found = await from_log(lambda: self.reader.call(self.reader.read_at_sync, [position],
+        found = await from_log(lambda: self.reader.read_at([position],
                                                 2 * self.timeout_s), 2 * self.timeout_s)
         record = found[position]
         try:

@@ -196,7 +196,7 @@ class GenerationTail:
 
     async def start(self) -> None:
         for topic in TAILED:  # metadata, so a first follow waits for no lookup
-            await self._consumer.call(self._consumer.partitions_sync, topic)
+            await self._consumer.partitions(topic)
         self._task = asyncio.create_task(self._run(), name="generation-tail")
 
     async def follow(self, request_id: str, key: bytes, partition: int,
@@ -254,7 +254,7 @@ class GenerationTail:
             self._next.update(ends)
             try:
                 await from_log(
-                    lambda: self._consumer.call(self._consumer.add_partitions_sync, ends),
+                    lambda: self._consumer.add_partitions(ends),
                     self._timeout_s)
             except BaseException:
                 for tp in ends:
@@ -280,8 +280,7 @@ class GenerationTail:
             for topic in TAILED:
                 self._next.pop((topic, p), None)
         if idle:
-            await self._consumer.call(self._consumer.drop_partitions_sync,
-                                      [(t, p) for p in idle for t in TAILED])
+            await self._consumer.drop_partitions([(t, p) for p in idle for t in TAILED])
             log.info("stopped tailing partitions %s", idle)
 
     def _route(self, record: Record) -> None:

@@ -48,7 +48,7 @@ from launch.services import (
     run_projector,
     run_worker,
 )
-from pipeline.kafka_config import AccessRefused, ClientConfigError
+from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.logs import log_format, setup_logging
 from pipeline.retry import RepeatFilter
 from pipeline.rollout import HealthPolicy
@@ -561,7 +561,8 @@ def _check_kafka_access(common: CommonSettings) -> None:
 def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> str | None:
     """One line for a command that needed a service that does not answer, or None."""
     import psycopg
-    from confluent_kafka import KafkaError, KafkaException
+
+    from pipeline.kafka import unreachable
 
     if isinstance(exc, psycopg.OperationalError):
         if external_db:
@@ -571,10 +572,7 @@ def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> s
         info = psycopg.conninfo.conninfo_to_dict(common.database_url)
         return (f"PostgreSQL does not answer at {info.get('host')}:{info.get('port', 5432)}; "
                 "`pipeline infra up` starts it")
-    unreachable = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
-                   KafkaError._TIMED_OUT, KafkaError._RESOLVE}
-    if isinstance(exc, KafkaException) and exc.args and isinstance(
-            exc.args[0], KafkaError) and exc.args[0].code() in unreachable:
+    if unreachable(exc):
         return (f"Kafka does not answer at {common.kafka_bootstrap}; "
                 "`pipeline infra up` starts it")
     return None

@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.codec import DecodeError, decode
-from pipeline.kafka import client_config, client_logging
+from pipeline.kafka import ProduceError
+from pipeline.kafka.plain import BEGINNING, PlainReader, PlainWriter
 from pipeline.roster import Roster
 from pipeline.topics import GENERATIONS, PROMPTS, ROLLOUTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted
@@ -102,22 +102,20 @@ class RolloutBook:
     what arrived (call it from one thread)."""
 
     def __init__(self, bootstrap: str) -> None:
-        self._consumer = Consumer({**client_config(bootstrap), "group.id": "rollouts",
-                                   "enable.auto.commit": False,
-                                   "isolation.level": "read_committed",
-                                   **client_logging("rollouts")})
-        self._consumer.assign([TopicPartition(ROLLOUTS, 0, OFFSET_BEGINNING)])
+        self._reader = PlainReader(bootstrap, "rollouts")
+        self._reader.start({(ROLLOUTS, 0): BEGINNING})
         self.latest: dict[str, Rollout] = {}
         self.history: list[Rollout] = []
 
     def refresh(self) -> dict[str, Rollout]:
-        for msg in self._consumer.consume(1000, 0):
-            if msg.error() or msg.value() is None:
+        for msg in self._reader.read(1000):
+            if msg.value is None:
                 continue
             try:
-                record = Rollout.model_validate_json(msg.value())  # type: ignore[arg-type]
+                record = Rollout.model_validate_json(msg.value)
             except ValidationError as exc:
-                log.warning("unreadable rollout record at offset %s: %s", msg.offset(), exc)
+                log.warning("unreadable rollout record at offset %s: %s",
+                            msg.position.offset, exc)
                 continue
             if stale(self.latest.get(record.alias), record):
                 continue
@@ -127,12 +125,11 @@ class RolloutBook:
 
     def read_to_end(self, timeout: float = 10.0) -> dict[str, Rollout]:
         """Everything written so far (for a command, not a request path)."""
-        _, high = self._consumer.get_watermark_offsets(TopicPartition(ROLLOUTS, 0),
-                                                       timeout=timeout)
+        high = self._reader.end(ROLLOUTS, 0, timeout)
         deadline = time.monotonic() + timeout
         while True:
             self.refresh()
-            position = self._consumer.position([TopicPartition(ROLLOUTS, 0)])[0].offset
+            position = self._reader.position(ROLLOUTS, 0)
             if position >= high or (high == 0):
                 return dict(self.latest)
             if time.monotonic() > deadline:
@@ -140,7 +137,7 @@ class RolloutBook:
             time.sleep(0.05)
 
     def close(self) -> None:
-        self._consumer.close()
+        self._reader.close()
 
 
 def stale(known: Rollout | None, record: Rollout) -> bool:
@@ -163,14 +160,11 @@ def newer_rollout(history: list[Rollout], record: Rollout) -> Rollout | None:
 
 def publish(bootstrap: str, record: Rollout, timeout: float = 30.0) -> None:
     """Write ``record``; return once it is durable, or raise."""
-    producer = Producer({**client_config(bootstrap), "acks": "all",
-                         "enable.idempotence": True, **client_logging("rollout-writer")})
-    failed: list[object] = []
-    producer.produce(ROLLOUTS, key=record.alias.encode(),
-                     value=record.model_dump_json().encode(),
-                     on_delivery=lambda err, _m: failed.append(err) if err else None)
-    if producer.flush(timeout) or failed:
-        raise KafkaException(failed[0] if failed else "rollout record not acknowledged")
+    writer = PlainWriter(bootstrap, "rollout-writer")
+    writer.send(ROLLOUTS, record.alias.encode(), record.model_dump_json().encode())
+    failed = writer.flush(timeout)
+    if failed:
+        raise ProduceError(f"rollout record not acknowledged: {failed[0]}")
 
 
 def route(book: dict[str, Rollout], model: str, conversation_id: uuid.UUID,
@@ -293,21 +287,18 @@ class Controller:
         (or the time is up, or someone else ended the rollout), then promote or roll back."""
         assert record.candidate is not None
         health = Health({record.stable, record.candidate})
-        reader = Consumer({**client_config(self.bootstrap), "group.id": f"rollout-{record.id}",
-                           "enable.auto.commit": False, "isolation.level": "read_committed",
-                           **client_logging("rollout-watch")})
-        reader.assign([TopicPartition(topic, int(p), offset)
-                       for topic, ends in record.since.items() for p, offset in ends.items()])
+        reader = PlainReader(self.bootstrap, f"rollout-{record.id}")
+        reader.start({(topic, int(p)): offset
+                      for topic, ends in record.since.items() for p, offset in ends.items()})
         book = RolloutBook(self.bootstrap)
         said = published = 0.0
         try:
             while True:
-                for msg in reader.consume(500, 0.5):
-                    if not msg.error():
-                        try:
-                            health.add(decode(msg.value()))
-                        except DecodeError:
-                            continue
+                for msg in reader.read(500, 0.5):
+                    try:
+                        health.add(decode(msg.value))
+                    except DecodeError:
+                        continue
                 figures = health.figures()
                 new, old = figures[record.candidate], figures[record.stable]
                 now = time.monotonic()
@@ -389,15 +380,10 @@ class Controller:
             roster.close()
 
     def _ends(self) -> dict[str, dict[int, int]]:
-        probe = Consumer({**client_config(self.bootstrap), "group.id": "rollout-probe",
-                          **client_logging("rollout-probe")})
+        probe = PlainReader(self.bootstrap, "rollout-probe", committed_only=False)
         try:
-            out: dict[str, dict[int, int]] = {}
-            for topic in (PROMPTS, GENERATIONS):
-                parts = probe.list_topics(topic, timeout=10).topics[topic].partitions
-                out[topic] = {p: probe.get_watermark_offsets(TopicPartition(topic, p),
-                                                             timeout=10)[1] for p in parts}
-            return out
+            return {topic: {p: probe.end(topic, p) for p in probe.partitions(topic)}
+                    for topic in (PROMPTS, GENERATIONS)}
         finally:
             probe.close()
 

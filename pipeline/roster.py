@@ -18,9 +18,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
-
-from pipeline.kafka import client_config, client_logging
+from pipeline.kafka import ProduceError
+from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.retry import QuietLog
 from pipeline.topics import WORKERS
 
@@ -50,9 +49,8 @@ class Heartbeat:
         self._load = load
         self._last = 0.0
         self._quiet = QuietLog(log)
-        self._producer = Producer({**client_config(bootstrap), "linger.ms": 0,
-                                   "message.timeout.ms": int(EXPIRY_S * 1000),
-                                   **client_logging("heartbeat")})
+        self._writer = PlainWriter(bootstrap, "heartbeat", durable=False, linger_ms=0,
+                                   timeout_s=EXPIRY_S)
 
     def beat(self) -> None:
         """Write a heartbeat if one is due; never blocks (a lost one is harmless)."""
@@ -63,22 +61,19 @@ class Heartbeat:
             busiest = sorted(load.items(), key=lambda kv: -sum(kv[1]))[:MAX_TENANTS]
             self._send(json.dumps({"model": self.model, "at": time.time(), **self._limits,
                                    "tenants": dict(busiest)}).encode())
-        self._producer.poll(0)
+        self._writer.poll()
+        for failure in self._writer.take_failures():
+            self._quiet.warning("heartbeat not delivered: %s", failure)
 
     def leave(self) -> None:
         self._send(None)
-        self._producer.flush(5)
+        self._writer.flush(5)
 
     def _send(self, value: bytes | None) -> None:
         try:
-            self._producer.produce(WORKERS, key=self.worker.encode(), value=value,
-                                   on_delivery=self._delivered)
-        except (BufferError, KafkaException) as exc:
+            self._writer.send(WORKERS, self.worker.encode(), value)
+        except ProduceError as exc:
             self._quiet.warning("heartbeat not sent: %s", exc)
-
-    def _delivered(self, err: object, _msg: object) -> None:
-        if err is not None:
-            self._quiet.warning("heartbeat not delivered: %s", err)
 
 
 def _sizes(beat: dict[str, object]) -> tuple[int, int] | None:
@@ -103,9 +98,7 @@ class Roster:
     arrived (call it from one thread)."""
 
     def __init__(self, bootstrap: str) -> None:
-        self._consumer = Consumer({**client_config(bootstrap), "group.id": "roster",
-                                   "enable.auto.commit": False,
-                                   **client_logging("roster")})
+        self._reader = PlainReader(bootstrap, "roster", committed_only=False)
         self._assigned = False
         self._seen: dict[str, tuple[str, float]] = {}  # worker -> (model, last heard)
         self._known: dict[str, float] = {}  # model -> last heard (wall clock)
@@ -120,21 +113,15 @@ class Roster:
         return {m for m, at in self._known.items() if at >= horizon}
 
     def _assign(self, timeout: float) -> None:
-        since = int((time.time() - KNOWN_S) * 1000)
-        found = self._consumer.offsets_for_times([TopicPartition(WORKERS, 0, since)],
-                                                 timeout=timeout)[0]
-        start = found.offset if found.offset >= 0 else OFFSET_END
-        self._consumer.assign([TopicPartition(WORKERS, 0, start)])
+        self._reader.start_at_time(WORKERS, int((time.time() - KNOWN_S) * 1000), timeout)
         self._assigned = True
 
     def refresh(self, timeout: float = 5.0) -> set[str]:
         if not self._assigned:
             self._assign(timeout)
-        for msg in self._consumer.consume(1000, 0):
-            if msg.error():
-                continue
-            worker = (msg.key() or b"").decode(errors="replace")
-            value = msg.value()
+        for record in self._reader.read(1000):
+            worker = (record.key or b"").decode(errors="replace")
+            value = record.value
             if value is None:
                 self._seen.pop(worker, None)
                 self._loads.pop(worker, None)
@@ -179,4 +166,4 @@ class Roster:
         return waiting, running
 
     def close(self) -> None:
-        self._consumer.close()
+        self._reader.close()

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from pipeline.codec import DecodeError, Position, decode
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import EventProducer, KafkaException, Record, wait_for_broker
-from pipeline.kafka_config import ENV, ClientConfigError, client_properties
+from pipeline.kafka.config import ENV, ClientConfigError, client_properties
 from projections.analytics import AnalyticsMetrics, AnalyticsStore
 from projections.settings import AnalyticsSettings
 from schemas import Event

@@ -305,7 +305,7 @@ class Projector:
                 last_report = time.monotonic()
                 unmirrored, self._unmirrored = self._unmirrored, {}
                 await self._commit_for_lag_tools(consumer, unmirrored)
-                behind = sum((await consumer.call(consumer.lag_sync)).values())
+                behind = sum((await consumer.lag()).values())
                 self.metrics.lag_events.set(behind)
                 self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)
         finally:
@@ -320,7 +320,7 @@ class Projector:
         (transaction markers, aborted records), so the stored positions reach the end of
         the log (``GET /v1/sessions`` waits for that); return them (every record polled
         has been applied when this is called)."""
-        moved = {tp: offset for tp, offset in (await consumer.call(consumer.positions_sync)).items()
+        moved = {tp: offset for tp, offset in (await consumer.positions()).items()
                  if offset > self._positions.get(tp, -1)}
         if moved:
             async with conn.transaction():

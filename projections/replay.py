@@ -78,7 +78,7 @@ async def replay(
         return until is None or event.occurred_at <= until
 
     try:
-        ends = await consumer.call(consumer.assign_from_start_sync, list(topics))
+        ends = await consumer.assign_from_start(list(topics))
         remaining = dict(ends)
         total = await consumer.call(_count_to_read, consumer, remaining)
         bar = tqdm(total=total, unit="ev", desc="replay", disable=not progress)
@@ -96,7 +96,7 @@ async def replay(
                     undecodable += len(batch.parked)
                     bar.update(len(records))
                 # Transaction markers are never delivered: the position says when done.
-                reached = await consumer.call(consumer.positions_sync, list(remaining))
+                reached = await consumer.positions(list(remaining))
                 for tp, position in reached.items():
                     if position >= remaining[tp]:
                         del remaining[tp]

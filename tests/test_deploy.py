@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from gateway.settings import GatewaySettings
-from pipeline.kafka_config import read_properties
+from pipeline.kafka.config import read_properties
 from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import PROMPTS, workers_group
 from projections.settings import AnalyticsSettings, ProjectorSettings

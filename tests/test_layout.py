@@ -4,6 +4,9 @@
     infra: starting Kafka and PostgreSQL, imports nothing else of ours
     bench: may import anything; only the command (launch) imports it
     launch: the composition root; nothing imports it
+
+and one rule across them: only the Kafka adapter (``pipeline/kafka/``) imports
+confluent_kafka. (Tests may: they write records no service would, to see them refused.)
 """
 
 from __future__ import annotations
@@ -28,14 +31,19 @@ ALLOWED = {
 }
 
 
-def imported_packages(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
+    """The top-level names of every module ``path`` imports (relative imports left out)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module.split(".")[0])
-    return found & set(PACKAGES)
+    return found
+
+
+def imported_packages(path: Path) -> set[str]:
+    return imported_modules(path) & set(PACKAGES)
 
 
 def test_every_module_keeps_to_its_layer() -> None:
@@ -47,6 +55,15 @@ def test_every_module_keeps_to_its_layer() -> None:
             for imported in sorted(imported_packages(module) - ALLOWED[package]):
                 broken.append(f"{module.relative_to(REPO_ROOT)} imports {imported}")
     assert broken == []
+
+
+def test_only_the_kafka_adapter_imports_confluent_kafka() -> None:
+    adapter = REPO_ROOT / "pipeline" / "kafka"
+    importers = sorted(
+        str(module.relative_to(REPO_ROOT)) for package in PACKAGES
+        for module in (REPO_ROOT / package).rglob("*.py")
+        if adapter not in module.parents and "confluent_kafka" in imported_modules(module))
+    assert importers == []
 
 
 def test_the_tree_is_the_readmes_layout_table() -> None:

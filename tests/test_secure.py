@@ -28,9 +28,9 @@ from infra.kafka_broker import KafkaBroker
 from infra.postgres import PostgresServer, debian_bin
 from infra.process import free_port
 from infra.tls import Authority
-from pipeline import kafka_config
 from pipeline.kafka import check_access, ensure_topics, set_scram_password, wait_for_broker
-from pipeline.kafka_config import AccessRefused, ClientConfigError, read_properties
+from pipeline.kafka import config as kafka_config
+from pipeline.kafka.config import AccessRefused, ClientConfigError, read_properties
 from pipeline.settings import REPO_ROOT
 from pipeline.topics import TopicPolicy, topic_specs
 from projections.analytics_app import broker_credentials
@@ -108,7 +108,7 @@ def test_every_kafka_client_starts_from_the_operators_settings() -> None:
                for p in (REPO_ROOT / d).rglob("*.py")]
     offenders = [f"{p.relative_to(REPO_ROOT)}:{n}" for p in sources
                  for n, line in enumerate(p.read_text().splitlines(), start=1)
-                 if '"bootstrap.servers"' in line and p.name != "kafka_config.py"
+                 if '"bootstrap.servers"' in line and p.name != "config.py"
                  and "**client_properties()" not in line]
     assert offenders == []
 

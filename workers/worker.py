@@ -459,15 +459,14 @@ class Worker:
                     await self._abandon(list(self.ledgers))
                     self.output.drop()
                     if rejoin:
-                        await consumer.call(consumer.rejoin_sync)
+                        await consumer.rejoin()
                 full = (len(self.in_flight) + len(self.waiting) >= self.capacity
                         or self.waiting.size >= self.read_ahead_chars)
                 # A new assignment may hold partitions paused before a rebalance, or
                 # none paused while the engine is full: set the state anew each time.
                 if full != paused or applied != self._assignments:
                     applied, paused = self._assignments, full
-                    await consumer.call(consumer.pause_sync if full else consumer.resume_sync,
-                                        PROMPTS)
+                    await (consumer.pause if full else consumer.resume)(PROMPTS)
                 # Paused, only control events come: poll briefly, to see freed slots soon.
                 for record in await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05):
                     await self._take(record)
@@ -478,14 +477,14 @@ class Worker:
                 if time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                     # Every record polled so far is taken: the consumer's position may pass
                     # transaction markers, so the group's lag reaches 0 when all is done.
-                    self.tracker.advance({tp: o for tp, o in (await consumer.call(
-                        consumer.positions_sync)).items() if tp[0] == PROMPTS})
+                    self.tracker.advance({tp: o for tp, o in (await consumer.positions()).items()
+                                          if tp[0] == PROMPTS})
                     if self.tracker.committable() or self.tracker.stale_descriptions():
                         # offsets moved, or the work waiting changed, with nothing to write
                         self.writer.commit_offsets()
                     last_commit = time.monotonic()
                 if time.monotonic() - last_lag > 1.0:
-                    lag = {tp: n for tp, n in (await consumer.call(consumer.lag_sync)).items()
+                    lag = {tp: n for tp, n in (await consumer.lag()).items()
                            if tp[0] == PROMPTS}
                     self.metrics.lag.set(sum(lag.values()))
                     await self._unstall(consumer, lag, bool(paused))
@@ -505,7 +504,7 @@ class Worker:
         """Restart the fetch of a prompt partition that has records waiting but has not
         moved for ``STALL_S`` while fetching (a fetcher stuck after a leader change)."""
         now = time.monotonic()
-        positions = await consumer.call(consumer.positions_sync, list(lag))
+        positions = await consumer.positions(list(lag))
         stalled = []
         for tp, behind in lag.items():
             position = positions.get(tp)
@@ -518,7 +517,7 @@ class Worker:
         if stalled:
             log.warning("prompt partitions %s have records waiting but did not move for "
                         "%.0f s: restarting their fetch", [p for _, p in stalled], STALL_S)
-            await consumer.call(consumer.restart_fetch_sync, stalled)
+            await consumer.restart_fetch(stalled)
 
     async def _drain(self, grace_s: float = 30.0) -> None:
         tasks = [f.task for f in self.in_flight.values()]
@@ -897,7 +896,7 @@ class Worker:
         backoff = Backoff()
         while True:
             try:
-                return await reader.call(reader.read_at_sync, wanted)
+                return await reader.read_at(wanted)
             except (KafkaException, TimeoutError) as exc:
                 delay = backoff.next()
                 self._quiet.warning("could not read a history (retrying in %.1f s): %s",

@@ -1,0 +1,69 @@
+"""The Kafka adapter: the only package that imports confluent_kafka (``tests/test_layout.py``
+holds every other module to that). One concept per module:
+
+* ``client``: what every client shares: ``Record``, ``client_config`` (the operator's
+  properties), logging, the poll that turns messages into records.
+* ``producer``: ``EventProducer``, idempotent and ``acks=all``; ``send`` returns an
+  asyncio future that resolves once Kafka acknowledged the record.
+* ``transactions``: ``TransactionalProducer``, records and the reading group's offsets in
+  one Kafka transaction, fenced by the transactional id's epoch.
+* ``consumer``: ``AsyncConsumer``, a consumer whose blocking calls run one at a time on a
+  thread of its own; its coroutines are what asyncio services await.
+* ``scans``: reading outside any group: committed offsets, watermarks, ranges.
+* ``admin``: reaching the cluster, topics and their limits, SCRAM users.
+* ``config``: the operator's client properties file (``PIPELINE_KAFKA_CONFIG``).
+* ``raw``: plain clients for the few callers that keep their own records (the roster,
+  the rollout's compacted topic, key events), still configured here.
+
+Callers import from ``pipeline.kafka``; the names below are the adapter's surface.
+"""
+
+from confluent_kafka import KafkaException
+
+from pipeline.kafka.admin import (
+    broker_count,
+    check_access,
+    delete_topics,
+    ensure_topics,
+    set_scram_password,
+    topic_limits,
+    wait_for_broker,
+)
+from pipeline.kafka.client import (
+    BEGINNING,
+    LATEST,
+    NO_NAGLE,
+    RECORD_OVERHEAD,
+    Fenced,
+    Outgoing,
+    ProduceError,
+    Record,
+    RecordTooLarge,
+    client_config,
+    client_logging,
+    unreachable,
+)
+from pipeline.kafka.config import AccessRefused, ClientConfigError
+from pipeline.kafka.consumer import QUICK_ASSIGN, AsyncConsumer
+from pipeline.kafka.producer import EventProducer
+from pipeline.kafka.scans import (
+    GroupStatus,
+    first_records,
+    group_committed,
+    high_watermarks,
+    iter_spans,
+    read_spans,
+    scan_partitions,
+)
+from pipeline.kafka.transactions import NotAccepted, TransactionalProducer
+
+__all__ = [
+    "BEGINNING", "LATEST", "NO_NAGLE", "QUICK_ASSIGN", "RECORD_OVERHEAD",
+    "AccessRefused", "AsyncConsumer", "ClientConfigError", "EventProducer", "Fenced",
+    "GroupStatus", "KafkaException", "NotAccepted", "Outgoing", "ProduceError", "Record",
+    "RecordTooLarge", "TransactionalProducer",
+    "broker_count", "check_access", "client_config", "client_logging", "delete_topics",
+    "ensure_topics", "first_records", "group_committed", "high_watermarks", "iter_spans",
+    "read_spans", "scan_partitions", "set_scram_password", "topic_limits", "unreachable",
+    "wait_for_broker",
+]
