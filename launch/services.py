@@ -110,20 +110,9 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
         try:
             log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
                      engine.model_name, engine.max_num_seqs)
-            worker = Worker(engine, common.kafka_bootstrap, registry,
-                            session_timeout_ms=settings.session_timeout_ms,
-                            recovery_window_s=settings.recovery_window_s,
-                            coalesce_ms=settings.coalesce_ms,
-                            transaction_timeout_ms=settings.transaction_timeout_ms,
-                            transactional_id=settings.transactional_id,
-                            transaction_interval_ms=settings.transaction_interval_ms,
+            worker = Worker(engine, common.kafka_bootstrap, registry, settings,
                             max_record_bytes=common.max_record_bytes,
-                            history_cache_chars=settings.history_cache_chars,
-                            compression=common.compression, read_ahead=settings.read_ahead,
-                            read_ahead_chars=settings.read_ahead_chars,
-                            tenant_weights=settings.weights,
-                            max_running_per_tenant=settings.max_running_per_tenant,
-                            fair=settings.scheduling == "fair")
+                            compression=common.compression)
             serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
             await worker.run(stop)

@@ -58,6 +58,16 @@ def decode(data: bytes | None) -> Event:
         raise DecodeError(f"not an event: {exc}") from None
 
 
+
+def decode_or_none(data: bytes | None) -> Event | None:
+    """The event in a record's value, or None if it holds none (for readers that pass
+    such records over: the consumer whose record it is dead-letters it)."""
+    try:
+        return decode(data)
+    except DecodeError:
+        return None
+
+
 def decode_live(data: bytes | None) -> LiveBatch:
     """The ``LiveBatch`` in a ``chat.live`` record's value."""
     if data is None:

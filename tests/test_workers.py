@@ -42,6 +42,7 @@ from tests.conftest import (
 )
 from tests.logread import Marks, deltas_of, marks, read_events, read_live
 from tests.sse import Streamed, scrape, stream_chat
+from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, sim_token_text
 from workers.worker import Worker
 
@@ -497,7 +498,7 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
 
     registry = CollectorRegistry()
     worker = Worker(SimEngine(model, ttft_ms=0, tokens_per_s=20), sim_stack.bootstrap,
-                    registry, transaction_interval_ms=20)
+                    registry, WorkerSettings(engine="sim", transaction_interval_ms=20))
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
@@ -518,7 +519,7 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
                 writer.close()
 
         asyncio.run(submit())
-        wait_for(lambda: request_id in worker.in_flight, 30, "the turn to start")
+        wait_for(lambda: request_id in worker.flights.running, 30, "the turn to start")
         assert worker.writer is not None
         worker.writer.set_group(stale)  # its next transaction is refused
         finished: list[GenerationFinished] = []

@@ -19,6 +19,7 @@ the same), and the difference is logged and counted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections import OrderedDict
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from pipeline.codec import DecodeError, decode
-from pipeline.kafka import Record
+from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, KafkaException, Record
+from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted
 from schemas.history import BrokenChain, History, base, check_link, digest, rebuild
@@ -59,6 +61,33 @@ class HistoryMetrics:
     rebuilt: Counter
     reads: Counter
     mismatches: Counter
+
+
+class LogReader:
+    """Records at exact positions, for histories, on a consumer of its own (made at its
+    first read); retried while Kafka is away: the turn waits for its history."""
+
+    def __init__(self, bootstrap: str, name: str) -> None:
+        self.bootstrap, self.name = bootstrap, name
+        self._reader: AsyncConsumer | None = None
+        self._quiet = QuietLog(log)
+
+    async def __call__(self, wanted: Sequence[Position3]) -> dict[Position3, Record | None]:
+        if self._reader is None:
+            self._reader = AsyncConsumer(self.bootstrap, self.name, **QUICK_ASSIGN)
+        backoff = Backoff()
+        while True:
+            try:
+                return await self._reader.read_at(wanted)
+            except (KafkaException, TimeoutError) as exc:
+                delay = backoff.next()
+                self._quiet.warning("could not read a history (retrying in %.1f s): %s",
+                                    delay, exc)
+                await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
 
 
 class Histories:

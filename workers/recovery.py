@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pipeline.codec import DecodeError, decode, decode_live
+from pipeline.codec import DecodeError, decode_live, decode_or_none
 from schemas import (
     Event,
     GenerationFailed,
@@ -157,13 +157,6 @@ def _peek(value: bytes | None) -> tuple[str, bool] | None:
     return request_id, any(marker in value for marker in _TERMINAL)
 
 
-def _decode(value: bytes | None) -> Event | None:
-    try:
-        return decode(value)
-    except DecodeError:
-        return None  # not an event: nothing to resume from it
-
-
 class LogFolder:
     """``fold`` over the values of ``chat.generations`` records fed in log order, one at a
     time, holding only what resuming needs: the raw records of turns not (yet) seen to
@@ -179,7 +172,7 @@ class LogFolder:
     def add(self, value: bytes | None) -> None:
         peek = _peek(value)
         if peek is None:
-            event = _decode(value)
+            event = decode_or_none(value)
             if event is not None:
                 self._loose.append(event)
             return
@@ -187,7 +180,7 @@ class LogFolder:
         if request_id in self._ended:
             return
         if terminal:  # decoded to be sure: a turn marked ended is skipped
-            event = _decode(value)
+            event = decode_or_none(value)
             if isinstance(event, (GenerationFinished, GenerationFailed)):
                 self._ended.add(event.request_id)
                 self._open.pop(event.request_id, None)
@@ -203,14 +196,14 @@ class LogFolder:
     def result(self) -> dict[str, Recovered]:
         events = list(self._loose)
         for values in self._open.values():
-            events += [e for e in map(_decode, values) if e is not None]
+            events += [e for e in map(decode_or_none, values) if e is not None]
         state = fold(events)
         for request_id in self._ended:
             state[request_id] = Recovered(ended=True)
         return state
 
 
-def from_log(values: Iterable[bytes | None]) -> dict[str, Recovered]:
+def fold_values(values: Iterable[bytes | None]) -> dict[str, Recovered]:
     """``fold`` over the values of ``chat.generations`` records, in log order, decoding
     only terminal events and the records of turns that did not end; ``values`` are
     folded as they come (``LogFolder``), so a generator over a scan is never held whole."""

@@ -44,7 +44,7 @@ from pipeline.kafka.client import (
     unreachable,
 )
 from pipeline.kafka.config import AccessRefused, ClientConfigError
-from pipeline.kafka.consumer import QUICK_ASSIGN, AsyncConsumer
+from pipeline.kafka.consumer import QUICK_ASSIGN, AsyncConsumer, StallWatch
 from pipeline.kafka.producer import EventProducer
 from pipeline.kafka.scans import (
     GroupStatus,
@@ -61,7 +61,7 @@ __all__ = [
     "BEGINNING", "LATEST", "NO_NAGLE", "QUICK_ASSIGN", "RECORD_OVERHEAD",
     "AccessRefused", "AsyncConsumer", "ClientConfigError", "EventProducer", "Fenced",
     "GroupStatus", "KafkaException", "NotAccepted", "Outgoing", "ProduceError", "Record",
-    "RecordTooLarge", "TransactionalProducer",
+    "RecordTooLarge", "StallWatch", "TransactionalProducer",
     "broker_count", "check_access", "client_config", "client_logging", "delete_topics",
     "ensure_topics", "first_records", "group_committed", "high_watermarks", "iter_spans",
     "read_spans", "scan_partitions", "set_scram_password", "topic_limits", "unreachable",

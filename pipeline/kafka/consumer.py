@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -35,6 +36,8 @@ QUICK_ASSIGN = {"fetch.wait.max.ms": 10}
 # Given the partitions just assigned, the offsets to start them at (None: the committed ones).
 OnAssign = Callable[[list[TP]], dict[TP, int] | None]
 OnRevoke = Callable[[list[TP]], None]
+
+log = logging.getLogger(__name__)
 
 
 class AsyncConsumer:
@@ -380,3 +383,31 @@ class AsyncConsumer:
             self._executor.shutdown(wait=True)
 
 
+
+
+class StallWatch:
+    """Restarts the fetch of partitions that have records waiting but have not moved for
+    ``stall_s`` while fetching: a fetcher stuck after a leader change (seen in the outage
+    suite; ``AsyncConsumer.restart_fetch_sync``)."""
+
+    def __init__(self, consumer: AsyncConsumer, stall_s: float = 10.0) -> None:
+        self.consumer, self.stall_s = consumer, stall_s
+        self._progress: dict[TP, tuple[int | None, float]] = {}  # position, since when
+
+    async def check(self, lag: dict[TP, int], paused: bool) -> None:
+        """``lag``: records waiting per partition; ``paused``: not fetching them now."""
+        now = time.monotonic()
+        positions = await self.consumer.positions(list(lag))
+        stalled = []
+        for tp, behind in lag.items():
+            position = positions.get(tp)
+            last = self._progress.get(tp)
+            if paused or behind == 0 or last is None or last[0] != position:
+                self._progress[tp] = (position, now)
+            elif now - last[1] > self.stall_s:
+                stalled.append(tp)
+                self._progress[tp] = (position, now)
+        if stalled:
+            log.warning("partitions %s have records waiting but did not move for %.0f s: "
+                        "restarting their fetch", stalled, self.stall_s)
+            await self.consumer.restart_fetch(stalled)

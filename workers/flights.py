@@ -1,0 +1,110 @@
+"""The turns a worker runs, and what the control events do to them: a cancel stops its
+turn, a client leaving starts the turn's grace (``workers.control``), a session deleted
+stops its turns. Turns that ended here are remembered, so a prompt submitted again (an
+idempotent retry racing its original) never runs twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pipeline.codec import TP
+from pipeline.logs import turn_fields
+from schemas import Event, GenerationCancelled, PromptSubmitted, SessionDeleted
+from workers.control import ControlBook
+from workers.plan import stop_at
+
+log = logging.getLogger(__name__)
+# Turns that ended here, remembered so a re-submitted prompt is not run twice.
+ENDED_MEMORY = 100_000
+
+
+@dataclass
+class InFlight:
+    tp: TP
+    task: asyncio.Task[None]
+    prompt: PromptSubmitted
+    grace: asyncio.Task[None] | None = None
+    cancelled: bool = False
+
+
+class Flights:
+    """The turns in flight here, by request id. ``abort(request_id)`` stops one in the
+    engine."""
+
+    def __init__(self, abort: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+        self._abort = abort
+        self.running: dict[str, InFlight] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.book = ControlBook()  # control events, also of turns not started yet
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def known(self, request_id: str) -> bool:
+        """Whether the turn ran, or runs, here."""
+        return request_id in self.ended or request_id in self.running
+
+    def add(self, flight: InFlight, run: bool) -> None:
+        """A turn started: run (its grace armed if its clients left), or ended unstarted."""
+        self.running[flight.prompt.request_id] = flight
+        if run:
+            self.arm_grace(flight)
+
+    def forget(self, request_id: str, ended: bool) -> InFlight | None:
+        """The turn is no longer in flight; ``ended``: its end is in the log."""
+        flight = self.running.pop(request_id, None)
+        if flight is not None and flight.grace is not None:
+            flight.grace.cancel()
+        if ended:
+            self.book.forget(request_id)
+            self.ended[request_id] = None
+            while len(self.ended) > ENDED_MEMORY:
+                self.ended.popitem(last=False)
+        return flight
+
+    def in_partitions(self, partitions: list[int]) -> list[InFlight]:
+        return [f for f in self.running.values() if f.tp[1] in partitions]
+
+    async def control(self, event: Event, logged: datetime | None) -> None:
+        """Apply a control event: to its turn if it runs here, else kept for when its
+        prompt comes up."""
+        self.book.apply(event, logged)
+        if isinstance(event, SessionDeleted):
+            for other in list(self.running.values()):
+                if other.prompt.conversation_id == event.conversation_id:
+                    await self.cancel(other)
+            return
+        flight = self.running.get(event.request_id)
+        if flight is None:
+            return
+        if isinstance(event, GenerationCancelled):
+            await self.cancel(flight)
+            return
+        self.arm_grace(flight)
+
+    def arm_grace(self, flight: InFlight) -> None:
+        """Stop the turn when its grace ends, unless a client follows it again."""
+        deadline = stop_at(self.book, flight.prompt)
+        if deadline is None:
+            if flight.grace is not None:
+                flight.grace.cancel()
+                flight.grace = None
+        elif flight.grace is None:
+            left = (deadline - datetime.now(UTC)).total_seconds()
+            flight.grace = asyncio.create_task(self.cancel(flight, after_s=max(left, 0.0)))
+
+    async def cancel(self, flight: InFlight, after_s: float = 0.0) -> None:
+        if after_s:
+            await asyncio.sleep(after_s)
+            log.info("no client came back for %s: stopping it", flight.prompt.request_id,
+                     extra=turn_fields(flight.prompt))
+        if not flight.cancelled:
+            flight.cancelled = True
+            await self._abort(flight.prompt.request_id)

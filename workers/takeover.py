@@ -1,0 +1,196 @@
+"""Taking partitions over: what a worker handed prompt partitions reads before it runs
+any of their prompts (on the consumer's thread, inside the rebalance).
+
+* The prompts' committed offsets, where the partitions' ledgers and offsets start.
+* What earlier owners wrote for the turns not committed yet: the durable record's
+  starts and ends, and the live stream's deltas (``workers.recovery`` folds them), from
+  the oldest unfinished prompt's time on.
+* The recent control events, so a turn cancelled or abandoned while its prompt waited is
+  known before the prompt comes up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Container, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, TypeVar
+
+from pipeline.codec import TP, decode_or_none
+from pipeline.kafka import (
+    AsyncConsumer,
+    KafkaException,
+    Record,
+    first_records,
+    group_committed,
+    high_watermarks,
+    scan_partitions,
+)
+from pipeline.retry import Backoff, QuietLog
+from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, LIVE, PROMPTS, WORKERS_GROUP
+from workers.control import ControlBook
+from workers.recovery import Found, LiveFolder, LogFolder
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
+log = logging.getLogger(__name__)
+_quiet = QuietLog(log)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Handover:
+    committed: dict[int, int]  # prompt partition -> its committed offset
+    found: Found  # the unfinished turns earlier owners left, and their deltas
+    control_ends: dict[int, int]  # control partition -> where reading goes on
+
+
+def retrying(take: Callable[[], T]) -> T:
+    """``take()``, retried with backoff while Kafka does not answer (a broker restarting
+    makes it): a worker never exits for that."""
+    backoff = Backoff(0.5, 10.0)
+    while True:
+        try:
+            return take()
+        except (KafkaException, TimeoutError) as exc:
+            delay = backoff.next()
+            _quiet.warning("could not take partitions over (retrying in %.1f s): %s",
+                           delay, exc)
+            time.sleep(delay)
+
+
+def read_handover(bootstrap: str, consumer: AsyncConsumer, prompts: list[int],
+                  controls: list[int], book: ControlBook, running: Container[str], *,
+                  recovery_window_s: float, transaction_timeout_ms: int) -> Handover:
+    """What the new owner of ``prompts`` and ``controls`` needs; the control events read
+    go into ``book``; turns in ``running`` (already here) are left out."""
+    # Prompts are read on from the committed offsets: the ledger and the offsets of each
+    # transaction start there, and the scans below start at the oldest of them. A model's
+    # group the first time: where the single group of earlier versions stopped, so
+    # nothing that group ran runs again (else the partition's start).
+    committed = consumer.committed_sync(
+        [(PROMPTS, p) for p in prompts],
+        fallback=lambda missing: group_committed(bootstrap, WORKERS_GROUP, missing))
+    since = scan_starts(bootstrap, committed, recovery_window_s)
+    # What earlier owners wrote (committed, or resolved if still open: scan_partitions).
+    # Open transactions of an earlier owner end within the transaction timeout.
+    wait_s = max(60.0, 3 * transaction_timeout_ms / 1000)
+    # Folded as they are read: a busy window holds millions of records. The ends, and the
+    # deltas of turns written before the live stream, are in the durable record; the
+    # deltas of the others, in the live stream.
+    oldest = min(since.values(), default=0)
+    durable = LogFolder()
+    for record in reported(scan_partitions(bootstrap, GENERATIONS, list(since), since, wait_s),
+                           oldest, f"reading {GENERATIONS}"):
+        durable.add(record.value)
+    live = LiveFolder({p: committed[(PROMPTS, p)] for p in since})
+    for record in reported(scan_partitions(bootstrap, LIVE, list(since), since, wait_s),
+                           oldest, f"reading {LIVE}"):
+        live.add(record.position.partition, record.value)
+    found = Found({rid: rec for rid, rec in durable.result().items() if rid not in running},
+                  live.result())
+    control_ends = high_watermarks(bootstrap, CONTROL, controls)
+    for record in scan_partitions(bootstrap, CONTROL, [p for p in controls if p in since],
+                                  since, wait_s, ends=control_ends):
+        event = decode_or_none(record.value)
+        if event is not None:
+            book.apply(event, logged_at(record))
+    return Handover({p: o for (_, p), o in committed.items()}, found, control_ends)
+
+
+class Rebalances:
+    """A worker's side of its group's rebalances (on the consumer's thread, inside a
+    poll): partitions handed to it are taken over (``read_handover``), and the turns of
+    those taken away are abandoned to their next owner."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def on_assign(self, assigned: list[TP]) -> dict[TP, int]:
+        """Take partitions over; where to read them from."""
+        return retrying(lambda: self._take_over(assigned))
+
+    def _take_over(self, assigned: list[TP]) -> dict[TP, int]:
+        w = self.worker
+        assert w.consumer is not None and w.writer is not None
+        prompts = [p for t, p in assigned if t == PROMPTS]
+        controls = [p for t, p in assigned if t == CONTROL]
+        handover = read_handover(
+            w.bootstrap, w.consumer, prompts, controls, w.flights.book,
+            w.flights.running, recovery_window_s=w.settings.recovery_window_s,
+            transaction_timeout_ms=w.settings.transaction_timeout_ms)
+        for p, offset in handover.committed.items():
+            w.tracker.start((PROMPTS, p), offset)
+        w.recovered = handover.found  # an assignment is whole: earlier findings are stale
+        w.ledgers.assign(handover.committed)
+        # The new generation, for every transaction from now.
+        w.writer.set_group(w.consumer.group_metadata_sync())
+        w.assignments += 1
+        w.metrics.assigned.set(len(prompts))
+        log.info("assigned prompts %s; recent: %s", prompts, handover.found.describe())
+        return {**{(PROMPTS, p): o for p, o in handover.committed.items()},
+                **{(CONTROL, p): o for p, o in handover.control_ends.items()}}
+
+    def on_revoke(self, revoked: list[TP]) -> None:
+        w = self.worker
+        assert w.loop is not None and w.writer is not None
+        partitions = [p for t, p in revoked if t == PROMPTS]
+        abandon = asyncio.run_coroutine_threadsafe(w.abandon(partitions), w.loop)
+        abandon.result(timeout=30)
+        # Nothing is committed here: the rebalance waits for this callback, and a
+        # transaction's group check waits for the rebalance. Records not yet in a
+        # transaction are dropped; one in flight either passed its check before the
+        # generation ended (its records were in the log before that, so the next owner's
+        # scan waits for it) or is refused. The next owner regenerates what was dropped.
+        w.writer.new_epoch()
+        w.tracker.forget([(PROMPTS, p) for p in partitions])
+        w.ledgers.drop(partitions)
+        w.metrics.assigned.set(len(w.ledgers))
+
+
+def scan_starts(bootstrap: str, committed: dict[TP, int],
+                recovery_window_s: float) -> dict[int, int]:
+    """Per prompt partition with unfinished prompts, the time to scan from: the oldest
+    uncommitted prompt's (what its turn and later ones wrote came after it), less clock
+    skew, however long ago: a turn whose history was read in part would run again from
+    its start, under seqs its readers have seen (and one whose clients left would run
+    on). The recovery window applies only to a partition with no readable prompt past
+    its committed offset. Partitions whose prompts are all committed need no scan."""
+    ends = high_watermarks(bootstrap, PROMPTS, [p for _, p in committed])
+    spans = {p: (o, ends[p]) for (_, p), o in committed.items() if o < ends[p]}
+    oldest = {p: r.timestamp_ms for p, r in first_records(bootstrap, PROMPTS, spans).items()}
+    now_ms = int(time.time() * 1000)
+    window_ms = int(recovery_window_s * 1000)
+    starts = {p: oldest.get(p, now_ms - window_ms) - CLOCK_SKEW_MS for p in spans}
+    back_ms = now_ms - min(starts.values(), default=now_ms)
+    if back_ms > window_ms + CLOCK_SKEW_MS:
+        log.warning("taking over: reading %s back %.0f s, to the oldest unfinished prompt "
+                    "(past the %.0f s recovery window)", GENERATIONS, back_ms / 1000,
+                    recovery_window_s)
+    return starts
+
+
+def reported(records: Iterable[Record], since_ms: int, what: str,
+             every_s: float = 10.0) -> Iterator[Record]:
+    """``records`` (written from ``since_ms`` on), with a line logged every ``every_s``
+    of a long read: how many so far, and how far through the time they span."""
+    started = last = time.monotonic()
+    span_ms = max(time.time() * 1000 - since_ms, 1.0)
+    for count, record in enumerate(records, 1):
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            done = min(max((record.timestamp_ms - since_ms) / span_ms, 0.0), 1.0)
+            log.info("taking over: %s: %d records in %.0f s, %.0f%% of the way to now",
+                     what, count, now - started, 100 * done)
+        yield record
+
+
+def logged_at(record: Record) -> datetime | None:
+    """When the log appended ``record`` (its timestamp on a ``LogAppendTime`` topic)."""
+    return datetime.fromtimestamp(record.timestamp_ms / 1000, UTC) \
+        if record.timestamp_ms > 0 else None

@@ -1,0 +1,241 @@
+"""One turn on the engine: its input (the session's history, then the prompt's new
+messages), its run, its deltas to the live stream and the event that ends it.
+
+The worker decides which turns run and when (``workers.worker``); a ``Runner`` runs one
+and returns its end, which the worker writes. A turn that continues an earlier attempt
+(``workers.plan.Progress``) carries on after the deltas that attempt wrote, with ``seq``
+going on from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.codec import TP, conversation_key, encode
+from pipeline.kafka import TransactionalProducer
+from pipeline.logs import turn_fields
+from pipeline.topics import GENERATIONS
+from pipeline.tracing import TRACER, Context, Span, carrier_of, ms_to_ns
+from schemas import (
+    EventIds,
+    FinishReason,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    PromptSubmitted,
+    Usage,
+)
+from schemas.history import History
+from workers.coalescer import Coalescer
+from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
+from workers.history import Histories, HistoryUnavailable
+from workers.metrics import WorkerMetrics
+from workers.output import Output
+from workers.plan import Progress
+
+log = logging.getLogger(__name__)
+Final = GenerationFinished | GenerationFailed
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A prompt's trace context (its record's headers) and when the log appended it."""
+
+    parent: Context
+    appended_ms: int
+
+
+@dataclass
+class Waiting:
+    """A prompt taken from the log, waiting for a slot on the engine."""
+
+    prompt: PromptSubmitted
+    tp: TP
+    offset: int
+    trace: Traced | None = None
+
+    def chars(self) -> int:
+        """What it holds in memory, in characters (what bounds the read-ahead)."""
+        prompt = self.prompt
+        return sum(len(m.content) for m in (*prompt.messages, *(prompt.history or ())))
+
+
+@dataclass
+class Turn:
+    """A turn started here: its prompt and where it is in the log, what earlier attempts
+    wrote, the writer's epoch it writes under, and its trace."""
+
+    prompt: PromptSubmitted
+    tp: TP
+    offset: int
+    progress: Progress
+    epoch: int
+    traced: Traced | None = None
+    history: History | None = None  # once read: the session before this turn
+
+    @property
+    def ids(self) -> EventIds:
+        return EventIds(conversation_id=self.prompt.conversation_id,
+                        request_id=self.prompt.request_id, tenant=self.prompt.tenant)
+
+
+class Runner:
+    """Runs turns on ``engine``, writing their deltas to ``output``. ``wrote()`` is called
+    after each delta is queued; ``served(tenant, prompt_tokens, output_tokens)`` counts
+    what a tenant had served (``workers.fairness``)."""
+
+    def __init__(self, engine: Engine, output: Output, writer: TransactionalProducer,
+                 histories: Histories, metrics: WorkerMetrics, worker: str,
+                 coalesce_s: float, wrote: Callable[[], None],
+                 served: Callable[..., None]) -> None:
+        self.engine, self.output, self.writer = engine, output, writer
+        self.histories, self.metrics = histories, metrics
+        self.worker, self.coalesce_s = worker, coalesce_s
+        self._wrote, self._served = wrote, served
+
+    async def run(self, turn: Turn) -> Final:
+        """The turn's end: finished (stopped, at its length, or aborted), or failed.
+        Raises CancelledError if the turn was abandoned (its partition moved, the worker
+        stops): then nothing ends it here, and its next owner resumes it."""
+        prompt = turn.prompt
+        if turn.progress.attempt:
+            self.metrics.resumed.inc()
+            log.info("resuming %s at seq %d (attempt %d)", prompt.request_id,
+                     len(turn.progress.parts), turn.progress.attempt, extra=turn_fields(prompt))
+        span = self._trace_start(turn)
+        try:
+            final = await self._generate(turn, span)
+        except asyncio.CancelledError:
+            if span is not None:
+                span.set_attribute("chat.abandoned", True)
+                span.end()
+            raise
+        except (EngineRejected, HistoryUnavailable) as exc:
+            final = self._failed(turn, exc.code, str(exc))
+        except EngineDead as exc:
+            final = self._failed(turn, "engine_dead", str(exc))
+        except Exception as exc:
+            log.exception("generation %s failed", prompt.request_id, extra=turn_fields(prompt))
+            final = self._failed(turn, "internal_error", type(exc).__name__)
+        if span is not None:
+            span.set_attributes(_ended(final))
+            span.end()
+        return final
+
+    def unstarted(self, turn: Turn) -> Final:
+        """The end of a turn that must not start (cancelled, abandoned, its session
+        deleted), with what earlier attempts wrote."""
+        progress = turn.progress
+        return GenerationFinished(
+            **turn.ids, ref=turn.offset, model=self.engine.model_name,
+            attempt=progress.attempt, reply_seq=turn.prompt.reply_seq, finish_reason="abort",
+            text="".join(progress.parts), deltas=len(progress.parts),
+            usage=Usage(prompt_tokens=0, completion_tokens=len(progress.token_ids)),
+            duration_ms=0.0)
+
+    async def _generate(self, turn: Turn, span: Span | None) -> Final:
+        prompt, progress, partition, offset = turn.prompt, turn.progress, turn.tp[1], turn.offset
+        ids = turn.ids
+        model = self.engine.model_name
+        started = last_token = time.monotonic()
+        ttft: float | None = None
+        prompt_tokens = 0
+        finish_reason: FinishReason = "abort"
+        coalescer = Coalescer(self.coalesce_s, emitted=len(progress.parts))
+
+        def emit(delta: tuple[str, tuple[int, ...]] | None) -> None:
+            """One delta to the live stream: seq stays gap-free."""
+            if delta is None:
+                return
+            text, token_ids = delta
+            self.output.delta(partition, offset, len(progress.parts), text, token_ids,
+                              turn.epoch)
+            self._wrote()
+            progress.parts.append(text)
+            progress.token_ids.extend(token_ids)
+
+        if prompt.model != model:
+            raise EngineRejected("model_not_served",
+                                 f"This worker serves '{model}', not '{prompt.model}'.")
+        messages = await self.histories.input_for(prompt, partition)
+        turn.history = messages[:prompt.history_len]
+        request = EngineRequest(prompt.request_id, messages, prompt.sampling,
+                                tuple(progress.token_ids),
+                                None if span is None else carrier_of(span))
+        async for out in self.engine.generate(request):
+            now = time.monotonic()
+            if ttft is None:
+                ttft = now - started
+                prompt_tokens = out.prompt_tokens
+                self._served(prompt.tenant, prompt_tokens=prompt_tokens)
+                self.metrics.ttft.observe(ttft)
+                self.output.start(partition, offset, GenerationStarted(
+                    **ids, ref=offset, model=model, worker=self.worker,
+                    attempt=progress.attempt, reply_seq=prompt.reply_seq,
+                    prompt_tokens=prompt_tokens), conversation_key(prompt.conversation_id),
+                    turn.epoch)
+                for earlier in progress.republish:  # only the durable record had them
+                    self.output.delta(partition, offset, earlier.seq, earlier.text,
+                                      earlier.token_ids, turn.epoch)
+            elif out.token_ids:
+                self.metrics.itl.observe((now - last_token) / len(out.token_ids))
+            last_token = now
+            self.metrics.tokens.inc(len(out.token_ids))
+            self._served(prompt.tenant, output_tokens=len(out.token_ids))
+            emit(coalescer.add(out.text, out.token_ids, now))
+            if self.writer.backlogged:
+                await self.writer.room()  # Kafka takes tokens slower than they come
+            if out.finish_reason in ("stop", "length"):
+                finish_reason = "stop" if out.finish_reason == "stop" else "length"
+        emit(coalescer.drain())
+        return GenerationFinished(
+            **ids, ref=offset, model=model, attempt=progress.attempt,
+            reply_seq=prompt.reply_seq, finish_reason=finish_reason,
+            text="".join(progress.parts), deltas=len(progress.parts),
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids)),
+            ttft_ms=None if ttft is None else ttft * 1000,
+            duration_ms=(time.monotonic() - started) * 1000)
+
+    def _failed(self, turn: Turn, code: str, message: str) -> GenerationFailed:
+        return GenerationFailed(**turn.ids, ref=turn.offset,
+                                attempt=turn.progress.attempt, code=code, message=message)
+
+    def fits(self, final: Final) -> Final:
+        """``final``, or, if the log would not take it (a reply larger than its topic's
+        records), a failure that says so: the turn ends alone, never retried."""
+        limit = self.writer.limit(GENERATIONS)
+        size = len(encode(final))
+        if size <= limit - 1024:
+            return final
+        return GenerationFailed(
+            conversation_id=final.conversation_id, request_id=final.request_id,
+            tenant=final.tenant, ref=final.ref, attempt=final.attempt, code="reply_too_large",
+            message=f"The reply ({size:,} bytes) is larger than the log takes ({limit:,} "
+                    "bytes: PIPELINE_MAX_RECORD_BYTES).")
+
+    def _trace_start(self, turn: Turn) -> Span | None:
+        """The turn's ``chat.queue`` span (from the log's append until now, when the
+        engine takes it) and its ``chat.engine`` span, begun (``pipeline.tracing``)."""
+        if turn.traced is None:
+            return None
+        attributes: dict[str, str | int] = {
+            "chat.request_id": turn.prompt.request_id, "chat.tenant": turn.prompt.tenant,
+            "chat.model": self.engine.model_name, "chat.attempt": turn.progress.attempt,
+            "messaging.kafka.offset": turn.offset, "chat.worker": self.worker}
+        TRACER.start_span("chat.queue", context=turn.traced.parent, attributes=attributes,
+                          start_time=ms_to_ns(turn.traced.appended_ms)).end()
+        return TRACER.start_span("chat.engine", context=turn.traced.parent,
+                                 attributes=attributes)
+
+
+def _ended(final: Final) -> dict[str, str | int | float]:
+    if isinstance(final, GenerationFailed):
+        return {"chat.failure": final.code}
+    return {"chat.finish_reason": final.finish_reason,
+            "gen_ai.usage.input_tokens": final.usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": final.usage.completion_tokens,
+            "chat.ttft_ms": final.ttft_ms or 0.0}
