@@ -15,7 +15,7 @@ of ``chat.control`` (range assignment).
   bounded window (7 days by default).
 * ``chat.workers``: the workers' heartbeats (compacted; ``pipeline.roster``).
 * ``chat.rollouts``: every change of which version serves a model alias, kept forever
-  (``pipeline.rollout``).
+  (``schemas.rollout``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CONVERSATION_TOPICS = (PROMPTS, CONTROL, GENERATIONS)
 LIVE = "chat.live"
 DEADLETTER = "chat.deadletter"
 WORKERS = "chat.workers"
-# Model aliases and rollouts: which version serves an alias's turns (``pipeline.rollout``).
+# Model aliases and rollouts: which version serves an alias's turns (``schemas.rollout``).
 ROLLOUTS = "chat.rollouts"
 # The name workers give themselves in dead letters; also the consumer group every worker
 # shared before groups were per model (``workers_group``), whose offsets a model's group
@@ -52,6 +52,11 @@ def worker_client_id(model: str) -> str:
     return "chat-worker/" + model
 
 
+# How far apart the clocks of the processes writing the log may be: a prompt's record
+# time is its gateway's, a turn's events' times are its worker's (CreateTime). A reader
+# that finds a turn's events by time (a takeover's scan, a stream read from a turn's
+# start) starts this long before its prompt's time.
+CLOCK_SKEW_MS = 60_000
 # Room for a dead letter's headers beyond the record it parks.
 DEADLETTER_HEADROOM = 64 * 1024
 
@@ -66,7 +71,7 @@ class TopicSpec:
 
 @dataclass(frozen=True)
 class TopicPolicy:
-    """How the pipeline's topics are created (``PIPELINE_*`` settings, see README)."""
+    """How the pipeline's topics are created (``PIPELINE_*`` settings, see docs/running.md)."""
 
     partitions: int = 6
     replication: int | None = None  # None: min(3, brokers)

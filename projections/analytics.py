@@ -4,7 +4,7 @@ a consumer group of its own, written to PostgreSQL and exported to Prometheus.
 
 Per minute (``analytics_minutes`` and its neighbours, migration 006): turns started,
 finished, cancelled and failed (by code), prompt and completion tokens, TTFT and
-inter-token latency sketches (``pipeline.sketch``: mergeable, so minutes add up to
+inter-token latency sketches (``schemas.sketch``: mergeable, so minutes add up to
 hours), and the sessions with a turn started.
 
 **Exact under faults, without faust's exactly-once mode** (its open duplicate and crash
@@ -56,7 +56,7 @@ import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
-from pipeline.sketch import bin_of
+from pipeline.metrics import LATENCY_BUCKETS
 from projections.projector import caused_by_event
 from schemas import (
     Event,
@@ -66,10 +66,10 @@ from schemas import (
     PromptSubmitted,
     TokenDelta,
 )
+from schemas.sketch import bin_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # How far back "active sessions" looks, for the gauge.
 ACTIVE_WINDOW_MINUTES = 5
 
