@@ -120,87 +120,11 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        label = uuid.uuid4().hex[:12]
-        timeout_s = settings.dependency_timeout_s
-        producer = EventProducer(common.kafka_bootstrap, linger_ms=0,
-                                 timeout_ms=int(timeout_s * 1000),
-                                 max_record_bytes=common.max_record_bytes,
-                                 compression=common.compression)
-        prompts: TransactionalProducer | None = None
-        meta = AsyncConsumer(common.kafka_bootstrap, f"gateway-meta-{label}")
-        reader = AsyncConsumer(common.kafka_bootstrap, f"gateway-reader-{label}",
-                               **QUICK_ASSIGN)
-        fleet = Fleet(common.kafka_bootstrap, settings.max_backlog, configured=settings.models,
-                      max_waiting_per_tenant=settings.max_waiting_per_tenant,
-                      max_running_per_tenant=settings.max_running_per_tenant)
-        # Opened without waiting: a gateway starts while PostgreSQL is away (its requests
-        # that need the store are refused meanwhile), and a connection broken by a
-        # restart of the database is found and replaced when it is taken from the pool.
-        pool = AsyncConnectionPool(common.database_url, min_size=1, max_size=10,
-                                   timeout=timeout_s, check=AsyncConnectionPool.check_connection,
-                                   kwargs={"connect_timeout": max(int(timeout_s), 1)},
-                                   open=False)
-        await pool.open(wait=False)
-        health = Health(meta, pool, timeout_s)
-        loop_watch = LoopWatch(registry, "gateway")
-        loop_watch.start()
-        streams = Streams(settings.send_timeout_s)
-        tail: GenerationTail | None = None
-        # On an address of their own if asked (one only Prometheus reaches, say).
-        stop_metrics = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
-        try:
-            partitions = await _partitions(meta, settings.startup_timeout_s)
-            for consumer in (meta, reader):  # so a client's first call waits for no lookup
-                for topic in (*CONVERSATION_TOPICS, LIVE):
-                    await consumer.partitions(topic)
-            # A prompt the topic would refuse is refused alone, before it is queued.
-            limits = await asyncio.to_thread(topic_limits, common.kafka_bootstrap, [PROMPTS],
-                                             common.max_record_bytes)
-            prompts = TransactionalProducer(
-                common.kafka_bootstrap,
-                f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
-                timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
-                interval_ms=settings.transaction_interval_ms,
-                max_record_bytes=limits[PROMPTS], limits=limits,
-                compression=common.compression)
-            prompts.start()
-            store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,
-                                      timeout_s=timeout_s)
-
-            tail = GenerationTail(common.kafka_bootstrap, store.end_of, settings.tail_linger_s,
-                                  settings.stream_max_items, settings.stream_max_bytes,
-                                  timeout_s=timeout_s)
-            await tail.start()
-            fleet.start()
-            health.start()
-            gateway_metrics.backlog.set_function(lambda: fleet.backlog)
-            gateway_metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
-            gateway_metrics.prompt_transactions.set_function(
-                lambda: prompts.transactions if prompts else 0)
-            guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
-                          failed_lookups=settings.failed_key_lookups)
-            await _say_whether_keys_are_required(guard)
-            chat = ChatService(settings, producer, prompts, tail, store, fleet, guard,
-                               gateway_metrics, settings.models)
-            streams.start()
-            app.state.resources = Resources(chat, producer, guard, registry, settings, health,
-                                            streams)
+        async with contextlib.AsyncExitStack() as opened:
+            app.state.resources = await open_resources(opened, settings, common, registry,
+                                                       gateway_metrics)
             runtime.settle()
             yield
-        finally:
-            stop_metrics()
-            await streams.stop()
-            await loop_watch.stop()
-            await health.stop()
-            if tail is not None:
-                await tail.stop()
-            await fleet.stop()
-            await reader.close()
-            await meta.close()
-            if prompts is not None:
-                await asyncio.to_thread(prompts.close, 10)
-            producer.close()
-            await pool.close()
 
     routes = [
         Route("/v1/chat/completions", completions.create, methods=["POST"]),
@@ -244,6 +168,84 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
     app.add_middleware(RequestIds)
     app.add_middleware(RequestMetrics, metrics=gateway_metrics)
     return app
+
+
+async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySettings,
+                         common: CommonSettings, registry: CollectorRegistry,
+                         metrics: GatewayMetrics) -> Resources:
+    """The gateway's resources, one after another, each closed when ``opened`` closes
+    (in the reverse order: open streams first, the producers and the pool last)."""
+    label = uuid.uuid4().hex[:12]
+    bootstrap, timeout_s = common.kafka_bootstrap, settings.dependency_timeout_s
+    # Control events: facts that may arrive late (prompts have producers of their own).
+    producer = EventProducer(bootstrap, linger_ms=0, timeout_ms=int(timeout_s * 1000),
+                             max_record_bytes=common.max_record_bytes,
+                             compression=common.compression)
+    opened.callback(producer.close)
+    # Opened without waiting: a gateway starts while PostgreSQL is away (its requests that
+    # need the store are refused meanwhile), and a connection broken by a restart of the
+    # database is found and replaced when it is taken from the pool.
+    pool = AsyncConnectionPool(common.database_url, min_size=1, max_size=10,
+                               timeout=timeout_s, check=AsyncConnectionPool.check_connection,
+                               kwargs={"connect_timeout": max(int(timeout_s), 1)}, open=False)
+    await pool.open(wait=False)
+    opened.push_async_callback(pool.close)
+    # Partition counts and watermarks; the records of a conversation, read on request.
+    meta = AsyncConsumer(bootstrap, f"gateway-meta-{label}")
+    opened.push_async_callback(meta.close)
+    reader = AsyncConsumer(bootstrap, f"gateway-reader-{label}", **QUICK_ASSIGN)
+    opened.push_async_callback(reader.close)
+    # The workers alive, and the backlog admission counts.
+    fleet = Fleet(bootstrap, settings.max_backlog, configured=settings.models,
+                  max_waiting_per_tenant=settings.max_waiting_per_tenant,
+                  max_running_per_tenant=settings.max_running_per_tenant)
+    opened.push_async_callback(fleet.stop)
+    health = Health(meta, pool, timeout_s)
+    opened.push_async_callback(health.stop)
+    loop_watch = LoopWatch(registry, "gateway")
+    loop_watch.start()
+    opened.push_async_callback(loop_watch.stop)
+    # On an address of their own if asked (one only Prometheus reaches, say).
+    opened.callback(serve_metrics(registry, settings.metrics_port, settings.metrics_host))
+
+    partitions = await _partitions(meta, settings.startup_timeout_s)
+    for consumer in (meta, reader):  # so a client's first call waits for no lookup
+        for topic in (*CONVERSATION_TOPICS, LIVE):
+            await consumer.partitions(topic)
+    # Turns: each prompt in a Kafka transaction. A prompt the topic would refuse is
+    # refused alone, before it is queued.
+    limits = await asyncio.to_thread(topic_limits, bootstrap, [PROMPTS],
+                                     common.max_record_bytes)
+    prompts = TransactionalProducer(
+        bootstrap, f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
+        timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
+        interval_ms=settings.transaction_interval_ms, max_record_bytes=limits[PROMPTS],
+        limits=limits, compression=common.compression)
+    prompts.start()
+    opened.push_async_callback(asyncio.to_thread, prompts.close, 10)
+    store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,
+                              timeout_s=timeout_s)
+    # The live stream and the durable record, tailed once for every client here.
+    tail = GenerationTail(bootstrap, store.end_of, settings.tail_linger_s,
+                          settings.stream_max_items, settings.stream_max_bytes,
+                          timeout_s=timeout_s)
+    await tail.start()
+    opened.push_async_callback(tail.stop)
+    fleet.start()
+    health.start()
+    metrics.backlog.set_function(lambda: fleet.backlog)
+    metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
+    metrics.prompt_transactions.set_function(lambda: prompts.transactions)
+    guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
+                  failed_lookups=settings.failed_key_lookups)
+    await _say_whether_keys_are_required(guard)
+    chat = ChatService(settings, producer, prompts, tail, store, fleet, guard, metrics,
+                       settings.models)
+    # Open streams: on shutdown, drained first (``GATEWAY_DRAIN_S``).
+    streams = Streams(settings.send_timeout_s)
+    streams.start()
+    opened.push_async_callback(streams.stop)
+    return Resources(chat, guard, registry, settings, health, streams)
 
 
 async def _partitions(meta: AsyncConsumer, timeout_s: float) -> int:

@@ -216,6 +216,9 @@ class Authenticate:
     """ASGI middleware: every ``/v1`` request names its caller (``request.state.caller``),
     is charged one request, and carries its key's ``x-ratelimit-*`` headers."""
 
+    # Reads or changes only the start of a response (``gateway.eventstream.ServerSend``).
+    START_ONLY = True
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 

@@ -17,19 +17,17 @@ client attaches again (``ClientAttached``), through any gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from gateway import openai_api
 from gateway.auth import Caller, Guard, estimate_tokens
-from gateway.cursor import DONE, KEEPALIVE, Cursor, failure, sse
+from gateway.cursor import failure
 from gateway.dependencies import KAFKA, from_log
-from gateway.errors import api_error
 from gateway.fleet import Fleet
 from gateway.ids import EventPosition, completion_id, conversation_of, idempotent_conversation
 from gateway.metrics import GatewayMetrics
@@ -47,7 +45,6 @@ from gateway.problems import (
     PromptTooLarge,
     SessionNotFound,
     StoreUnavailable,
-    StreamLagging,
     TenantLimit,
     TurnInProgress,
 )
@@ -58,26 +55,27 @@ from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key, encode
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
 from pipeline.logs import bind_turn
-from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS
+from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, LIVE, PROMPTS
 from schemas import (
     Charge,
     ChatMessage,
     ClientAttached,
     ClientDetached,
+    FinishReason,
     GenerationCancelled,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
     PromptSubmitted,
+    SessionCreated,
+    SessionDeleted,
+    Usage,
 )
 from schemas.conversation import UNFINISHED
 from schemas.history import digest
 from schemas.live import TERMINAL, Delta, End, Failure, Start, StreamItem, entries
 
 log = logging.getLogger(__name__)
-# Worker and gateway clocks may differ: read a turn's events from this long before
-# its prompt's time when replaying it from the start.
-CLOCK_SKEW_MS = 5_000
 
 
 @dataclass
@@ -94,6 +92,16 @@ class Following:
     attachment: str
     resume_after: tuple[str, int, int] | None = None
     accepted_at: float = 0.0
+    ended: bool = False  # the client has had the turn's end
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A turn's whole reply, for a client that waits for all of it."""
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
 
 
 class ChatService:
@@ -157,7 +165,7 @@ class ChatService:
         tenant = caller.tenant
         key = idempotency_key
         conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
-        # An alias's turn goes to the version its rollout record picks (pipeline.rollout).
+        # An alias's turn goes to the version its rollout record picks (schemas.rollout).
         version, routed_by = self.fleet.route(request.model, conversation)
         self.check_model(version)
         request_id = completion_id(conversation, tenant, key)
@@ -279,6 +287,24 @@ class ChatService:
             log.info("prompt %s is void: %s was accepted first in its session",
                      prompt.request_id, rival)
             raise TurnInProgress(rival)
+
+    # -- sessions -------------------------------------------------------------------
+    async def create_session(self, tenant: str, title: str | None) -> SessionCreated:
+        """A new session, once its creation is in the log."""
+        event = SessionCreated(conversation_id=uuid.uuid4(),
+                               request_id=f"session-{uuid.uuid4().hex}", tenant=tenant,
+                               title=title)
+        await from_log(lambda: self.producer.send(CONTROL, event),
+                       self.settings.dependency_timeout_s)
+        return event
+
+    async def delete_session(self, session: uuid.UUID, tenant: str) -> None:
+        """Delete a session the tenant sees (``SessionNotFound`` otherwise), once the
+        deletion is in the log: its running turns stop, and the store drops it."""
+        await self.visible_view(session, tenant)
+        await from_log(lambda: self.producer.send(CONTROL, SessionDeleted(
+            conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}",
+            tenant=tenant)), self.settings.dependency_timeout_s)
 
     # -- an existing turn ---------------------------------------------------------
     async def find_turn(self, completion: str,
@@ -442,36 +468,18 @@ class ChatService:
         elif isinstance(item, End) and f.accepted_at:
             self.metrics.latency.observe(time.monotonic() - f.accepted_at)
 
-    async def stream(self, f: Following, include_usage: bool,
-                     id_lines: bool = False) -> AsyncGenerator[bytes, None]:
-        """The turn as SSE messages of OpenAI chunks, ending with ``[DONE]``; with
-        ``id_lines``, each message that stands for a log event has an ``id`` line. A
-        comment line keeps a quiet stream alive (``KEEPALIVE``)."""
-        cursor = Cursor(f.completion_id, f.created, f.model, include_usage, f.resume_after,
-                        id_lines)
+    @contextlib.asynccontextmanager
+    async def following(self, f: Following) -> AsyncIterator[AsyncIterator[Delivered | None]]:
+        """The turn's items while a client follows it (None: a keep-alive is due), each
+        counted in the gateway's metrics. On leaving, the subscription ends; a client
+        that left before the turn's end (``f.ended`` unset) is said to have detached,
+        so that the worker's grace for the turn begins."""
         self.metrics.active_streams.inc()
         self._open[f.conversation_id] += 1
         self._streams[f.tenant] += 1
         self.metrics.active_sessions.set(len(self._open))
-        complete = True
         try:
-            try:
-                async for item in self._events(f):
-                    if item is None:
-                        yield KEEPALIVE
-                        continue
-                    self._observe(f, item)
-                    for out in cursor.feed(item):
-                        yield out
-                    if cursor.done:
-                        break
-            except Problem as exc:
-                yield sse(api_error(exc).body())
-            except Overflow:
-                complete = False  # the client reconnects with its Last-Event-ID
-                yield sse(api_error(StreamLagging(
-                    "The stream fell too far behind and was dropped; reconnect with "
-                    "Last-Event-ID to continue.")).body())
+            yield self._observed(f)
         finally:
             self.metrics.active_streams.dec()
             self._open[f.conversation_id] -= 1
@@ -482,12 +490,16 @@ class ChatService:
                 del self._streams[f.tenant]
             self.metrics.active_sessions.set(len(self._open))
             self.tail.unfollow(f.sub)
-            if not cursor.done:
+            if not f.ended:
                 self._detach(f)
-        if complete:
-            yield DONE
 
-    async def collect(self, f: Following) -> dict[str, Any]:
+    async def _observed(self, f: Following) -> AsyncIterator[Delivered | None]:
+        async for item in self._events(f):
+            if item is not None:
+                self._observe(f, item)
+            yield item
+
+    async def collect(self, f: Following) -> Reply:
         """Wait for the whole reply (non-streaming). The answer's status is written only
         then, so after acceptance it is never a refusal: a reader that fell behind reads
         the turn again from the log, and a turn past ``generation_timeout_s`` is
@@ -514,7 +526,7 @@ class ChatService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def _collect(self, f: Following) -> dict[str, Any]:
+    async def _collect(self, f: Following) -> Reply:
         parts: list[str] = []
         next_seq = 0
         try:
@@ -528,8 +540,7 @@ class ChatService:
                         parts.append(item.text)
                         next_seq = item.seq + delivered.span
                 elif isinstance(item, End):
-                    return openai_api.completion(f.completion_id, f.created, f.model,
-                                                 "".join(parts), item.finish_reason, item.usage)
+                    return Reply("".join(parts), item.finish_reason, item.usage)
                 elif isinstance(item, Failure):
                     raise failure(item)
         finally:

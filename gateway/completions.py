@@ -18,6 +18,7 @@ from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
 from gateway.openai_api import ChatRequest, parse_chat_request
 from gateway.problems import Problem, SessionNotFound
+from gateway.wire import completion, sse_stream
 from pipeline.tracing import TRACER, Span, from_http, ms_to_ns, record_headers
 
 SESSION_HEADER = "X-Session-Id"
@@ -76,11 +77,11 @@ async def respond(request: Request, chat_request: ChatRequest,
         raise
     span.set_attribute("chat.request_id", following.completion_id)
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
-        events = res.chat.stream(following, chat_request.include_usage())
+        events = sse_stream(res.chat, following, chat_request.include_usage())
         return sse_response(request, traced(events, span, following),
                             stream_headers(following))
     try:
-        body = await res.chat.collect(following)
+        body = await completion(res.chat, following)
     except Problem as exc:  # the turn exists (timed out, failed): its ids go with the answer
         error = api_error(exc)
         return JSONResponse(error.body(), status_code=error.status,
@@ -146,7 +147,7 @@ async def stream(request: Request) -> Response:
         completion, tenant_of(request), parse_event_id(raw) if raw else None, stream=True)
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     # With id lines, so that an EventSource sends the last one back when it reconnects.
-    return sse_response(request, res.chat.stream(following, include_usage, id_lines=True),
+    return sse_response(request, sse_stream(res.chat, following, include_usage, id_lines=True),
                         stream_headers(following))
 
 

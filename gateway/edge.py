@@ -117,6 +117,9 @@ async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -
 class AllowedHosts:
     """ASGI middleware: only requests whose ``Host`` is allowed reach the app."""
 
+    # Reads or changes only the start of a response (``gateway.eventstream.ServerSend``).
+    START_ONLY = True
+
     def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
         self.app = app
         self.allowed = allowed
@@ -143,6 +146,9 @@ def _is_json(content_type: str) -> bool:
 class JsonOnly:
     """ASGI middleware: a ``/v1`` request that may change something (not GET, HEAD or
     OPTIONS) and sends a body, or declares a content type, must declare JSON (415)."""
+
+    # Reads or changes only the start of a response (``gateway.eventstream.ServerSend``).
+    START_ONLY = True
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

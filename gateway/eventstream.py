@@ -16,7 +16,9 @@ runs (``Streams``), not timed per message; keep-alives come from the stream itse
   scope), past the middleware's wrappers: each of them acts on the start message only,
   and a body message per token through five of them was about a tenth of the gateway's
   CPU. So a middleware that changes response bodies (compression, say) must not wrap
-  these routes.
+  these routes: ``ServerSend.add_middleware`` takes only a middleware class that says
+  ``START_ONLY = True`` (it reads or changes the start message only), and refuses any
+  other at start-up.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncGenerator, Mapping
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -43,6 +46,17 @@ SERVER_SEND = "gateway.server_send"
 
 class ServerSend(Starlette):
     """Starlette that keeps the server's ``send`` in each scope, for ``EventStream``."""
+
+    def add_middleware(self, middleware_class: Any, *args: Any, **kwargs: Any) -> None:
+        """Only a middleware that acts on the start message alone (``START_ONLY``): an
+        event stream's body messages go past every middleware."""
+        if getattr(middleware_class, "START_ONLY", False) is not True:
+            raise TypeError(
+                f"{getattr(middleware_class, '__name__', middleware_class)} does not say "
+                "START_ONLY = True: event streams send their bodies past every middleware "
+                "(gateway.eventstream), so one that reads or changes response bodies would "
+                "miss them")
+        super().add_middleware(middleware_class, *args, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send

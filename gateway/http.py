@@ -14,13 +14,11 @@ from gateway.dependencies import Health
 from gateway.errors import APIError
 from gateway.eventstream import Streams
 from gateway.settings import GatewaySettings
-from pipeline.kafka import EventProducer
 
 
 @dataclass
 class Resources:
     chat: ChatService
-    producer: EventProducer
     guard: Guard
     registry: CollectorRegistry
     settings: GatewaySettings

@@ -15,6 +15,9 @@ class RequestMetrics:
     """Counts responses by route template and status, refusals by status, and requests
     that failed unexpectedly as 500 (their answer is written outside this middleware)."""
 
+    # Reads or changes only the start of a response (``gateway.eventstream.ServerSend``).
+    START_ONLY = True
+
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
         self.metrics = metrics
@@ -49,6 +52,9 @@ class RequestMetrics:
 class RequestIds:
     """Every answer carries ``X-Request-Id``: a turn's completion id where a handler set
     one (also on a 503, for a retry or a question), else one made for the request."""
+
+    # Reads or changes only the start of a response (``gateway.eventstream.ServerSend``).
+    START_ONLY = True
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -16,14 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.completions import parse_session_id, respond
-from gateway.dependencies import from_log
 from gateway.edge import load_json
 from gateway.errors import APIError
 from gateway.http import read_body, resources, tenant_of
 from gateway.openai_api import InMessage, Role, parse_chat_request, validate
 from gateway.store import session_json
-from pipeline.topics import CONTROL
-from schemas import SessionCreated, SessionDeleted
 
 
 class NewSession(BaseModel):
@@ -41,9 +38,7 @@ async def create(request: Request) -> Response:
     res = resources(request)
     body = await read_body(request, res.settings.max_body_bytes)
     new = validate(NewSession, load_json(body) if body.strip() else {})
-    event = SessionCreated(conversation_id=uuid.uuid4(), request_id=f"session-{uuid.uuid4().hex}",
-                           tenant=tenant_of(request), title=new.title)
-    await from_log(lambda: res.producer.send(CONTROL, event), res.settings.dependency_timeout_s)
+    event = await res.chat.create_session(tenant_of(request), new.title)
     created = session_json(event.conversation_id, new.title, event.occurred_at,
                            event.occurred_at)
     return JSONResponse(created, status_code=201)
@@ -75,11 +70,7 @@ async def get(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     res = resources(request)
     session = parse_session_id(request.path_params["session_id"])
-    tenant = tenant_of(request)
-    await res.chat.visible_view(session, tenant)
-    await from_log(lambda: res.producer.send(CONTROL, SessionDeleted(
-        conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}", tenant=tenant)),
-        res.settings.dependency_timeout_s)
+    await res.chat.delete_session(session, tenant_of(request))
     return JSONResponse({"id": str(session), "object": "session.deleted", "deleted": True})
 
 
