@@ -13,7 +13,7 @@ gateway needs state shared with another.
 * **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``),
   and those served within the hour (``known``).
 * **Aliases**: which version serves each model alias, and any rollout under way
-  (``pipeline.rollout``); ``route()`` picks a new turn's version.
+  (``schemas.rollout``); ``route()`` picks a new turn's version.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from gateway.problems import BacklogFull, TenantLimit
 from pipeline.kafka import GroupStatus
 from pipeline.retry import QuietLog
-from pipeline.rollout import Rollout, RolloutBook, route
+from pipeline.rollout import RolloutBook
 from pipeline.roster import Roster
 from pipeline.topics import PROMPTS, workers_group
 from pipeline.waiting import waiting
+from schemas.rollout import Rollout, route
 
 log = logging.getLogger(__name__)
 

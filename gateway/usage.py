@@ -1,5 +1,5 @@
 """``GET /v1/usage``: the caller's tenant's usage, shaped like OpenAI's organization
-usage API (``pipeline.usage``), from the tables ``pipeline analytics`` keeps."""
+usage API (``gateway.usage_query``), from the tables ``pipeline analytics`` keeps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.dependencies import from_store
 from gateway.errors import APIError
 from gateway.http import resources, tenant_of
-from pipeline.usage import SNAPSHOT, UsageError, UsageQuery, assemble, statements
+from gateway.usage_query import SNAPSHOT, UsageError, UsageQuery, assemble, statements
 
 _INT = re.compile(r"[0-9]{1,12}")
 

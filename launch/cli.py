@@ -21,7 +21,7 @@
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
-``WORKER_*``, ``PROJECTOR_*``, ``ANALYTICS_*``); flags override them. See README.md.
+``WORKER_*``, ``PROJECTOR_*``, ``ANALYTICS_*``); flags override them. See docs/running.md.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,9 @@ from launch.services import (
 from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.logs import log_format, setup_logging
 from pipeline.retry import RepeatFilter
-from pipeline.rollout import HealthPolicy
 from pipeline.settings import CommonSettings
 from projections.settings import AnalyticsSettings, ProjectorSettings
+from schemas.rollout import HealthPolicy
 from workers.settings import WorkerSettings
 
 log = logging.getLogger("pipeline")
@@ -295,7 +296,9 @@ def _share(text: str) -> float:
 
 
 def run_rollout_command(common: CommonSettings, args: argparse.Namespace) -> int:
-    from pipeline.rollout import Controller, RolloutBook, RolloutRefused, describe
+    from launch.rollout import Controller, RolloutRefused
+    from pipeline.rollout import RolloutBook
+    from schemas.rollout import describe
 
     if args.alias == "status":
         book = RolloutBook(common.kafka_bootstrap)
@@ -478,7 +481,7 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
 def run_usage_command(common: CommonSettings, args: argparse.Namespace) -> int:
     import psycopg
 
-    from pipeline.usage import UsageError, UsageQuery, format_table, usage
+    from gateway.usage_query import UsageError, UsageQuery, format_table, usage
     from projections.migrate import in_schema
 
     end = args.end or datetime.now(UTC)
@@ -578,74 +581,102 @@ def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> s
     return None
 
 
-def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
-    if args.command == "infra":
-        from launch.local import infra_down, infra_status, infra_up
+def _infra(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    from launch.local import infra_down, infra_status, infra_up
 
-        if args.action == "up":
-            infra_up(common, external_db, args.brokers, args.secure)
-        elif args.action == "down":
-            infra_down(common)
-        else:
-            return infra_status(common, external_db)
-    elif args.command == "migrate":
-        from projections.migrate import migrate
-
-        applied = migrate(common.database_url)
-        print("applied: " + (", ".join(applied) or "nothing (up to date)"))
-    elif args.command == "topics":
-        return run_topics_command(common)
-    elif args.command == "gateway":
-        gateway = GatewaySettings(**_overrides(args, "host", "port", "require_auth",
-                                               "metrics_port", "workers"))
-        if gateway.workers > 1:
-            from launch.gateways import run_gateways
-
-            return run_gateways(gateway, gateway.workers)
-        run_gateway(common, gateway, reuse_port=args.reuse_port)
-    elif args.command == "keys":
-        return run_keys_command(common, args)
-    elif args.command == "worker":
-        worker = WorkerSettings(**_overrides(
-            args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
-            "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
-            "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes",
-            "coalesce_ms"))
-        run_worker(common, worker)
-    elif args.command == "projector":
-        run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))
-    elif args.command == "analytics":
-        run_analytics(common, AnalyticsSettings(**_overrides(args, "metrics_port", "group",
-                                                             "schema_name")))
-    elif args.command == "usage":
-        return run_usage_command(common, args)
-    elif args.command == "contract":
-        from pipeline import contract
-        from pipeline.settings import REPO_ROOT
-
-        if args.check:
-            stale = contract.stale(REPO_ROOT)
-            for name in stale:
-                print(f"{contract.CONTRACT_DIR / name} differs from the code: run "
-                      "`pipeline contract`", file=sys.stderr)
-            return 1 if stale else 0
-        for path in contract.write(REPO_ROOT):
-            print(f"wrote {path}")
-    elif args.command == "replay":
-        return run_replay_command(common, args)
-    elif args.command == "audit":
-        return run_audit_command(common, args)
-    elif args.command == "bench":
-        return run_bench_command(common, args)
-    elif args.command == "rollout":
-        return run_rollout_command(common, args)
-    elif args.command == "fuzz":
-        return run_fuzz_command(args)
-    elif args.command == "demo":
-        from launch.demo import run_demo
-
-        return run_demo(common, GatewaySettings(), external_db)
+    if args.action == "up":
+        infra_up(common, external_db, args.brokers, args.secure)
+    elif args.action == "down":
+        infra_down(common)
+    else:
+        return infra_status(common, external_db)
     return 0
+
+
+def _migrate(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    from projections.migrate import migrate
+
+    applied = migrate(common.database_url)
+    print("applied: " + (", ".join(applied) or "nothing (up to date)"))
+    return 0
+
+
+def _gateway(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    gateway = GatewaySettings(**_overrides(args, "host", "port", "require_auth",
+                                           "metrics_port", "workers"))
+    if gateway.workers > 1:
+        from launch.gateways import run_gateways
+
+        return run_gateways(gateway, gateway.workers)
+    run_gateway(common, gateway, reuse_port=args.reuse_port)
+    return 0
+
+
+def _worker(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    run_worker(common, WorkerSettings(**_overrides(
+        args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
+        "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
+        "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes",
+        "coalesce_ms")))
+    return 0
+
+
+def _projector(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    run_projector(common, ProjectorSettings(**_overrides(args, "metrics_port")))
+    return 0
+
+
+def _analytics(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    run_analytics(common, AnalyticsSettings(**_overrides(args, "metrics_port", "group",
+                                                         "schema_name")))
+    return 0
+
+
+def _contract(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    from pipeline import contract
+    from pipeline.settings import REPO_ROOT
+
+    if args.check:
+        stale = contract.stale(REPO_ROOT)
+        for name in stale:
+            print(f"{contract.CONTRACT_DIR / name} differs from the code: run "
+                  "`pipeline contract`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in contract.write(REPO_ROOT):
+        print(f"wrote {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    from launch.demo import run_demo
+
+    return run_demo(common, GatewaySettings(), external_db)
+
+
+Command = Callable[[argparse.Namespace, CommonSettings, bool], int]
+# Each command of the parser above, and what runs it.
+COMMANDS: dict[str, Command] = {
+    "infra": _infra,
+    "migrate": _migrate,
+    "topics": lambda args, common, _: run_topics_command(common),
+    "gateway": _gateway,
+    "keys": lambda args, common, _: run_keys_command(common, args),
+    "worker": _worker,
+    "projector": _projector,
+    "analytics": _analytics,
+    "usage": lambda args, common, _: run_usage_command(common, args),
+    "contract": _contract,
+    "replay": lambda args, common, _: run_replay_command(common, args),
+    "audit": lambda args, common, _: run_audit_command(common, args),
+    "bench": lambda args, common, _: run_bench_command(common, args),
+    "rollout": lambda args, common, _: run_rollout_command(common, args),
+    "fuzz": lambda args, common, _: run_fuzz_command(args),
+    "demo": _demo,
+}
+
+
+def _run(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    return COMMANDS[args.command](args, common, external_db)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter
 
-from pipeline.rollout import Rollout
 from pipeline.topics import (
     CONTROL,
     DEADLETTER,
@@ -29,6 +28,7 @@ from pipeline.topics import (
 )
 from schemas import EVENT_ADAPTER
 from schemas.live import LIVE_ADAPTER
+from schemas.rollout import Rollout
 
 CONTRACT_DIR = Path("docs") / "contract"
 SCHEMA_FILE = "events.schema.json"

@@ -178,7 +178,7 @@ class PromptSubmitted(EventBase):
 
     v3 adds the routing decision: ``model`` is the version that serves the turn;
     ``alias``, the model the client asked for when it named an alias
-    (``pipeline.rollout``), and ``rollout``, the id of the rollout record that routed it.
+    (``schemas.rollout``), and ``rollout``, the id of the rollout record that routed it.
 
     v4 stops repeating the session: ``messages`` are this turn's new messages only, and
     the ``history_len`` messages before them are given by reference, ``previous`` (the

@@ -53,7 +53,8 @@ def snapshot(database_url: str, schema: str,
 def contested(stack: Stack) -> frozenset[uuid.UUID]:
     """Conversations whose events name more than one tenant. Only a misbehaving producer
     writes them (the tests do, on purpose); which of them the store refuses depends on
-    which topic is read first (README, "Known limits"), so no two readings need agree."""
+    which topic is read first (docs/architecture.md: the known limit of tenant
+    isolation), so no two readings need agree."""
     tenants: dict[uuid.UUID, set[str]] = {}
     for topic in CONVERSATION_TOPICS:
         for _, event in read_events(stack.bootstrap, topic):

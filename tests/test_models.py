@@ -20,9 +20,10 @@ import httpx
 import pytest
 
 from infra.process import free_port
-from pipeline.rollout import Rollout, publish
+from pipeline.rollout import publish
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, GenerationStarted, PromptSubmitted
+from schemas.rollout import Rollout
 from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
 from tests.logread import read_events
 from tests.sse import Streamed, scrape, stream_chat

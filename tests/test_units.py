@@ -24,24 +24,13 @@ from prometheus_client import CollectorRegistry
 from gateway.auth import Guard
 from gateway.errors import APIError
 from gateway.openai_api import parse_chat_request
+from gateway.usage_query import LATEST, UsageError, UsageQuery
 from infra.process import free_port
 from launch.cli import service_down
-from pipeline import sketch
 from pipeline.codec import DecodeError, Position, decode, encode
 from pipeline.kafka import Record
 from pipeline.metrics import LoopWatch, serve_metrics
-from pipeline.rollout import (
-    Figures,
-    Health,
-    HealthPolicy,
-    Rollout,
-    judge,
-    newer_rollout,
-    route,
-    stale,
-)
 from pipeline.settings import CommonSettings
-from pipeline.usage import LATEST, UsageError, UsageQuery
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -52,14 +41,25 @@ from schemas import (
     SamplingParams,
     TokenDelta,
     Usage,
+    sketch,
 )
 from schemas.events import new_event_id
+from schemas.rollout import (
+    Figures,
+    Health,
+    HealthPolicy,
+    Rollout,
+    judge,
+    newer_rollout,
+    route,
+    stale,
+)
 from workers.engine import EngineRequest
 from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
-from workers.recovery import LogFolder, Recovered, fold, from_log
+from workers.recovery import LogFolder, Recovered, fold, fold_values
 from workers.sim_engine import SimEngine, sim_token_text
-from workers.worker import reported
+from workers.takeover import reported
 
 CONV = uuid.uuid4()
 
@@ -213,7 +213,7 @@ def test_recovery_from_raw_records_equals_the_fold_of_every_decoded_event() -> N
 
     expected = {rid: Recovered(ended=True) if rec.ended else rec
                 for rid, rec in fold(events).items()}  # type: ignore[arg-type]
-    found = from_log(values)
+    found = fold_values(values)
     assert found == expected
     assert found["open"].attempt == 1 and [d.seq for d in found["open"].emitted()] == [0, 1, 2]
     assert found["done"].ended and found["failed"].ended and not found["open"].ended
@@ -513,7 +513,7 @@ def test_a_long_takeover_read_logs_how_far_it_has_come(caplog: pytest.LogCapture
     since = int(time.time() * 1000) - 100_000
     records = [Record(Position("chat.generations", 0, i), None, b"{}", since + i * 25_000)
                for i in range(4)]
-    with caplog.at_level(logging.INFO, logger="workers.worker"):
+    with caplog.at_level(logging.INFO, logger="workers.takeover"):
         assert list(reported(records, since, "reading chat.generations", every_s=0)) == records
     assert [r.getMessage() for r in caplog.records] == [
         f"taking over: reading chat.generations: {i + 1} records in 0 s, {25 * i}% of the way "
@@ -656,3 +656,26 @@ def test_a_paired_serving_bench_says_each_pair_as_it_ends(
     assert all(line.endswith("%") for line in lines)
     assert [len(level) for level in out.ratios] == [3, 3]
     assert all(0.3 < ratio < 0.7 for level in out.ratios for ratio in level)  # 5 / 10 tokens
+
+
+def test_event_streams_refuse_a_middleware_that_could_touch_their_bodies() -> None:
+    """SSE bodies go straight to the server's send, past every middleware: the app takes
+    only middleware that says it acts on the start message alone (ServerSend)."""
+    from starlette.middleware.gzip import GZipMiddleware
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    app = create_app(GatewaySettings(), CommonSettings())
+    assert len(app.user_middleware) == 5  # the gateway's own: each says START_ONLY
+    with pytest.raises(TypeError, match="START_ONLY"):
+        app.add_middleware(GZipMiddleware)
+
+
+def test_every_command_the_cli_parses_has_what_runs_it() -> None:
+    import argparse
+
+    from launch.cli import COMMANDS, _parser
+
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == set(COMMANDS)

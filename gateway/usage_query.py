@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from pipeline.sketch import quantiles
+from schemas.sketch import quantiles
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 # Buckets per page: OpenAI's defaults and maxima.
