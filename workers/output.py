@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline.codec import Position, encode
-from pipeline.kafka import Outgoing, TransactionalProducer
-from pipeline.topics import GENERATIONS, LIVE
+from pipeline.deadletter import dead_letter_headers
+from pipeline.kafka import Fenced, Outgoing, Record, TransactionalProducer
+from pipeline.topics import DEADLETTER, GENERATIONS, LIVE, WORKERS_GROUP
 from schemas import GenerationFailed, GenerationFinished, GenerationStarted
 
 # What an entry costs in a batch besides its text (its reference, seq and brackets).
@@ -50,6 +51,7 @@ class Output:
         self.writer = writer
         self.worker = worker
         self._open: dict[int, _Open] = {}
+        self._gathering = False  # a call to ``_gather`` is scheduled
         self.records = 0  # live records written (queued)
 
     @property
@@ -93,6 +95,30 @@ class Output:
         batch.size += added
         if batch.size > self.max_bytes:
             self._seal(partition, epoch)
+
+    def gather_soon(self) -> None:
+        """Once the turns the event loop has ready have run, queue what they wrote (one
+        live record per partition) and tell the writer it is all queued: an engine
+        step's outputs wake its turns together, so the step's deltas share one record per
+        partition and one transaction (see ``TransactionalProducer``)."""
+        if not self._gathering:
+            self._gathering = True
+            asyncio.get_running_loop().call_soon(self._gather)
+
+    def _gather(self) -> None:
+        self._gathering = False
+        self.flush(self.writer.epoch)
+        self.writer.gathered()
+
+    async def dead_letter(self, record: Record, reason: str) -> None:
+        """Park a record no one can read, in this worker's transactions: a worker that
+        lost the record's partition is fenced, and the next owner parks it."""
+        try:
+            await self.writer.send_raw(DEADLETTER, record.key, record.value,
+                                       dead_letter_headers(record, reason, WORKERS_GROUP),
+                                       self.writer.epoch)
+        except Fenced:
+            pass
 
     def flush(self, epoch: int) -> None:
         """Queue every open batch (see the module)."""

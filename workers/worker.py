@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from prometheus_client import CollectorRegistry
 
 from pipeline.codec import TP, DecodeError, conversation_key, decode
-from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import (
     AsyncConsumer,
     Fenced,
@@ -46,11 +45,9 @@ from pipeline.logs import turn_fields
 from pipeline.roster import Heartbeat
 from pipeline.topics import (
     CONTROL,
-    DEADLETTER,
     GENERATIONS,
     LIVE,
     PROMPTS,
-    WORKERS_GROUP,
     worker_client_id,
     workers_group,
 )
@@ -122,7 +119,6 @@ class Worker:
         self._history_reader = LogReader(bootstrap, f"worker-history-{self.name}")
         self.histories = Histories(self._history_reader, self.metrics.histories,
                                    settings.history_cache_chars)
-        self._gathering = False  # a call to ``_gather`` is scheduled
         self.assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
         self._rejoin = False  # a refusal that no rebalance answers: leave and rejoin
@@ -162,7 +158,7 @@ class Worker:
         self.output = Output(self.writer, self.name)
         self.runner = Runner(self.engine, self.output, self.writer, self.histories,
                              self.metrics, self.name, self.settings.coalesce_ms / 1000,
-                             self._gather_soon,
+                             self.output.gather_soon,
                              self.waiting.served)
         await asyncio.to_thread(self.writer.start)
         # Ready means a turn starts without waiting for the engine's first batches: the
@@ -253,10 +249,13 @@ class Worker:
             record.position.offset
         if topic == PROMPTS:
             self.tracker.taken((topic, partition), offset)
+        assert self.output is not None
         try:
             event = decode(record.value)
         except DecodeError as exc:
-            await self._dead_letter(record, str(exc))
+            log.warning("dead-lettering %s: %s", record.position, exc)
+            self.metrics.dead_letters.inc()
+            await self.output.dead_letter(record, str(exc))
             self._done((topic, partition), offset)
             return
         if not isinstance(event, PromptSubmitted):
@@ -287,17 +286,6 @@ class Worker:
     def _done(self, tp: TP, offset: int) -> None:
         if tp[0] == PROMPTS:
             self.tracker.done(tp, offset)
-
-    async def _dead_letter(self, record: Record, reason: str) -> None:
-        assert self.writer is not None
-        log.warning("dead-lettering %s: %s", record.position, reason)
-        self.metrics.dead_letters.inc()
-        try:
-            await self.writer.send_raw(DEADLETTER, record.key, record.value,
-                                       dead_letter_headers(record, reason, WORKERS_GROUP),
-                                       self.writer.epoch)
-        except Fenced:
-            pass  # the partition moved on: its next owner dead-letters the record
 
     def _start_waiting(self) -> None:
         if self._stopping:
@@ -331,21 +319,6 @@ class Worker:
         self.metrics.in_flight_peak.set(self.peak_in_flight)
         return True
 
-    def _gather_soon(self) -> None:
-        """Once the turns this loop has ready have run, queue what they wrote (one live
-        record per partition) and tell the writer it is all queued: an engine step's
-        outputs wake its turns together, so the step's deltas share one record per
-        partition and one transaction (see ``TransactionalProducer``)."""
-        if not self._gathering:
-            self._gathering = True
-            asyncio.get_running_loop().call_soon(self._gather)
-
-    def _gather(self) -> None:
-        self._gathering = False
-        if self.writer is not None and self.output is not None:
-            self.output.flush(self.writer.epoch)
-            self.writer.gathered()
-
     # -- one turn ----------------------------------------------------------------
     async def _run_turn(self, turn: Turn, run: bool) -> None:
         """Run the turn (``run``; else end it unstarted), then write its end."""
@@ -370,7 +343,7 @@ class Worker:
         try:
             written = self.output.end(tp[1], offset, final,
                                       conversation_key(prompt.conversation_id))
-            self._gather_soon()
+            self.output.gather_soon()
             await written
         except asyncio.CancelledError:
             self._forget(prompt.request_id)
