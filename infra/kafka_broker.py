@@ -228,12 +228,13 @@ class KafkaCluster:
     def __post_init__(self) -> None:
         ports = self.ports or [(self.port + 2 * i, self.port + 2 * i + 1)
                                for i in range(self.size)]
-        secure = [{"tls": self.tls, "sasl_port": p + 100, "mtls_port": p + 101}
-                  if self.tls else {} for p, _ in ports]
+        # Node i's secured listeners: its client port + 100 and + 101 (with an authority).
+        sasl = [p + 100 if self.tls else None for p, _ in ports]
+        mtls = [p + 101 if self.tls else None for p, _ in ports]
         if self.size == 1:
             self.nodes = [KafkaBroker(home=self.home, libs=self.libs, port=ports[0][0],
                                       controller_port=ports[0][1], heap=self.heap,
-                                      **secure[0])]  # type: ignore[arg-type]
+                                      tls=self.tls, sasl_port=sasl[0], mtls_port=mtls[0])]
             return
         hosts = self.hosts or [("127.0.0.1", "")] * self.size
         voters = ",".join(f"{i + 1}@{hosts[i][0]}:{c}" for i, (_, c) in enumerate(ports))
@@ -241,7 +242,7 @@ class KafkaCluster:
                                   port=p, controller_port=c, heap=self.heap, node_id=i + 1,
                                   voters=voters, replication=min(3, self.size),
                                   host=hosts[i][0], netns=hosts[i][1] or None,
-                                  **secure[i])  # type: ignore[arg-type]
+                                  tls=self.tls, sasl_port=sasl[i], mtls_port=mtls[i])
                       for i, (p, c) in enumerate(ports)]
 
     @property

@@ -29,6 +29,22 @@ class Authority:
     def key(self, name: str) -> Path:
         return self.home / f"{name}.key"
 
+    def write_client_files(self, folder: Path, user: str, password: str,
+                           comment: str = "") -> tuple[Path, Path]:
+        """Kafka client settings for the secured listeners, readable by their owner only:
+        ``client.properties`` (SASL_SSL, SCRAM-SHA-512 as ``user``) and
+        ``client-mtls.properties`` (``user``'s client certificate)."""
+        sasl, mtls = folder / "client.properties", folder / "client-mtls.properties"
+        sasl.write_text(f"{comment}security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n"
+                        f"sasl.username={user}\nsasl.password={password}\n"
+                        f"ssl.ca.location={self.ca}\n")
+        mtls.write_text(f"{comment}security.protocol=SSL\nssl.ca.location={self.ca}\n"
+                        f"ssl.certificate.location={self.cert(user)}\n"
+                        f"ssl.key.location={self.key(user)}\n")
+        for path in (sasl, mtls):
+            path.chmod(0o600)
+        return sasl, mtls
+
     def keystore(self, name: str) -> Path:
         """The PKCS#12 keystore (key and chain) of ``name``, for the JVM."""
         return self.home / f"{name}.p12"

@@ -93,22 +93,10 @@ def _secure_clients(cluster: Any) -> None:
         secret.write_text(secrets.token_urlsafe(18) + "\n")
         secret.chmod(0o600)
     set_scram_password(cluster.bootstrap, SCRAM_USER, secret.read_text().strip())
-    sasl = cluster.home / "client.properties"
-    sasl.write_text(
-        "# Kafka client settings for the local cluster's SASL_SSL listeners\n"
-        f"# (PIPELINE_KAFKA_BOOTSTRAP={cluster.sasl_bootstrap})\n"
-        "security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n"
-        f"sasl.username={SCRAM_USER}\nsasl.password={secret.read_text().strip()}\n"
-        f"ssl.ca.location={tls.ca}\n")
-    mtls = cluster.home / "client-mtls.properties"
-    mtls.write_text(
-        "# Kafka client settings for the local cluster's mutual-TLS listeners\n"
-        f"# (PIPELINE_KAFKA_BOOTSTRAP={cluster.mtls_bootstrap})\n"
-        f"security.protocol=SSL\nssl.ca.location={tls.ca}\n"
-        f"ssl.certificate.location={tls.cert(SCRAM_USER)}\n"
-        f"ssl.key.location={tls.key(SCRAM_USER)}\n")
-    for path in (sasl, mtls):
-        path.chmod(0o600)
+    sasl, mtls = tls.write_client_files(
+        cluster.home, SCRAM_USER, secret.read_text().strip(),
+        comment=f"# Kafka client settings for the local cluster's secured listeners (SASL_SSL "
+                f"{cluster.sasl_bootstrap}, mutual TLS {cluster.mtls_bootstrap})\n")
     print(f"secured    SASL_SSL {cluster.sasl_bootstrap} (SCRAM-SHA-512, user {SCRAM_USER}),"
           f" SSL {cluster.mtls_bootstrap} (client certificates); CA {tls.ca}\n"
           f"           clients: PIPELINE_KAFKA_BOOTSTRAP={cluster.sasl_bootstrap} "

@@ -151,14 +151,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         password = uuid.uuid4().hex
         set_scram_password(broker.bootstrap, USER, password)
         migrate(postgres.url)
-        sasl_file = home / "client.properties"
-        sasl_file.write_text(f"security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n"
-                             f"sasl.username={USER}\nsasl.password={password}\n"
-                             f"ssl.ca.location={tls.ca}\n")
-        mtls_file = home / "client-mtls.properties"
-        mtls_file.write_text(f"security.protocol=SSL\nssl.ca.location={tls.ca}\n"
-                             f"ssl.certificate.location={tls.cert(USER)}\n"
-                             f"ssl.key.location={tls.key(USER)}\n")
+        sasl_file, mtls_file = tls.write_client_files(home, USER, password)
         logs = home / "logs"
         logs.mkdir()
         yield Secured(tls, broker, postgres, Stack(broker.sasl_bootstrap, postgres.url, logs),
