@@ -39,7 +39,7 @@ _KAFKA = {"bindingVersion": "0.5.0"}
 TOPIC_EVENTS = {
     PROMPTS: ["PromptSubmitted"],
     CONTROL: ["GenerationCancelled", "ClientDetached", "ClientAttached", "SessionCreated",
-              "SessionDeleted"],
+              "SessionDeleted", "MemoryForgotten"],
     GENERATIONS: ["GenerationStarted", "GenerationFinished", "GenerationFailed", "TokenDelta"],
 }
 TOPIC_ABOUT = {
@@ -48,7 +48,8 @@ TOPIC_ABOUT = {
              "turn (or inline). The workers' consumer groups read it; what their commits "
              "say waits (offset metadata next=N;waiting=W) is the backlog.",
     CONTROL: "Facts about turns and sessions: cancel, a client detached or attached, a "
-             "session created or deleted. Broker-stamped (LogAppendTime).",
+             "session created or deleted, a user's memory forgotten. Broker-stamped "
+             "(LogAppendTime).",
     GENERATIONS: "Each turn's start (at its first token) and end, with its whole text, "
                  "usage and timings, or its failure: the durable record of what the workers "
                  "generated, written in Kafka transactions: read with "

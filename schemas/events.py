@@ -135,6 +135,17 @@ class EventIds(TypedDict, total=False):
     tenant: str
 
 
+class Sealed(Frozen):
+    """Where an event's content was: sealed with its conversation's data key
+    (``pipeline.sealing``). ``key``: the key's id (``"erased"``: the writer dropped the
+    content, its keys being destroyed); ``box``: base64 of the nonce and ciphertext. A
+    reader holding the key gets the event back with its content and no ``sealed``; one
+    without it gets the content fields empty, and ``sealed`` still set."""
+
+    key: Name
+    box: str = Field(max_length=2**30)
+
+
 class EventBase(Frozen):
     v: int = 1
     event_id: uuid.UUID = Field(default_factory=new_event_id)
@@ -142,6 +153,13 @@ class EventBase(Frozen):
     request_id: Name
     occurred_at: Time = Field(default_factory=_now)
     tenant: Name = "default"
+    sealed: Sealed | None = None
+
+    @property
+    def erased(self) -> bool:
+        """Whether this event's content was sealed and cannot be opened here (its keys
+        were destroyed): its content fields are empty."""
+        return self.sealed is not None
 
 
 class TurnRef(Frozen):
@@ -166,6 +184,14 @@ class Charge(Frozen):
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
+class Recalled(Frozen):
+    """A memory added to a turn's input: ``id``, the remembered turn's request id (one
+    of the same tenant's and user's, ``memory``); ``text``, what the model was given."""
+
+    id: Name
+    text: str
+
+
 class PromptSubmitted(EventBase):
     """A turn the gateway accepted: the turn's new messages, where the model's input
     continues from, and how to sample.
@@ -188,6 +214,10 @@ class PromptSubmitted(EventBase):
     read the history to be, so a worker and an auditor can check what they rebuild.
     ``charge`` (optional, added within v4): what the turn was charged against its key's
     rate limit, trued up to its usage when it ends.
+    ``memory``, ``user`` and ``recalled`` (optional, added within v4): the turn is
+    remembered for its tenant's ``user`` once it finishes, and ``recalled`` are the
+    user's memories the model was given before the session (``schemas.history.recall``),
+    sealed as the messages are.
     """
 
     v: int = 4
@@ -209,6 +239,15 @@ class PromptSubmitted(EventBase):
     # Keep generating when every client has gone away (a client asked for it).
     background: bool = False
     charge: Charge | None = None
+    memory: bool = False
+    user: Name | None = None
+    recalled: tuple[Recalled, ...] = ()
+
+    @model_validator(mode="after")
+    def _memory_has_a_user(self) -> PromptSubmitted:
+        if (self.memory or self.recalled) and self.user is None:
+            raise ValueError("a turn with memory names its user")
+        return self
 
     @model_validator(mode="after")
     def _history_given_once(self) -> PromptSubmitted:
@@ -257,12 +296,30 @@ class SessionCreated(EventBase):
 
     type: Literal["SessionCreated"] = "SessionCreated"
     title: str | None = Field(default=None, max_length=200)
+    # Added within v1: the session has memory on, for this user (``PromptSubmitted``'s
+    # ``memory``, for each of its turns that does not say otherwise).
+    memory_user: Name | None = None
 
 
 class SessionDeleted(EventBase):
-    """The session is gone: the store forgets its messages, the gateway refuses it."""
+    """The session is gone: the store forgets its messages, the gateway refuses it, and
+    its data keys are destroyed, so its content is unreadable in every copy of the log.
 
+    v2 adds ``reason``: ``deleted`` (its client deleted it), ``erased`` (an operator
+    erased it, or its user: ``pipeline erase``). None: written before v2 (deleted)."""
+
+    v: int = 2
     type: Literal["SessionDeleted"] = "SessionDeleted"
+    reason: Literal["deleted", "erased"] | None = None
+
+
+class MemoryForgotten(EventBase):
+    """A user's memory is forgotten: the turn ``request_id`` of this conversation is no
+    longer recalled for ``user`` (``DELETE /v1/memories``). Its text stays in the turn;
+    deleting the session erases that."""
+
+    type: Literal["MemoryForgotten"] = "MemoryForgotten"
+    user: Name
 
 
 class GenerationStarted(EventBase):
@@ -336,6 +393,7 @@ Event = Annotated[
     | ClientAttached
     | SessionCreated
     | SessionDeleted
+    | MemoryForgotten
     | GenerationStarted
     | TokenDelta
     | GenerationFinished

@@ -23,7 +23,13 @@ import json
 from collections.abc import Iterable, Sequence
 
 from schemas.conversation import storable
-from schemas.events import ChatMessage, GenerationFailed, GenerationFinished, PromptSubmitted
+from schemas.events import (
+    ChatMessage,
+    GenerationFailed,
+    GenerationFinished,
+    PromptSubmitted,
+    Recalled,
+)
 
 History = tuple[ChatMessage, ...]
 
@@ -50,6 +56,19 @@ def turn_messages(prompt: PromptSubmitted,
     if isinstance(end, GenerationFinished):
         added += (message("assistant", end.text),)
     return added
+
+
+RECALL_PREAMBLE = "What you remember about this user from earlier sessions:"
+
+
+def recall(recalled: Sequence[Recalled]) -> History:
+    """What the model is given before the session for the memories a prompt recalled
+    (``PromptSubmitted.recalled``): one system message listing them, or nothing. Not
+    part of the session: the next turn's history does not hold it."""
+    if not recalled:
+        return ()
+    lines = "\n".join(f"- {r.text}" for r in recalled)
+    return (ChatMessage(role="system", content=f"{RECALL_PREAMBLE}\n{lines}"),)
 
 
 def base(prompt: PromptSubmitted) -> History | None:

@@ -19,6 +19,11 @@ record there. Entries are arrays, to keep a token's cost near its text's:
   turn, across attempts; a reader drops a ``(turn, seq)`` it has seen.
 * ``ends``: ``[ref, deltas, finish_reason, prompt_tokens, completion_tokens]``.
 * ``failures``: ``[ref, code, message]``.
+* ``sealed``: ``[ref, key id, box]``: the text and token ids of that turn's deltas in
+  this record, sealed with its conversation's data key (``pipeline.sealing``): a JSON
+  array of ``[text, [token ids]]``, one per delta of the turn, in order. Those deltas
+  are written with their text empty and no token ids; a reader holding the key puts
+  them back (``pipeline.codec.decode_live``).
 
 ``ref`` is the turn's accepted prompt's offset in its partition of ``chat.prompts``:
 unique in the partition, known to the worker that runs the turn and to every reader
@@ -71,6 +76,7 @@ class LiveBatch(BaseModel):
     deltas: tuple[LiveDelta, ...] = ()
     ends: tuple[LiveEnd, ...] = ()
     failures: tuple[LiveFailure, ...] = ()
+    sealed: tuple[tuple[Ref, Name, str], ...] = ()
 
 
 LIVE_ADAPTER: TypeAdapter[LiveBatch] = TypeAdapter(LiveBatch)

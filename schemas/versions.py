@@ -44,6 +44,7 @@ UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("PromptSubmitted", 1): _prompt_v1_to_v2,
     ("PromptSubmitted", 2): _prompt_v2_to_v3,
     ("PromptSubmitted", 3): _prompt_v3_to_v4,
+    ("SessionDeleted", 1): lambda data: {**data, "reason": None, "v": 2},
     ("GenerationStarted", 1): _deltas_in_this_topic,
     ("GenerationFinished", 1): _deltas_in_this_topic,
     ("GenerationFailed", 1): _deltas_in_this_topic,
