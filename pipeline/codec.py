@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import uuid
+from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 from pydantic import ValidationError
 
+from pipeline import sealing
 from schemas import EVENT_ADAPTER, Event
+from schemas.content import content_of, with_content, without_content
+from schemas.events import Sealed
 from schemas.live import LIVE_ADAPTER, LiveBatch
 from schemas.versions import is_current, upcast
 
+log = logging.getLogger(__name__)
 # A topic and one of its partitions.
 TP = tuple[str, int]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
@@ -32,13 +42,47 @@ class DecodeError(ValueError):
 
 def encode(event: Event) -> bytes:
     """The event as its record's value: JSON, fields that are None left out (a reader
-    takes them as None: every such field defaults to it)."""
+    takes them as None: every such field defaults to it). Its content is sealed with its
+    conversation's data key if this process has a keyring that holds one
+    (``pipeline.sealing``), and dropped if that conversation's keys were destroyed."""
+    if sealing.active() and event.sealed is None:
+        content = content_of(event)
+        if content is not None:
+            key = sealing.writing_key(event.conversation_id)
+            if isinstance(key, sealing.DataKey):
+                box = sealing.seal(key, _json.encode(content))
+                event = without_content(event, Sealed(key=key.key_id, box=box))  # type: ignore[assignment]
+            elif key is not None:  # its keys were destroyed: its content is not written
+                event = without_content(event, Sealed(key=sealing.ERASED, box=""))  # type: ignore[assignment]
     return event.model_dump_json(exclude_none=True).encode()
 
 
-def decode(data: bytes | None) -> Event:
+_json = msgspec.json.Encoder()
+_content = msgspec.json.Decoder(dict)
+
+
+def _opened(event: Event) -> Event:
+    """``event`` with its sealed content opened, if this process holds its key; else as
+    it is (content empty, ``sealed`` set: erased)."""
+    assert event.sealed is not None
+    key = sealing.reading_key(event.sealed.key)
+    if key is None:
+        return event
+    if key.conversation_id != event.conversation_id:
+        raise DecodeError(f"sealed with key {key.key_id} of another conversation")
+    try:
+        content = _content.decode(sealing.unseal(key, event.sealed.box))
+    except (sealing.Unreadable, msgspec.DecodeError) as exc:
+        raise DecodeError(str(exc)) from None
+    return with_content(event, content, None)  # type: ignore[return-value]
+
+
+def decode(data: bytes | None, open_sealed: bool = True) -> Event:
     """The event in a record's value. Fields this code does not know are kept; an event
-    older than its type's current version is upcast (``schemas.versions``)."""
+    older than its type's current version is upcast (``schemas.versions``). Its sealed
+    content is opened if this process holds the key (unless not ``open_sealed``); on a
+    thread that runs an event loop, ``decode_async`` does what this cannot there: wait
+    for a key not held yet."""
     if data is None:
         raise DecodeError("empty record value")
     try:
@@ -47,11 +91,12 @@ def decode(data: bytes | None) -> Event:
         first_error: ValidationError | None = exc
     else:
         if is_current(event.type, event.v):
-            return event
+            return event if event.sealed is None or not open_sealed else _opened(event)
         first_error = None
     try:  # an older version: bring its JSON up to date, then validate that
         raw = json.loads(data)
-        return EVENT_ADAPTER.validate_python(upcast(raw) if isinstance(raw, dict) else raw)
+        event = EVENT_ADAPTER.validate_python(upcast(raw) if isinstance(raw, dict) else raw)
+        return event if event.sealed is None or not open_sealed else _opened(event)
     except ValidationError as exc:
         raise DecodeError(_summarise(first_error or exc)) from exc
     except (ValueError, RecursionError) as exc:
@@ -59,25 +104,95 @@ def decode(data: bytes | None) -> Event:
 
 
 
-def decode_or_none(data: bytes | None) -> Event | None:
+async def decode_async(data: bytes | None) -> Event:
+    """``decode`` for a coroutine: a key not held yet is looked for on a thread (the
+    loop's other tasks go on meanwhile), and while the key topic cannot be read, asked
+    for again until it can (bound the wait where an answer is due)."""
+    return await _unblocked(decode, data)
+
+
+async def decode_live_async(data: bytes | None) -> LiveBatch:
+    """``decode_live`` for a coroutine (see ``decode_async``)."""
+    return await _unblocked(decode_live, data)
+
+
+async def open_live_async(batch: LiveBatch, wanted: Container[int] | None = None
+                          ) -> LiveBatch:
+    """``open_live`` for a coroutine (see ``decode_async``)."""
+    return await _unblocked(open_live, batch, wanted)
+
+
+async def _unblocked(call: Callable[..., T], *args: object) -> T:
+    pause = 0.1
+    while True:
+        try:
+            return call(*args)
+        except sealing.KeyNotHeld as miss:
+            try:  # held, or known to be gone, after this (or it raises)
+                await asyncio.to_thread(sealing.reading_key, miss.key_id)
+            except sealing.RingUnavailable as exc:
+                if not exc.unreachable:
+                    raise
+                log.warning("data key %s not readable yet, asking again in %.1f s: %s",
+                            miss.key_id, pause, exc)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 5.0)
+
+
+def decode_or_none(data: bytes | None, open_sealed: bool = True) -> Event | None:
     """The event in a record's value, or None if it holds none (for readers that pass
     such records over: the consumer whose record it is dead-letters it)."""
     try:
-        return decode(data)
+        return decode(data, open_sealed)
     except DecodeError:
         return None
 
 
-def decode_live(data: bytes | None) -> LiveBatch:
-    """The ``LiveBatch`` in a ``chat.live`` record's value."""
+def decode_live(data: bytes | None, open_sealed: bool = True) -> LiveBatch:
+    """The ``LiveBatch`` in a ``chat.live`` record's value, its sealed text opened where
+    this process holds the keys (unless not ``open_sealed``: then ``open_live`` opens
+    the turns a reader wants)."""
     if data is None:
         raise DecodeError("empty record value")
     try:
-        return LIVE_ADAPTER.validate_json(data)
+        batch = LIVE_ADAPTER.validate_json(data)
     except ValidationError as exc:
         raise DecodeError(_summarise(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"not a live batch: {exc}") from None
+    return open_live(batch) if batch.sealed and open_sealed else batch
+
+
+_live_texts = msgspec.json.Decoder(list[tuple[str, tuple[int, ...]]])
+
+
+def open_live(batch: LiveBatch, wanted: Container[int] | None = None) -> LiveBatch:
+    """``batch`` with the sealed text of each turn (of the ``wanted`` refs, or all) whose
+    key this process holds put back in its deltas (see ``schemas.live``); the others'
+    stay empty."""
+    opened: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for ref, key_id, box in batch.sealed:
+        if wanted is not None and ref not in wanted:
+            continue
+        key = sealing.reading_key(key_id)
+        if key is None:
+            continue
+        try:
+            opened[ref] = _live_texts.decode(sealing.unseal(key, box))
+        except (sealing.Unreadable, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise DecodeError(str(exc)) from None
+    if not opened:
+        return batch
+    taken = dict.fromkeys(opened, 0)
+    deltas = []
+    for ref, seq, text, token_ids in batch.deltas:
+        texts = opened.get(ref)
+        if texts is not None and taken[ref] < len(texts):
+            text, token_ids = texts[taken[ref]]
+            taken[ref] += 1
+        deltas.append((ref, seq, text, token_ids))
+    return batch.model_copy(update={"deltas": tuple(deltas), "sealed": tuple(
+        s for s in batch.sealed if s[0] not in opened)})
 
 
 def _summarise(exc: ValidationError) -> str:

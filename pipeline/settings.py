@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pipeline.topics import TopicPolicy
@@ -49,12 +49,19 @@ class CommonSettings(BaseSettings):
     # Where workers, projectors and analytics serve /metrics (their --metrics-port):
     # loopback by default; 0.0.0.0 in a pod, for Prometheus and the probes.
     metrics_host: str = "127.0.0.1"
+    # The key-encryption key that wraps every conversation's data keys (base64 of 32
+    # bytes; ``docs/erasure.md``). Every process must have the same. Unset: the one in
+    # ``kek_file``, made there on first use (a local stack's processes share it).
+    kek: SecretStr | None = None
+    kek_file: Path | None = None  # None: <state_dir>/kek
+    # How long a destroyed data key may stay in chat.keys before compaction deletes it.
+    erasure_window_ms: int = Field(default=24 * 3600 * 1000, ge=60_000)
 
     def topic_policy(self) -> TopicPolicy:
         return TopicPolicy(self.partitions, self.replication_factor, self.min_insync_replicas,
                            self.retention_ms, self.retention_bytes,
                            self.deadletter_retention_ms, self.live_retention_ms,
-                           self.max_record_bytes)
+                           self.max_record_bytes, self.erasure_window_ms)
 
 
 def _split_commas(value: Any) -> Any:

@@ -16,6 +16,9 @@ of ``chat.control`` (range assignment).
 * ``chat.workers``: the workers' heartbeats (compacted; ``pipeline.roster``).
 * ``chat.rollouts``: every change of which version serves a model alias, kept forever
   (``schemas.rollout``).
+* ``chat.keys``: each conversation's data keys, wrapped by the key-encryption key
+  (``pipeline.keystore``). Compacted: a destroyed key's tombstone makes the broker
+  delete its record within ``erasure_window_ms``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ DEADLETTER = "chat.deadletter"
 WORKERS = "chat.workers"
 # Model aliases and rollouts: which version serves an alias's turns (``schemas.rollout``).
 ROLLOUTS = "chat.rollouts"
+# The conversations' data keys (``pipeline.keystore``).
+KEYS = "chat.keys"
 # The name workers give themselves in dead letters; also the consumer group every worker
 # shared before groups were per model (``workers_group``), whose offsets a model's group
 # starts from the first time.
@@ -84,6 +89,10 @@ class TopicPolicy:
     # The largest record a chat topic takes (its max.message.bytes, and every producer's
     # message.max.bytes): a prompt or a reply that would pass it is refused alone.
     max_record_bytes: int = 8 * 2**20
+    # How long a destroyed data key's record may stay in chat.keys before the broker's
+    # compaction deletes it (max.compaction.lag.ms and segment.ms), and how long its
+    # tombstone stays for readers behind (delete.retention.ms).
+    erasure_window_ms: int = 24 * 3600 * 1000
 
 
 def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
@@ -119,4 +128,9 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
         # Routing changes: few, and the audit of which version served when.
         TopicSpec(ROLLOUTS, 1, {**base, "retention.ms": "-1", "retention.bytes": "-1"},
                   replication),
+        TopicSpec(KEYS, policy.partitions, {
+            **base, "cleanup.policy": "compact", "min.compaction.lag.ms": "0",
+            "max.compaction.lag.ms": str(policy.erasure_window_ms),
+            "segment.ms": str(policy.erasure_window_ms),
+            "delete.retention.ms": str(policy.erasure_window_ms)}, replication),
     ]

@@ -1,0 +1,216 @@
+"""Content sealed with its conversation's data key, so that destroying the key erases the
+content from every copy of the log (crypto-shredding; ``docs/erasure.md``).
+
+Each conversation has data keys of its own (AES-256-GCM), kept in ``chat.keys`` wrapped
+by the key-encryption key (``pipeline.keystore``). What a conversation's events say
+(messages, replies, titles, the live stream's text) is sealed with one of them: the
+record keeps a box, ``key id`` and ``nonce || ciphertext``, where the text was. Ids,
+counts, times and codes stay in the clear: the log stays readable for routing,
+ordering, analytics and audit of who did what, and a conversation whose key is gone
+keeps them.
+
+This module is the cipher and the registry of keyrings; it does no I/O. The codec
+(``pipeline.codec``) seals and opens through it, so every reader and writer of events
+does so without knowing: a process that installed a keyring (``install``) reads and
+writes sealed content, and one that did not writes content in the clear and reads
+sealed content as erased.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import os
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+NONCE_BYTES = 12
+# The box's first byte, after decryption: how the payload is packed.
+_RAW, _DEFLATED = b"\x00", b"\x01"
+# Payloads at least this long, and no longer than the second, are deflated before
+# sealing: ciphertext does not compress, so the compression Kafka's batches would have
+# given the text is given here instead. Past a MiB, deflating costs a writer's event
+# loop tenths of a second per record (0.4 s for 9 MiB), for records the log would
+# mostly refuse anyway.
+DEFLATE_FROM = 256
+DEFLATE_UP_TO = 2**20
+# The most a box opens to: a record is at most PIPELINE_MAX_RECORD_BYTES, but deflated
+# content could open to far more (a box a hostile producer made); past this it is
+# refused as unreadable, and its record dead-lettered.
+MAX_OPENED = 64 * 2**20
+# What a writer puts as the key id of content it dropped because its conversation's
+# keys were destroyed while it ran: such a box holds nothing.
+ERASED = "erased"
+
+
+class _Nonces:
+    """GCM nonces, never twice under one key: 8 random bytes drawn per process (again
+    in a forked child, and every 2**32 nonces), then a 4-byte counter. Two processes
+    sealing with the same key draw the same 8 bytes with odds of about n**2 / 2**65
+    over n processes; one ``os.urandom`` call per nonce cost a third of a seal."""
+
+    def __init__(self) -> None:
+        self._redraw()
+
+    def _redraw(self) -> None:
+        # One object, swapped whole: a thread holds a prefix and its own counter.
+        self._state = (os.urandom(8), itertools.count(1))
+
+    def __call__(self) -> bytes:
+        prefix, counter = self._state
+        n = next(counter)  # one call in C: no two threads get the same number
+        if n >= 2**32:
+            self._redraw()
+            return self()
+        return prefix + n.to_bytes(4, "big")
+
+
+_nonce = _Nonces()
+os.register_at_fork(after_in_child=_nonce._redraw)
+
+
+@dataclass(frozen=True, slots=True)
+class DataKey:
+    key_id: str
+    conversation_id: uuid.UUID
+    aead: AESGCM
+
+
+class RingUnavailable(RuntimeError):
+    """A keyring that cannot answer: ``unreachable`` if its key topic could not be read
+    (Kafka away: worth asking again), else for good (``pipeline.keystore``)."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class KeyNotHeld(Exception):
+    """A key no installed keyring holds yet, nor knows to be gone, asked for on a thread
+    that runs an event loop. Looking for it reads the key topic, which may take as long
+    as Kafka does to answer, and would stall every task of the loop meanwhile: the
+    caller looks for it on another thread (``pipeline.codec.decode_async``)."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"data key {key_id} not held yet")
+        self.key_id = key_id
+
+
+class Ring(Protocol):
+    def for_writing(self, conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
+        """The key to seal the conversation's content with; ``"erased"`` if its keys
+        were destroyed; None if it has none (it was written in the clear)."""
+
+    def for_reading(self, key_id: str, wait: bool = True) -> DataKey | None:
+        """The key of that id, or None if it is gone (destroyed, or never existed). A key
+        neither held nor known to be gone is looked for (a read of the key topic) if
+        ``wait``; else ``KeyNotHeld``."""
+
+
+_rings: list[Ring] = []
+
+
+def install(ring: Ring) -> None:
+    """Seal and open content in this process with ``ring``'s keys (asked before the
+    rings installed earlier)."""
+    if ring not in _rings:
+        _rings.insert(0, ring)
+
+
+def uninstall(ring: Ring) -> None:
+    if ring in _rings:
+        _rings.remove(ring)
+
+
+def active() -> bool:
+    return bool(_rings)
+
+
+def writing_key(conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
+    for ring in _rings:
+        found = ring.for_writing(conversation_id)
+        if found is not None:
+            return found
+    return None
+
+
+def reading_key(key_id: str) -> DataKey | None:
+    """The key of that id, or None if it is gone. Never waits on a thread that runs an
+    event loop: ``KeyNotHeld`` there if no keyring holds it or knows it gone yet."""
+    if key_id == ERASED:
+        return None
+    # A process reading several clusters (an auditor, the tests) holds a ring for each:
+    # the ring that holds the key answers before any other looks for it.
+    unknown = False
+    for ring in _rings:
+        try:
+            found = ring.for_reading(key_id, False)
+        except KeyNotHeld:
+            unknown = True
+            continue
+        if found is not None:
+            return found
+    if not unknown:
+        return None
+    if _on_a_loop():
+        raise KeyNotHeld(key_id)
+    for ring in _rings:
+        found = ring.for_reading(key_id, True)
+        if found is not None:
+            return found
+    return None
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def seal(key: DataKey, payload: bytes) -> str:
+    """``payload`` sealed with ``key``, as base64 text (bound to its key id)."""
+    packed = _RAW + payload
+    if DEFLATE_FROM <= len(payload) <= DEFLATE_UP_TO:
+        deflated = zlib.compress(payload, 1)
+        if len(deflated) < len(payload):
+            packed = _DEFLATED + deflated
+    nonce = _nonce()
+    sealed = key.aead.encrypt(nonce, packed, key.key_id.encode())
+    return base64.b64encode(nonce + sealed).decode("ascii")
+
+
+class Unreadable(ValueError):
+    """A box that does not open with the key it names: corrupted, or not sealed with it."""
+
+
+def unseal(key: DataKey, box: str) -> bytes:
+    try:
+        raw = base64.b64decode(box)
+        packed = key.aead.decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], key.key_id.encode())
+    except (ValueError, InvalidTag) as exc:
+        raise Unreadable(f"a box of key {key.key_id} does not open") from exc
+    if packed[:1] != _DEFLATED:
+        return packed[1:]
+    inflater = zlib.decompressobj()
+    try:
+        opened = inflater.decompress(packed[1:], MAX_OPENED)
+    except zlib.error as exc:
+        raise Unreadable(f"a box of key {key.key_id} does not inflate: {exc}") from None
+    if inflater.unconsumed_tail:
+        raise Unreadable(f"a box of key {key.key_id} opens to more than {MAX_OPENED:,} "
+                         "bytes")
+    return opened
+
+
+def new_data_key(conversation_id: uuid.UUID) -> tuple[DataKey, bytes]:
+    """A fresh key for the conversation, and its 32 secret bytes (to wrap and keep)."""
+    secret = AESGCM.generate_key(bit_length=256)
+    return DataKey(os.urandom(8).hex(), conversation_id, AESGCM(secret)), secret

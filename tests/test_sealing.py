@@ -1,0 +1,258 @@
+"""Sealing content with data keys, without Kafka: keys held in memory as a keyring holds
+them (the keyring itself, on a real broker: ``test_erasure.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from typing import Literal
+
+import pytest
+
+from pipeline import sealing
+from pipeline.codec import DecodeError, decode, decode_async, decode_live, encode, open_live
+from schemas import (
+    ChatMessage,
+    GenerationFinished,
+    PromptSubmitted,
+    Recalled,
+    SessionCreated,
+    Usage,
+)
+from schemas.history import recall
+from workers.output import Output
+
+
+class Ring:
+    def __init__(self) -> None:
+        self.keys: dict[uuid.UUID, sealing.DataKey] = {}
+        self.erased: set[uuid.UUID] = set()
+
+    def add(self, conversation: uuid.UUID) -> sealing.DataKey:
+        self.keys[conversation], _ = sealing.new_data_key(conversation)
+        return self.keys[conversation]
+
+    def for_writing(self, conversation_id: uuid.UUID
+                    ) -> sealing.DataKey | Literal["erased"] | None:
+        if conversation_id in self.erased:
+            return "erased"
+        return self.keys.get(conversation_id)
+
+    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+        return next((k for k in self.keys.values() if k.key_id == key_id), None)
+
+    def destroy(self, conversation: uuid.UUID) -> None:
+        del self.keys[conversation]
+        self.erased.add(conversation)
+
+
+@pytest.fixture
+def ring() -> Iterator[Ring]:
+    ring = Ring()
+    sealing.install(ring)
+    try:
+        yield ring
+    finally:
+        sealing.uninstall(ring)
+
+
+def prompt(conversation: uuid.UUID, text: str) -> PromptSubmitted:
+    return PromptSubmitted(
+        conversation_id=conversation, request_id="r1", model="m", history_len=1,
+        history=(ChatMessage(role="user", content=f"before {text}"),),
+        messages=(ChatMessage(role="user", content=text),))
+
+
+def test_content_is_sealed_and_opens_to_the_same_event(ring: Ring) -> None:
+    conversation = uuid.uuid4()
+    ring.add(conversation)
+    long_reply = "a reply long enough to be deflated before it is sealed " * 20
+    events = [prompt(conversation, "secret words"),
+              SessionCreated(conversation_id=conversation, request_id="s", title="secret title"),
+              GenerationFinished(conversation_id=conversation, request_id="r1", model="m",
+                                 reply_seq=2, finish_reason="stop", text=long_reply,
+                                 usage=Usage(prompt_tokens=1, completion_tokens=2), deltas=2,
+                                 duration_ms=1.0)]
+    for event in events:
+        raw = encode(event)
+        assert b"secret" not in raw and b"deflated" not in raw
+        assert json.loads(raw)["sealed"]["key"] == ring.keys[conversation].key_id
+        assert decode(raw) == event
+    # Deflated before sealing: the box is smaller than the text it holds.
+    assert len(encode(events[2])) < len(long_reply)
+
+
+def test_recalled_memories_are_sealed_with_the_turn_and_erased_with_it(ring: Ring) -> None:
+    conversation = uuid.uuid4()
+    ring.add(conversation)
+    event = prompt(conversation, "question").model_copy(update={
+        "memory": True, "user": "alice",
+        "recalled": (Recalled(id="chatcmpl-1", text="secret fact"),
+                     Recalled(id="chatcmpl-2", text="secret too"))})
+    raw = encode(event)
+    assert b"secret" not in raw and b"chatcmpl-1" in raw  # which memories: in the clear
+    assert decode(raw) == event
+    # What the model is given: one system message before the session, from the event.
+    [given] = recall(decode(raw).recalled)  # type: ignore[union-attr]
+    assert given.role == "system" and "- secret fact\n- secret too" in given.content
+    ring.destroy(conversation)
+    erased = decode(raw)
+    assert isinstance(erased, PromptSubmitted) and erased.erased
+    assert [r.text for r in erased.recalled] == ["", ""]
+    assert [r.id for r in erased.recalled] == ["chatcmpl-1", "chatcmpl-2"]
+    # A turn with memory names its user.
+    with pytest.raises(ValueError, match="names its user"):
+        PromptSubmitted.model_validate({**event.model_dump(), "user": None})
+
+
+def test_without_the_key_content_reads_as_erased_and_nothing_else_changes(
+        ring: Ring) -> None:
+    conversation = uuid.uuid4()
+    ring.add(conversation)
+    event = prompt(conversation, "secret words")
+    raw = encode(event)
+    ring.destroy(conversation)
+    erased = decode(raw)
+    assert isinstance(erased, PromptSubmitted) and erased.erased
+    assert [m.content for m in (*erased.messages, *(erased.history or ()))] == ["", ""]
+    assert erased.model_dump(exclude={"messages", "history", "sealed"}) == \
+        event.model_dump(exclude={"messages", "history", "sealed"})
+    # Re-encoded (an audit, a dead letter), it stays as it was: nothing to open.
+    assert decode(encode(erased)) == erased
+    # Written after its keys were destroyed: the content is dropped, not written clear.
+    late = encode(prompt(conversation, "written late"))
+    assert b"written late" not in late and decode(late).erased
+
+
+def test_a_box_moved_to_another_conversation_or_altered_does_not_open(ring: Ring) -> None:
+    mine, theirs = uuid.uuid4(), uuid.uuid4()
+    ring.add(mine)
+    ring.add(theirs)
+    data = json.loads(encode(prompt(mine, "secret words")))
+    moved = {**data, "conversation_id": str(theirs)}
+    with pytest.raises(DecodeError, match="another conversation"):
+        decode(json.dumps(moved).encode())
+    box = data["sealed"]["box"]
+    altered = {**data, "sealed": {**data["sealed"], "box": box[:-8] + "AAAAAAA="}}
+    with pytest.raises(DecodeError, match="does not open"):
+        decode(json.dumps(altered).encode())
+
+
+def test_a_conversation_without_keys_is_written_in_the_clear(ring: Ring) -> None:
+    raw = encode(prompt(uuid.uuid4(), "legacy words"))
+    assert b"legacy words" in raw and b"sealed" not in raw
+
+
+def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring) -> None:
+    a, b, clear = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    ring.add(a)
+    ring.add(b)
+    output = Output(None, "w")  # type: ignore[arg-type]  # only batches are made here
+    output._conversations.update({(0, 10): a, (0, 11): b, (0, 12): clear})
+    deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
+        (10, 0, "alpha ", (1,)), (11, 0, "beta ", (2,)), (10, 1, "gamma", (3,)),
+        (12, 0, "open", (4,))]
+    kept, boxes = output._sealed(0, deltas)
+    assert [d[2] for d in kept] == ["", "", "", "open"]
+    assert sorted(ref for ref, _, _ in boxes) == [10, 11]
+    value = json.dumps({"type": "LiveBatch", "worker": "w", "at": 0, "deltas": kept,
+                        "sealed": boxes}).encode()
+    assert b"alpha" not in value and b"beta" not in value
+    assert [(d[2], d[3]) for d in decode_live(value).deltas] == [
+        ("alpha ", (1,)), ("beta ", (2,)), ("gamma", (3,)), ("open", (4,))]
+    # A reader opens only the turns it wants; one without a turn's key gets it empty.
+    only_b = open_live(decode_live(value, open_sealed=False), {11})
+    assert [d[2] for d in only_b.deltas] == ["", "beta ", "", "open"]
+    ring.destroy(a)
+    assert [d[2] for d in decode_live(value).deltas] == ["", "beta ", "", "open"]
+    # Written after its keys were destroyed: the turn's text is not written at all.
+    kept, boxes = output._sealed(0, [(10, 2, "late", (5,))])
+    assert kept == [(10, 2, "", ())] and boxes == [(10, sealing.ERASED, "")]
+
+
+def test_a_box_that_would_open_past_the_bound_is_unreadable() -> None:
+    key, _ = sealing.new_data_key(uuid.uuid4())
+    # Made as a hostile producer would: this code deflates no payload that large.
+    packed = b"\x01" + zlib.compress(b"\0" * (sealing.MAX_OPENED + 1), 1)
+    nonce = b"\0" * sealing.NONCE_BYTES
+    bomb = base64.b64encode(nonce + key.aead.encrypt(nonce, packed, key.key_id.encode())
+                            ).decode()
+    assert len(bomb) < 1_000_000  # a record the log takes
+    with pytest.raises(sealing.Unreadable, match="more than"):
+        sealing.unseal(key, bomb)
+    assert sealing.unseal(key, sealing.seal(key, b"\0" * 1000)) == b"\0" * 1000
+
+
+def test_nonces_never_repeat_within_a_process() -> None:
+    key, _ = sealing.new_data_key(uuid.uuid4())
+    boxes = {sealing.seal(key, b"same") for _ in range(10_000)}
+    assert len(boxes) == 10_000
+    assert len({box[:16] for box in boxes}) == 10_000  # the nonce leads each box
+
+
+class SlowRing(Ring):
+    """A ring that holds its keys only once it has looked for them, which takes
+    ``LOOKUP_S`` (a read of the key topic while Kafka is slow)."""
+
+    LOOKUP_S = 0.3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.followed: set[str] = set()
+        self.lookups: list[str] = []
+
+    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+        if key_id not in self.followed:
+            if not wait:
+                raise sealing.KeyNotHeld(key_id)
+            self.lookups.append(key_id)
+            time.sleep(self.LOOKUP_S)
+            self.followed.add(key_id)
+        return super().for_reading(key_id)
+
+
+def test_a_key_not_held_yet_is_looked_for_off_the_event_loop() -> None:
+    slow, other = SlowRing(), Ring()
+    conversation = uuid.uuid4()
+    slow.add(conversation)
+    sealing.install(other)
+    sealing.install(slow)  # asked first
+    written = prompt(conversation, "secret words")
+    raw = encode(written)
+
+    async def read() -> tuple[object, int]:
+        with pytest.raises(sealing.KeyNotHeld):  # on the loop: never a wait
+            decode(raw)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        event = await decode_async(raw)
+        ticker.cancel()
+        return event, ticks
+
+    try:
+        event, ticks = asyncio.run(read())
+        # The loop's other tasks went on while the key was looked for.
+        assert event == written
+        assert ticks >= 10 and slow.lookups == [slow.keys[conversation].key_id]
+        # A ring asked later (another cluster's) that holds a key answers before the
+        # first looks for it.
+        second = uuid.uuid4()
+        other.add(second)
+        other_prompt = prompt(second, "other words")
+        assert decode(encode(other_prompt)) == other_prompt
+        assert len(slow.lookups) == 1
+    finally:
+        sealing.uninstall(slow)
+        sealing.uninstall(other)
