@@ -114,6 +114,8 @@ class ControlBook:
         """Whether the turn of ``prompt`` may start now."""
         if self.deleted(prompt.conversation_id):
             return StartDecision(False, "its session was deleted")
+        if prompt.erased:  # its keys were destroyed before it ran (pipeline.sealing)
+            return StartDecision(False, "its session was erased")
         control = self._turns.get(prompt.request_id)
         if control is None:
             return StartDecision(True)

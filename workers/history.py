@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from pipeline.codec import DecodeError, decode
+from pipeline.codec import DecodeError, decode_async
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, KafkaException, Record
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import GENERATIONS, PROMPTS
@@ -144,8 +144,9 @@ class Histories:
             found = await self._read_at([(PROMPTS, partition, link.prompt),
                                          (GENERATIONS, partition, link.end)])
             self._metrics.reads.inc(2)
-            previous = _event(found[(PROMPTS, partition, link.prompt)], "prompt", link.prompt)
-            end = _event(found[(GENERATIONS, partition, link.end)], "end", link.end)
+            previous = await _event(found[(PROMPTS, partition, link.prompt)], "prompt",
+                                    link.prompt)
+            end = await _event(found[(GENERATIONS, partition, link.end)], "end", link.end)
             if not isinstance(previous, PromptSubmitted) or not isinstance(
                     end, (GenerationFinished, GenerationFailed)):
                 raise HistoryUnavailable("history_unavailable", "the history's records at "
@@ -187,12 +188,12 @@ class Histories:
             self._chars -= kept.chars
 
 
-def _event(record: Record | None, what: str, offset: int) -> object:
+async def _event(record: Record | None, what: str, offset: int) -> object:
     if record is None:
         raise HistoryUnavailable("history_unavailable", f"the history's {what} at offset "
                                  f"{offset} is not in the log (past the topic's retention?)")
     try:
-        return decode(record.value)
+        return await decode_async(record.value)
     except DecodeError as exc:
         raise HistoryUnavailable("history_unavailable",
                                  f"the history's {what} at offset {offset}: {exc}") from None

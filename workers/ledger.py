@@ -77,7 +77,8 @@ class Ledgers:
         while True:
             records = await self._read_prompts(partition, target, state.known_from)
             prompts = [(r.position.offset, e) for r in records
-                       if isinstance(e := decode_or_none(r.value), PromptSubmitted)]
+                       if isinstance(e := decode_or_none(r.value, open_sealed=False),
+                                                 PromptSubmitted)]
             needed = min((p.history_end for _, p in prompts
                           if p.history_end is not None and p.history_end < target), default=None)
             if needed is None:

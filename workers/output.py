@@ -9,16 +9,22 @@ delta, its end entry and its ``GenerationFinished``, so a reader never sees a tu
 in one without the other, and a replaced worker's records are fenced together.
 
 A batch is also sealed when its text passes ``max_bytes`` (a record the topic takes).
+
+Each turn's text in a batch is sealed with its conversation's data key, one box per
+turn per record (``schemas.live``, ``pipeline.sealing``): looked up when the record is
+made, so a turn whose keys are destroyed while it runs writes no more text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
 
+from pipeline import sealing
 from pipeline.codec import Position, encode
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import Fenced, Outgoing, Record, TransactionalProducer
@@ -53,6 +59,8 @@ class Output:
         self._open: dict[int, _Open] = {}
         self._gathering = False  # a call to ``_gather`` is scheduled
         self.records = 0  # live records written (queued)
+        # The conversation of each running turn, by (partition, ref): whose key seals it.
+        self._conversations: dict[tuple[int, int], uuid.UUID] = {}
 
     @property
     def max_bytes(self) -> int:
@@ -68,6 +76,7 @@ class Output:
               epoch: int) -> None:
         batch = self._batch(partition)
         batch.starts.append((ref, started.attempt, started.request_id))
+        self._conversations[(partition, ref)] = started.conversation_id
         batch.durable.append((key, encode(started), None))
         self._grown(partition, batch, ENTRY_BYTES + len(started.request_id), epoch)
 
@@ -131,12 +140,16 @@ class Output:
             return
         records = []
         if batch.starts or batch.deltas or batch.ends or batch.failures:
+            deltas, sealed = self._sealed(partition, batch.deltas)
             value = _encoder.encode({
                 "type": "LiveBatch", "v": 1, "worker": self.worker,
                 "at": int(time.time() * 1000), "starts": batch.starts,
-                "deltas": batch.deltas, "ends": batch.ends, "failures": batch.failures})
+                "deltas": deltas, "ends": batch.ends, "failures": batch.failures,
+                "sealed": sealed})
             records.append(Outgoing(LIVE, None, value, partition))
             self.records += 1
+            for ref in [e[0] for e in batch.ends] + [f[0] for f in batch.failures]:
+                self._conversations.pop((partition, ref), None)
         records += [Outgoing(GENERATIONS, key, value, answer=answer is not None)
                     for key, value, answer in batch.durable]
         futures = self.writer.send_together(records, epoch)
@@ -145,6 +158,35 @@ class Output:
             if mine is not None and theirs is not None:
                 _chain(theirs, mine)
 
+    def _sealed(self, partition: int, deltas: list[tuple[int, int, str, tuple[int, ...]]]
+                ) -> tuple[list[tuple[int, int, str, tuple[int, ...]]],
+                           list[tuple[int, str, str]]]:
+        """The batch's deltas with the text of each turn that has a data key taken out,
+        and that text sealed, a box per turn (``schemas.live``)."""
+        if not deltas or not sealing.active():
+            return deltas, []
+        texts: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        keys: dict[int, sealing.DataKey | str | None] = {}
+        out = []
+        for ref, seq, text, token_ids in deltas:
+            if ref not in keys:
+                conversation = self._conversations.get((partition, ref))
+                keys[ref] = (sealing.writing_key(conversation) if conversation is not None
+                             else None)
+            if keys[ref] is None:
+                out.append((ref, seq, text, token_ids))
+                continue
+            texts.setdefault(ref, []).append((text, token_ids))
+            out.append((ref, seq, "", ()))
+        sealed = []
+        for ref, group in texts.items():
+            key = keys[ref]
+            if isinstance(key, sealing.DataKey):
+                sealed.append((ref, key.key_id, sealing.seal(key, _encoder.encode(group))))
+            else:  # its keys were destroyed: its text is not written
+                sealed.append((ref, sealing.ERASED, ""))
+        return out, sealed
+
     def drop(self, partitions: list[int] | None = None) -> None:
         """Forget the open batches (of ``partitions``, or all): their turns were given up."""
         for partition in list(self._open) if partitions is None else partitions:
@@ -152,6 +194,8 @@ class Output:
             for _, _, answer in batch.durable if batch else ():
                 if answer is not None:  # its turn's task was stopped before this
                     answer.cancel()
+        self._conversations = {at: c for at, c in self._conversations.items()
+                               if partitions is not None and at[0] not in partitions}
 
 
 def _chain(source: asyncio.Future[Position], target: asyncio.Future[Position]) -> None:

@@ -29,7 +29,7 @@ from schemas import (
     PromptSubmitted,
     Usage,
 )
-from schemas.history import History
+from schemas.history import History, recall
 from workers.coalescer import Coalescer
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.history import Histories, HistoryUnavailable
@@ -163,8 +163,9 @@ class Runner:
                                  f"This worker serves '{model}', not '{prompt.model}'.")
         messages = await self.histories.input_for(prompt, partition)
         turn.history = messages[:prompt.history_len]
-        request = EngineRequest(prompt.request_id, messages, prompt.sampling,
-                                tuple(progress.token_ids),
+        # The user's memories it recalled come first, outside the session.
+        request = EngineRequest(prompt.request_id, recall(prompt.recalled) + messages,
+                                prompt.sampling, tuple(progress.token_ids),
                                 None if span is None else carrier_of(span))
         async for out in self.engine.generate(request):
             now = time.monotonic()

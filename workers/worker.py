@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
-from pipeline.codec import TP, DecodeError, conversation_key, decode
+from pipeline.codec import TP, DecodeError, conversation_key, decode_async
 from pipeline.kafka import (
     AsyncConsumer,
     Fenced,
@@ -251,7 +251,7 @@ class Worker:
             self.tracker.taken((topic, partition), offset)
         assert self.output is not None
         try:
-            event = decode(record.value)
+            event = await decode_async(record.value)
         except DecodeError as exc:
             log.warning("dead-lettering %s: %s", record.position, exc)
             self.metrics.dead_letters.inc()
