@@ -201,6 +201,8 @@ def _summary(event: Event) -> str:
     for name in ("messages", "history"):
         if data.get(name) is not None:
             data[name] = f"{len(data[name])} messages"
+    if data.get("sealed") is not None:  # a box this process cannot open
+        data["sealed"] = "content erased: its data keys were destroyed"
     if "text" in data and len(data["text"]) > 60:
         data["text"] = data["text"][:57] + "..."
     return json.dumps(data, ensure_ascii=False)

@@ -19,6 +19,7 @@ from schemas import (
     GenerationFailed,
     GenerationFinished,
     GenerationStarted,
+    MemoryForgotten,
     PromptSubmitted,
     SessionCreated,
     SessionDeleted,
@@ -53,11 +54,12 @@ def write(sql: str, params: tuple[Any, ...] | dict[str, Any]) -> Write:
 # An event of another tenant than its conversation's changes nothing of it (one that
 # would add a turn is refused outright, by the turn's foreign key).
 _UPSERT_CONVERSATION = """
-INSERT INTO conversations (id, tenant, title, created_at, updated_at)
-VALUES (%s, %s, %s, %s, %s)
+INSERT INTO conversations (id, tenant, title, created_at, updated_at, memory_user)
+VALUES (%s, %s, %s, %s, %s, %s)
 ON CONFLICT (id) DO UPDATE SET
     title = CASE WHEN conversations.deleted THEN NULL
                  ELSE COALESCE(conversations.title, EXCLUDED.title) END,
+    memory_user = COALESCE(conversations.memory_user, EXCLUDED.memory_user),
     created_at = LEAST(conversations.created_at, EXCLUDED.created_at),
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
 WHERE conversations.tenant = EXCLUDED.tenant
@@ -183,8 +185,10 @@ def project(event: Event, offset: int | None = None,
             verdict: Verdict = Verdict.ACCEPTED) -> list[Write]:
     """The writes that make the store reflect ``event``, found at ``offset`` of its topic.
     A prompt's ``verdict`` comes from ``schemas.conversation.TurnLedger``."""
-    if isinstance(event, (TokenDelta, ClientAttached, ClientDetached)):
-        return []  # deltas live in the log (the store keeps whole messages); so do attachments
+    if isinstance(event, (TokenDelta, ClientAttached, ClientDetached, MemoryForgotten)):
+        # deltas live in the log (the store keeps whole messages); so do attachments;
+        # memories are the memory service's
+        return []
     if isinstance(event, PromptSubmitted) and verdict is Verdict.VOID:
         return []  # a void prompt is never run and never stored
     at = event.occurred_at
@@ -192,7 +196,9 @@ def project(event: Event, offset: int | None = None,
     if isinstance(event, SessionDeleted):
         return [write(_DELETE_CONVERSATION, (conv, event.tenant, at, at)),
                 write(_DELETE_MESSAGES, (conv, conv))]
-    writes = [write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at))]
+    memory_user = event.memory_user if isinstance(event, SessionCreated) else None
+    writes = [write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at,
+                                           memory_user))]
     if isinstance(event, PromptSubmitted):
         for seq, msg in enumerate(event.messages, start=event.history_len):
             writes.append(_message(event, seq, msg.role, msg.content))

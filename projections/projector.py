@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.codec import TP, DecodeError, decode
+from pipeline.codec import TP, DecodeError, decode_async
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import (
     BEGINNING,
@@ -122,7 +122,7 @@ async def apply_batch(
         pos = record.position
         batch.positions[(pos.topic, pos.partition)] = pos.offset + 1
         try:
-            event = decode(record.value)
+            event = await decode_async(record.value)
         except DecodeError as exc:
             batch.parked.append((record, str(exc)))
             continue
