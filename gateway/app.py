@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import completions, page, sessions, usage
+from gateway import completions, memories, page, sessions, usage
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
 from gateway.dependencies import Health
@@ -34,6 +34,7 @@ from gateway.errors import (
 from gateway.eventstream import ServerSend, Streams
 from gateway.fleet import Fleet
 from gateway.http import Resources, resources
+from gateway.memory import MemoryClient
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestIds, RequestMetrics
 from gateway.openapi import openapi_spec
@@ -50,6 +51,7 @@ from pipeline.kafka import (
     TransactionalProducer,
     topic_limits,
 )
+from pipeline.keystore import open_keyring
 from pipeline.metrics import LoopWatch, serve_metrics
 from pipeline.retry import Backoff
 from pipeline.settings import CommonSettings
@@ -141,6 +143,9 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         Route("/v1/sessions/{session_id}/messages", sessions.append, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/usage", usage.get_usage, methods=["GET"]),
+        Route("/v1/memories", memories.list_memories, methods=["GET"]),
+        Route("/v1/memories", memories.delete_memories, methods=["DELETE"]),
+        Route("/v1/memories/{memory_id}", memories.delete_memory, methods=["DELETE"]),
         Route("/livez", livez, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -209,6 +214,9 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     opened.callback(serve_metrics(registry, settings.metrics_port, settings.metrics_host))
 
     partitions = await _partitions(meta, settings.startup_timeout_s)
+    # The conversations' data keys: content is sealed and opened with them.
+    keyring = await asyncio.to_thread(open_keyring, common, f"gateway-{label}")
+    opened.callback(keyring.close)
     for consumer in (meta, reader):  # so a client's first call waits for no lookup
         for topic in (*CONVERSATION_TOPICS, LIVE):
             await consumer.partitions(topic)
@@ -239,8 +247,10 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
                   failed_lookups=settings.failed_key_lookups)
     await _say_whether_keys_are_required(guard)
+    memory = MemoryClient(settings.memory_url, settings.memory_timeout_s)
+    opened.push_async_callback(memory.close)
     chat = ChatService(settings, producer, prompts, tail, store, fleet, guard, metrics,
-                       settings.models)
+                       settings.models, keyring, memory)
     # Open streams: on shutdown, drained first (``GATEWAY_DRAIN_S``).
     streams = Streams(settings.send_timeout_s)
     streams.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from gateway.cursor import failure
 from gateway.dependencies import KAFKA, from_log
 from gateway.fleet import Fleet
 from gateway.ids import EventPosition, completion_id, conversation_of, idempotent_conversation
+from gateway.memory import MemoryClient
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatRequest
 from gateway.problems import (
@@ -54,8 +56,10 @@ from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, lega
 from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key, encode
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
+from pipeline.keystore import Keyring, Owner
 from pipeline.logs import bind_turn
-from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, LIVE, PROMPTS
+from pipeline.sealing import DEFLATE_UP_TO
+from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, KEYS, LIVE, PROMPTS
 from schemas import (
     Charge,
     ChatMessage,
@@ -67,12 +71,14 @@ from schemas import (
     GenerationFailed,
     GenerationFinished,
     PromptSubmitted,
+    Recalled,
     SessionCreated,
     SessionDeleted,
     Usage,
 )
 from schemas.conversation import UNFINISHED
 from schemas.history import digest
+from schemas.history import recall as recall_messages
 from schemas.live import TERMINAL, Delta, End, Failure, Start, StreamItem, entries
 
 log = logging.getLogger(__name__)
@@ -109,6 +115,7 @@ class ChatService:
         self, settings: GatewaySettings, producer: EventProducer,
         prompts: TransactionalProducer, tail: GenerationTail, store: ConversationStore,
         fleet: Fleet, guard: Guard, metrics: GatewayMetrics, configured_models: list[str],
+        keyring: Keyring, memory: MemoryClient,
     ) -> None:
         self.settings = settings
         self.producer = producer  # control events: facts that may arrive late
@@ -119,6 +126,8 @@ class ChatService:
         self.guard = guard
         self.metrics = metrics
         self.configured_models = configured_models
+        self.keyring = keyring  # the conversations' data keys (pipeline.sealing)
+        self.memory = memory  # users' memories, recalled into turns that ask
         self._open: Counter[uuid.UUID] = Counter()  # conversations with an open stream
         self._streams: Counter[str] = Counter()  # open streams per tenant
 
@@ -190,8 +199,15 @@ class ChatService:
             self.check_streams(tenant)
         new = tuple(m.to_event() for m in request.messages)
         max_tokens = request.sampling().max_tokens
-        self.check_context(version, history, new, max_tokens)
-        estimate = estimate_tokens(sum(len(m.content) for m in (*history, *new)), max_tokens)
+        # Memory as the request says, else as its session was created.
+        memory = request.memory if request.memory is not None else bool(
+            view is not None and view.memory_user)
+        user = request.user or (view.memory_user if view is not None else None)
+        recalled = await self._recall(memory, user, tenant, new, session)
+        before = list(recall_messages(recalled))  # what the model is given first
+        self.check_context(version, before + history, new, max_tokens)
+        estimate = estimate_tokens(sum(len(m.content) for m in (*before, *history, *new)),
+                                   max_tokens)
         await self.guard.charge(caller, requests=0, tokens=estimate)
         # Trued up to the turn's usage when it ends (the projector): a turn without
         # max_tokens is charged a default now, and what it really used then. It also
@@ -210,8 +226,18 @@ class ChatService:
             history_digest=digest(history) if history else None,
             sampling=request.sampling(), idempotency_key=key, background=request.background,
             history_end=view.prompts_end if view is not None else None, charge=charge,
+            memory=memory, user=user if memory else None,
+            recalled=recalled,
         )
-        size = len(encode(prompt)) + len(str(conversation))  # its value and its key
+        # Text past a MiB is sealed as it is (``pipeline.sealing``): a record at least
+        # that long. One the log would refuse is refused before it costs a seal.
+        text = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in new)
+        if text > max(DEFLATE_UP_TO, self.prompts.limit(PROMPTS)):
+            raise PromptTooLarge(text, self.prompts.topic_limit(PROMPTS))
+        # Its content is sealed with the conversation's data key, durable before it.
+        await self._ensure_key(conversation, tenant, request.user)
+        value = encode(prompt)  # sealed once: each encoding draws a new nonce
+        size = len(value) + len(str(conversation))  # its value and its key
         if size > self.prompts.limit(PROMPTS):
             raise PromptTooLarge(size, self.prompts.topic_limit(PROMPTS))
         # Follow before producing, so no event of this turn can pass unseen.
@@ -221,8 +247,8 @@ class ChatService:
             if KAFKA.open:  # refused at once, until a probe sees Kafka answer
                 raise LogUnavailable(request_id)
             try:  # answered definitely: committed, or never to be written
-                written = await self.prompts.send(PROMPTS, prompt, deadline=deadline,
-                                                  headers=trace)
+                written = await self.prompts.send_raw(
+                    PROMPTS, conversation_key(conversation), value, trace, deadline=deadline)
             except RecordTooLarge as exc:
                 raise PromptTooLarge(exc.size, exc.limit) from exc
             except ProduceError as exc:
@@ -245,6 +271,22 @@ class ChatService:
         return Following(request_id, conversation, tenant, int(prompt.occurred_at.timestamp()),
                          prompt.model, sub, [], attachment=request_id,
                          accepted_at=time.monotonic())
+
+    async def _recall(self, memory: bool, user: str | None, tenant: str,
+                      new: tuple[ChatMessage, ...], session: uuid.UUID | None
+                      ) -> tuple[Recalled, ...]:
+        """The user's memories nearest the turn's last user message, if it has memory
+        on (``MemoryUnavailable`` if they cannot be had: it is not run without)."""
+        if not memory:
+            return ()
+        if user is None:
+            raise OverLimit("memory needs a user: set the request's user field (the end "
+                            "user whose memories these are).", "user")
+        query = next((m.content for m in reversed(new) if m.role == "user"), "")
+        started = time.perf_counter()
+        recalled = await self.memory.recall(tenant, user, query, session)
+        self.metrics.memory_recall.observe(time.perf_counter() - started)
+        return recalled
 
     def check_context(self, model: str, history: list[ChatMessage],
                       new: tuple[ChatMessage, ...], max_tokens: int | None) -> None:
@@ -288,23 +330,44 @@ class ChatService:
                      prompt.request_id, rival)
             raise TurnInProgress(rival)
 
+    async def _ensure_key(self, conversation: uuid.UUID, tenant: str,
+                          user: str | None) -> None:
+        """Give the conversation a data key, durable in ``chat.keys``, unless this
+        gateway knows one (``pipeline.keystore``)."""
+        if self.keyring.has_key(conversation):
+            return
+        record, value, key = self.keyring.new_key(conversation, tenant, user)
+        await from_log(lambda: self.producer.send_raw(KEYS, record, value),
+                       self.settings.dependency_timeout_s)
+        self.keyring.add(key, Owner(tenant, user))
+
     # -- sessions -------------------------------------------------------------------
-    async def create_session(self, tenant: str, title: str | None) -> SessionCreated:
-        """A new session, once its creation is in the log."""
+    async def create_session(self, tenant: str, title: str | None, user: str | None = None,
+                             memory: bool = False) -> SessionCreated:
+        """A new session, once its creation is in the log (with memory on for ``user``
+        if ``memory``)."""
         event = SessionCreated(conversation_id=uuid.uuid4(),
                                request_id=f"session-{uuid.uuid4().hex}", tenant=tenant,
-                               title=title)
+                               title=title, memory_user=user if memory else None)
+        await self._ensure_key(event.conversation_id, tenant, user)
         await from_log(lambda: self.producer.send(CONTROL, event),
                        self.settings.dependency_timeout_s)
         return event
 
     async def delete_session(self, session: uuid.UUID, tenant: str) -> None:
         """Delete a session the tenant sees (``SessionNotFound`` otherwise), once the
-        deletion is in the log: its running turns stop, and the store drops it."""
+        deletion is in the log: its running turns stop, the store drops it, and its data
+        keys are destroyed, so its content is unreadable in the log too."""
         await self.visible_view(session, tenant)
         await from_log(lambda: self.producer.send(CONTROL, SessionDeleted(
             conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}",
-            tenant=tenant)), self.settings.dependency_timeout_s)
+            tenant=tenant, reason="deleted")), self.settings.dependency_timeout_s)
+        # Its records' tombstones: the broker deletes the keys within the erasure window.
+        timeout_s = self.settings.dependency_timeout_s
+        for record in await asyncio.to_thread(self.keyring.tombstones, session):
+            await from_log(functools.partial(self.producer.send_raw, KEYS, record, None),
+                           timeout_s)
+        self.keyring.forget(session)
 
     # -- an existing turn ---------------------------------------------------------
     async def find_turn(self, completion: str,

@@ -15,6 +15,7 @@ from gateway.problems import (
     GenerationTimeout,
     InvalidLastEventId,
     LogUnavailable,
+    MemoryUnavailable,
     ModelNotFound,
     ModelUnavailable,
     OverLimit,
@@ -97,6 +98,11 @@ def api_error(problem: Problem) -> APIError:
             ids = {"X-Request-Id": problem.request_id} if problem.request_id else {}
             return APIError(503, message, code="log_unavailable",
                             headers={"Retry-After": "2", **ids})
+        case MemoryUnavailable():
+            if not problem.configured:
+                return APIError(400, message, code="memory_not_enabled", param="memory")
+            return APIError(503, message, code="memory_unavailable",
+                            headers={"Retry-After": "2"})
         case StoreUnavailable():
             return APIError(503, message, code="store_unavailable",
                             headers={"Retry-After": "2"})

@@ -21,6 +21,10 @@ class GatewayMetrics:
         self.ttft = Histogram("gateway_ttft_seconds",
                               "From prompt acknowledged to GenerationStarted seen",
                               buckets=LATENCY_BUCKETS, registry=registry)
+        self.memory_recall = Histogram("gateway_memory_recall_seconds",
+                                       "Recalling a user's memories for a turn (before its "
+                                       "prompt is written: added to its TTFT)",
+                                       buckets=LATENCY_BUCKETS, registry=registry)
         self.latency = Histogram("gateway_generation_seconds",
                                  "From prompt acknowledged to GenerationFinished seen",
                                  buckets=LATENCY_BUCKETS, registry=registry)

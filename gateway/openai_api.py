@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from gateway.edge import load_json
 from gateway.errors import APIError
 from schemas import ChatMessage, SamplingParams, Usage
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("user holds no NUL")
+    return value
+
+
+# OpenAI's ``user``: the end user, within the caller's tenant.
+EndUser = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_nul)]
 MAX_MODEL_CHARS = 256
 MAX_STOP = 4
 MAX_STOP_CHARS = 1000
@@ -62,6 +77,12 @@ class ChatRequest(BaseModel):
     background: bool = False
     # vLLM's extension: keep generating past end-of-sequence, up to max_tokens.
     ignore_eos: bool = False
+    # OpenAI's: the end user, within the caller's tenant. A new session's data key is
+    # recorded as this user's, so ``pipeline erase --user`` finds it.
+    user: EndUser | None = None
+    # Not OpenAI's: recall the user's memories into this turn, and remember it for them
+    # (the service's long-term memory; needs ``user``).
+    memory: bool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -69,11 +69,15 @@ def openapi_spec() -> dict[str, Any]:
     completion = _path("completion_id", "A chat completion id (chatcmpl-...)")
     session = _path("session_id", "A session id (UUID)")
     session_body = {"type": "object", "additionalProperties": False,
-                    "properties": {"title": {"type": ["string", "null"], "maxLength": 200}}}
+                    "properties": {"title": {"type": ["string", "null"], "maxLength": 200},
+                                   "memory": {"type": "boolean"},
+                                   "user": {"type": ["string", "null"]}}}
     append_body = {"type": "object", "required": ["content"], "properties": {
         "content": {"type": "string"}, "role": {"type": "string", "enum": ["user", "system"]},
         "model": {"type": "string"}, "stream": {"type": "boolean"},
         "max_tokens": {"type": "integer", "minimum": 1}}}
+    user = {"name": "user", "in": "query", "required": True, "schema": {"type": "string"},
+            "description": "The end user (with the caller's tenant) whose memories these are"}
     created = _json("The session")
     created["links"] = {  # what a client (or a fuzzer) can do with a new session
         name: {"operationId": op, "parameters": {"session_id": "$response.body#/id"}}
@@ -130,6 +134,14 @@ def openapi_spec() -> dict[str, Any]:
                 {"name": "group_by", "in": "query", "schema": {"type": "string"}},
                 {"name": "limit", "in": "query", "schema": {"type": "integer"}},
                 {"name": "page", "in": "query", "schema": {"type": "string"}}])},
+        "/v1/memories": {
+            "get": _op("listMemories", "A user's memories, newest first",
+                       _json("The memories"), 400, 503, params=[user]),
+            "delete": _op("deleteMemories", "Forget all of a user's memories",
+                          _json("How many were forgotten"), 400, 503, params=[user])},
+        "/v1/memories/{memory_id}": {"delete": _op(
+            "deleteMemory", "Forget one of a user's memories", _json("Forgotten"), 400, 404,
+            503, params=[_path("memory_id", "A memory's id (its turn's chatcmpl-...)"), user])},
     }
     return {"openapi": "3.1.0",
             "info": {"title": "chat-pipeline gateway", "version": "0.1.0"},

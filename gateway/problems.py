@@ -123,3 +123,12 @@ class GenerationFailure(Problem):
         super().__init__(message)
         self.code = code
         self.by_request = by_request
+
+
+class MemoryUnavailable(Problem):
+    """The memory service did not answer (or is not configured): a turn that asked for
+    memory is refused rather than run without it."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"Memory is unavailable: {why}")
+        self.configured = "not enabled" not in why

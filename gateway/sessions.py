@@ -11,7 +11,7 @@ import re
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -19,13 +19,23 @@ from gateway.completions import parse_session_id, respond
 from gateway.edge import load_json
 from gateway.errors import APIError
 from gateway.http import read_body, resources, tenant_of
-from gateway.openai_api import InMessage, Role, parse_chat_request, validate
+from gateway.openai_api import EndUser, InMessage, Role, parse_chat_request, validate
 from gateway.store import session_json
 
 
 class NewSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     title: str | None = Field(default=None, max_length=200)
+    # Memory on for every turn of the session (that does not say otherwise), for this
+    # end user (``docs/memory.md``).
+    memory: bool = False
+    user: EndUser | None = None
+
+    @model_validator(mode="after")
+    def _memory_has_a_user(self) -> NewSession:
+        if self.memory and self.user is None:
+            raise ValueError("memory needs a user: the end user whose memories these are")
+        return self
 
 
 class NewMessage(InMessage):
@@ -38,9 +48,12 @@ async def create(request: Request) -> Response:
     res = resources(request)
     body = await read_body(request, res.settings.max_body_bytes)
     new = validate(NewSession, load_json(body) if body.strip() else {})
-    event = await res.chat.create_session(tenant_of(request), new.title)
+    event = await res.chat.create_session(tenant_of(request), new.title, new.user,
+                                          new.memory)
     created = session_json(event.conversation_id, new.title, event.occurred_at,
                            event.occurred_at)
+    if new.memory:
+        created["memory"] = {"user": new.user}
     return JSONResponse(created, status_code=201)
 
 

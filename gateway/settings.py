@@ -44,6 +44,10 @@ class GatewaySettings(BaseSettings):
     # When every client of a turn has gone away, the worker stops it after this long
     # unless one comes back (through any gateway). Requests with "background": true
     # keep running regardless.
+    # The memory service (``pipeline memory``) a turn with ``memory`` recalls from, and
+    # how long a recall may take before the turn is refused (503). Unset: no memory.
+    memory_url: str | None = None
+    memory_timeout_s: float = Field(default=5.0, gt=0)
     cancel_grace_s: float = Field(default=10.0, ge=0)
     # Admission: refuse new turns (429) while the workers' backlog (prompts accepted and
     # not yet started: a running turn is no backlog however long it runs) is over this

@@ -21,7 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 from gateway.dependencies import from_log, from_store
 from gateway.problems import StoreLagging
 from gateway.view import ConversationView, Message, TurnState
-from pipeline.codec import DecodeError, conversation_key, decode, decode_live
+from pipeline.codec import DecodeError, conversation_key, decode_async, decode_live_async
 from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, LIVE, PROMPTS
@@ -64,40 +64,48 @@ class ConversationStore:
         (records that do not decode are the projector's to dead-letter); with ``keyed``
         false, every record's, the others' as None (what positions the log holds)."""
         key = conversation_key(conversation_id)
-        records = await from_log(lambda: self.reader.read_range(
-            topic, self.partition_of(conversation_id), start, end, 2 * self.timeout_s),
-            2 * self.timeout_s)
-        out: list[tuple[Record, Event | None]] = []
-        for record in records:
-            if record.key == key:
-                with contextlib.suppress(DecodeError):
-                    out.append((record, decode(record.value)))
-                    continue
-            if not keyed:
-                out.append((record, None))
-        return out
+
+        async def read() -> list[tuple[Record, Event | None]]:
+            records = await self.reader.read_range(
+                topic, self.partition_of(conversation_id), start, end, 2 * self.timeout_s)
+            out: list[tuple[Record, Event | None]] = []
+            for record in records:
+                if record.key == key:
+                    with contextlib.suppress(DecodeError):
+                        out.append((record, await decode_async(record.value)))
+                        continue
+                if not keyed:
+                    out.append((record, None))
+            return out
+
+        return await from_log(read, 2 * self.timeout_s)
 
     async def live(self, partition: int, start: int, end: int) -> list[tuple[Record, LiveBatch]]:
         """The live stream's batches in ``[start, end)`` of ``partition`` (records that do
         not decode are passed over: the fan-out says so)."""
-        records = await from_log(lambda: self.reader.read_range(
-            LIVE, partition, start, end, 2 * self.timeout_s), 2 * self.timeout_s)
-        out = []
-        for record in records:
-            with contextlib.suppress(DecodeError):
-                out.append((record, decode_live(record.value)))
-        return out
+        async def read() -> list[tuple[Record, LiveBatch]]:
+            records = await self.reader.read_range(LIVE, partition, start, end,
+                                                   2 * self.timeout_s)
+            out = []
+            for record in records:
+                with contextlib.suppress(DecodeError):
+                    out.append((record, await decode_live_async(record.value)))
+            return out
+
+        return await from_log(read, 2 * self.timeout_s)
 
     async def event_at(self, topic: str, partition: int, offset: int) -> Event | None:
         """The event at ``offset`` (None: no event is there, or no longer)."""
         position = (topic, partition, offset)
-        found = await from_log(lambda: self.reader.read_at([position],
-                                                2 * self.timeout_s), 2 * self.timeout_s)
-        record = found[position]
-        try:
-            return decode(record.value) if record is not None else None
-        except DecodeError:
-            return None
+
+        async def read() -> Event | None:
+            record = (await self.reader.read_at([position], 2 * self.timeout_s))[position]
+            try:
+                return await decode_async(record.value) if record is not None else None
+            except DecodeError:
+                return None
+
+        return await from_log(read, 2 * self.timeout_s)
 
     async def view(self, conversation_id: uuid.UUID) -> ConversationView:
         p = self.partition_of(conversation_id)
@@ -127,11 +135,11 @@ class ConversationStore:
                 " WHERE partition = %s AND topic = ANY(%s)", (partition, list(TOPICS)),
             )).fetchall())
             row = await (await conn.execute(
-                "SELECT tenant, title, created_at, updated_at, deleted FROM conversations"
-                " WHERE id = %s", (conversation_id,))).fetchone()
+                "SELECT tenant, title, created_at, updated_at, deleted, memory_user"
+                " FROM conversations WHERE id = %s", (conversation_id,))).fetchone()
             if row is not None:
                 (view.tenant, view.title, view.created_at, view.updated_at,
-                 view.deleted) = row
+                 view.deleted, view.memory_user) = row
             for seq, role, content, request_id, at in await (await conn.execute(
                 "SELECT seq, role, content, request_id, created_at FROM messages"
                 " WHERE conversation_id = %s", (conversation_id,))).fetchall():

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.dependencies import from_log
-from pipeline.codec import DecodeError, Position, decode, decode_live
+from pipeline.codec import DecodeError, Position, decode_async, decode_live, open_live_async
 from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, Record
 from pipeline.retry import QuietLog
 from pipeline.topics import GENERATIONS, LIVE
@@ -283,25 +283,30 @@ class GenerationTail:
             await self._consumer.drop_partitions([(t, p) for p in idle for t in TAILED])
             log.info("stopped tailing partitions %s", idle)
 
-    def _route(self, record: Record) -> None:
+    async def _route(self, record: Record) -> None:
         pos = record.position
         tp = (pos.topic, pos.partition)
         if tp not in self._next:
             return  # dropped while this batch was in flight
         self._next[tp] = pos.offset + 1
         if pos.topic == LIVE:
-            self._route_live(record)
+            await self._route_live(record)
         elif record.key in self._keys:
-            self._route_legacy(record)
+            await self._route_legacy(record)
 
-    def _route_live(self, record: Record) -> None:
+    async def _route_live(self, record: Record) -> None:
+        partition = record.position.partition
         try:
-            batch = decode_live(record.value)
+            batch = decode_live(record.value, open_sealed=False)
+            if batch.sealed:  # open the text of the turns followed here, no other's
+                followed = {ref for ref, *_ in batch.sealed if (partition, ref) in self._refs}
+                followed |= {ref for ref, _, request_id in batch.starts
+                             if request_id in self._subs}
+                batch = await open_live_async(batch, followed)
         except DecodeError as exc:
             self.undecodable += 1
             self._quiet.warning("passing over %s, not a live batch: %s", record.position, exc)
             return
-        partition = record.position.partition
         for index, ref, item in entries(batch):
             request_id = self._refs.get((partition, ref))
             if request_id is None:
@@ -317,9 +322,9 @@ class GenerationTail:
                         sub.first_live = (record.timestamp_ms, time.time_ns())
                     sub.push(delivered)
 
-    def _route_legacy(self, record: Record) -> None:
+    async def _route_legacy(self, record: Record) -> None:
         try:
-            event = decode(record.value)
+            event = await decode_async(record.value)
         except DecodeError:
             return  # the projector dead-letters it
         subs = self._subs.get(event.request_id)
@@ -339,7 +344,7 @@ class GenerationTail:
             try:
                 records = await self._consumer.poll_batch(1000, 0.05)
                 for record in records:
-                    self._route(record)
+                    await self._route(record)
                 if sweep:
                     await self._drop_idle()
             except asyncio.CancelledError:

@@ -61,6 +61,7 @@ class ConversationView:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     deleted: bool = False
+    memory_user: str | None = None  # the session has memory on, for this user
     messages: dict[int, Message] = field(default_factory=dict)
     turns: dict[str, TurnState] = field(default_factory=dict)
     # The end of the conversation's chat.prompts partition when the view was read: a
@@ -127,6 +128,7 @@ class ConversationView:
             self._touch(event)
             if not self.deleted:
                 self.title = self.title or title(event.title)
+                self.memory_user = self.memory_user or event.memory_user
         elif isinstance(event, PromptSubmitted):
             self._apply_prompt(event, offset)
         elif isinstance(event, GenerationStarted):
