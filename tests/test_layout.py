@@ -1,6 +1,6 @@
 """The import rules, checked on every module (imports inside functions too):
 
-    schemas <- pipeline <- {gateway, workers, projections}      the apps never import each other
+    schemas <- pipeline <- {gateway, workers, projections, memory}   apps never import each other
     infra: starting Kafka and PostgreSQL, imports nothing else of ours
     bench: may import anything; only the command (launch) imports it
     launch: the composition root; nothing imports it
@@ -17,14 +17,15 @@ from pathlib import Path
 
 from pipeline.settings import REPO_ROOT
 
-PACKAGES = ("schemas", "pipeline", "gateway", "workers", "projections", "infra", "bench",
-            "launch")
+PACKAGES = ("schemas", "pipeline", "gateway", "workers", "projections", "memory", "infra",
+            "bench", "launch")
 ALLOWED = {
     "schemas": {"schemas"},
     "pipeline": {"schemas", "pipeline"},
     "gateway": {"schemas", "pipeline", "gateway"},
     "workers": {"schemas", "pipeline", "workers"},
     "projections": {"schemas", "pipeline", "projections"},
+    "memory": {"schemas", "pipeline", "memory"},
     "infra": {"infra"},
     "bench": set(PACKAGES) - {"launch"},
     "launch": set(PACKAGES),

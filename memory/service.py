@@ -1,0 +1,279 @@
+"""``pipeline memory``: the memory store's consumer and the recall API, in one process.
+
+The consumer reads the conversation topics in group ``memory`` (one store per group;
+a rebuild reads in a group of its own) and applies each batch in one transaction
+(``memory.store``); offsets are committed after it, and a batch read again adds nothing.
+A record that is not an event goes to the dead-letter topic.
+
+The HTTP API is for gateways, on a private network (it takes the tenant it is told):
+``POST /v1/recall`` (the user's memories nearest a text), ``GET /v1/memories``,
+``DELETE /v1/memories[/{id}]`` (each forgetting written to ``chat.control`` before it
+is applied: a rebuild forgets it too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from memory import store
+from memory.embedder import Embedder
+from memory.settings import MemorySettings
+from memory.store import Remembered
+from pipeline.codec import DecodeError, decode, decode_async
+from pipeline.deadletter import dead_letter
+from pipeline.kafka import AsyncConsumer, EventProducer, Record
+from pipeline.metrics import LATENCY_BUCKETS
+from pipeline.retry import Backoff, QuietLog
+from pipeline.topics import CONTROL, CONVERSATION_TOPICS
+from schemas import GenerationFinished, MemoryForgotten, PromptSubmitted, SessionDeleted
+from schemas.conversation import storable
+
+log = logging.getLogger(__name__)
+CONSUMER_NAME = "memory"
+MAX_QUERY_CHARS = 100_000
+MAX_LISTED = 1000
+
+
+class MemoryMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.remembered = Counter("memory_remembered", "Memories stored", registry=registry)
+        self.forgotten = Counter("memory_forgotten", "Memories forgotten on request",
+                                 registry=registry)
+        self.recalls = Counter("memory_recalls", "Recall requests answered", registry=registry)
+        self.recall_seconds = Histogram("memory_recall_seconds",
+                                        "Time to answer a recall (embedding and search)",
+                                        registry=registry, buckets=LATENCY_BUCKETS)
+        self.embed_seconds = Histogram("memory_embed_seconds", "Time to embed one batch",
+                                       registry=registry, buckets=LATENCY_BUCKETS)
+        self.dead_letters = Counter("memory_dead_letters",
+                                    "Records that did not decode, sent to the dead-letter "
+                                    "topic", registry=registry)
+        self.retries = Counter("memory_retries", "Batches retried after a database error",
+                               registry=registry)
+        self.lag_events = Gauge("memory_lag_events",
+                                "Records in the assigned partitions not yet applied",
+                                registry=registry)
+
+
+def remembered(event: PromptSubmitted, max_chars: int) -> Remembered | None:
+    """What a prompt gives to remember: its last user message, if the turn has memory
+    on and its content is readable here."""
+    if not event.memory or event.user is None or event.erased:
+        return None
+    text = next((m.content for m in reversed(event.messages) if m.role == "user"), "")
+    text = storable(text).strip()[:max_chars]
+    if not text:
+        return None
+    return Remembered(event.tenant, event.user, event.request_id, event.conversation_id,
+                      text, event.occurred_at)
+
+
+class MemoryService:
+    def __init__(self, settings: MemorySettings, bootstrap: str, database_url: str,
+                 embedder: Embedder, registry: CollectorRegistry) -> None:
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.database_url = database_url
+        self.embedder = embedder
+        self.registry = registry
+        self.metrics = MemoryMetrics(registry)
+        self.producer = EventProducer(bootstrap)
+        self._quiet = QuietLog(log)
+
+    # -- the consumer ----------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        window_s = self.settings.batch_max_ms / 1000
+        consumer = AsyncConsumer(self.bootstrap, self.settings.group,
+                                 **{"session.timeout.ms": self.settings.session_timeout_ms})
+        consumer.subscribe(list(CONVERSATION_TOPICS))
+        backoff = Backoff(0.2, 10.0)
+        records: list[Record] = []
+        last_lag = 0.0
+        try:
+            while not stop.is_set():
+                if not records:
+                    records = await consumer.poll_window(self.settings.batch_max_events,
+                                                         0.1, window_s)
+                if records:
+                    try:
+                        await self._apply(records)
+                    except (psycopg.Error, OSError) as exc:
+                        self.metrics.retries.inc()
+                        delay = backoff.next()
+                        self._quiet.warning("could not apply %d records (retrying in %.1f "
+                                            "s): %s", len(records), delay, exc)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stop.wait(), delay)
+                        continue
+                    backoff.reset()
+                    offsets: dict[tuple[str, int], int] = {}
+                    for r in records:
+                        offsets[(r.position.topic, r.position.partition)] = \
+                            r.position.offset + 1
+                    records = []
+                    try:
+                        await consumer.commit(offsets)
+                    except Exception as exc:  # a rebalance: read again, and adds nothing
+                        log.warning("could not commit memory offsets: %s", exc)
+                if time.monotonic() - last_lag > 1.0:
+                    last_lag = time.monotonic()
+                    with contextlib.suppress(Exception):
+                        self.metrics.lag_events.set(sum((await consumer.lag()).values()))
+        finally:
+            await consumer.close()
+
+    async def _apply(self, records: Sequence[Record]) -> None:
+        events = []
+        for record in records:
+            try:
+                # Content is opened only where a memory is made of it (no key looked
+                # for a conversation without memory).
+                event = decode(record.value, open_sealed=False)
+                if isinstance(event, PromptSubmitted) and event.memory and event.sealed:
+                    event = await decode_async(record.value)
+                events.append(event)
+            except DecodeError as exc:
+                self.metrics.dead_letters.inc()
+                await dead_letter(self.producer, record, str(exc), CONSUMER_NAME)
+        remember = [r for e in events if isinstance(e, PromptSubmitted)
+                    for r in [remembered(e, self.settings.max_memory_chars)] if r is not None]
+        started = time.perf_counter()
+        vectors = await self.embedder.embed([r.text for r in remember])
+        if remember:
+            self.metrics.embed_seconds.observe(time.perf_counter() - started)
+        async with await psycopg.AsyncConnection.connect(self.database_url,
+                                                         connect_timeout=10) as conn:
+            async with conn.transaction():
+                # Ends and deletions first: a batch may hold a turn and its deletion.
+                await store.finished(conn, [e.request_id for e in events
+                                            if isinstance(e, GenerationFinished)])
+                for e in events:
+                    if isinstance(e, SessionDeleted):
+                        await store.conversation_deleted(conn, e.conversation_id)
+                    elif isinstance(e, MemoryForgotten):
+                        await store.forget(conn, e.tenant, e.user, e.request_id)
+                new = await store.remember(conn, list(zip(remember, vectors, strict=True)),
+                                           self.embedder.name)
+        self.metrics.remembered.inc(new)
+
+    # -- the HTTP API ----------------------------------------------------------------
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/recall", self.recall, methods=["POST"]),
+            Route("/v1/memories", self.list_memories, methods=["GET"]),
+            Route("/v1/memories", self.forget_all, methods=["DELETE"]),
+            Route("/v1/memories/{memory_id}", self.forget_one, methods=["DELETE"]),
+            Route("/healthz", lambda _: JSONResponse({"status": "ok"})),
+            Route("/metrics", lambda _: Response(generate_latest(self.registry),
+                                                 media_type="text/plain; version=0.0.4")),
+        ])
+
+    async def recall(self, request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            body = await request.json()
+        except ValueError:
+            return problem(400, "invalid_json", "The body is not JSON.")
+        if not isinstance(body, dict):
+            return problem(400, "invalid_request", "The body is a JSON object.")
+        who = _who(body)
+        if isinstance(who, Response):
+            return who
+        text, k, exclude = body.get("text"), body.get("k", self.settings.recall_k), None
+        if not isinstance(text, str) or len(text) > MAX_QUERY_CHARS:
+            return problem(400, "invalid_request", f"text is a string of at most "
+                           f"{MAX_QUERY_CHARS} characters")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 1000:
+            return problem(400, "invalid_request", "k is an integer from 0")
+        if body.get("exclude_session") is not None:
+            try:
+                exclude = uuid.UUID(str(body["exclude_session"]))
+            except ValueError:
+                return problem(400, "invalid_request", "exclude_session is a session id")
+        k = min(k, self.settings.max_recall_k)
+        found: list[store.Memory] = []
+        if k and text.strip():
+            vector = (await self.embedder.embed([storable(text)[:MAX_QUERY_CHARS]]))[0]
+            async with await psycopg.AsyncConnection.connect(self.database_url,
+                                                             connect_timeout=10) as conn:
+                found = await store.nearest(conn, *who, vector, self.embedder.name, k,
+                                            exclude)
+        kept, total = [], 0
+        for memory in found:  # the nearest first, within the size limit
+            if total + len(memory.text) > self.settings.max_recall_chars:
+                break
+            kept.append({"id": memory.id, "text": memory.text})
+            total += len(memory.text)
+        self.metrics.recalls.inc()
+        seconds = time.perf_counter() - started
+        self.metrics.recall_seconds.observe(seconds)
+        return JSONResponse({"memories": kept, "ms": round(seconds * 1000, 3)})
+
+    async def list_memories(self, request: Request) -> Response:
+        who = _who(dict(request.query_params))
+        if isinstance(who, Response):
+            return who
+        async with await psycopg.AsyncConnection.connect(self.database_url,
+                                                         connect_timeout=10) as conn:
+            found = await store.listed(conn, *who, MAX_LISTED)
+        return JSONResponse({"object": "list", "data": [m.json() for m in found]})
+
+    async def forget_one(self, request: Request) -> Response:
+        return await self._forget(request, request.path_params["memory_id"])
+
+    async def forget_all(self, request: Request) -> Response:
+        return await self._forget(request, None)
+
+    async def _forget(self, request: Request, memory_id: str | None) -> Response:
+        who = _who(dict(request.query_params))
+        if isinstance(who, Response):
+            return who
+        tenant, user = who
+        async with await psycopg.AsyncConnection.connect(self.database_url,
+                                                         connect_timeout=10) as conn:
+            found = await store.of_user(conn, tenant, user, memory_id)
+            if memory_id is not None and not found:
+                return problem(404, "memory_not_found", "No such memory of this user.")
+            # Durable in the log first: a rebuild, and this store if it fails now, forget
+            # it too.
+            await asyncio.gather(*(self.producer.send(CONTROL, MemoryForgotten(
+                conversation_id=m.conversation_id, request_id=m.id, tenant=tenant,
+                user=user)) for m in found))
+            for m in found:
+                await store.forget(conn, tenant, user, m.id)
+        self.metrics.forgotten.inc(len(found))
+        if memory_id is not None:
+            return JSONResponse({"id": memory_id, "object": "memory", "deleted": True})
+        return JSONResponse({"object": "list", "deleted": len(found)})
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+def _who(fields: dict[str, Any]) -> tuple[str, str] | Response:
+    tenant, user = fields.get("tenant"), fields.get("user")
+    for name, value in (("tenant", tenant), ("user", user)):
+        if not isinstance(value, str) or not 1 <= len(value) <= 200 or "\0" in value:
+            return problem(400, "invalid_request", f"{name} is a name of 1 to 200 "
+                           "characters")
+    return tenant, user  # type: ignore[return-value]
+
+
+def problem(status: int, code: str, message: str) -> JSONResponse:
+    """An error in OpenAI's shape (the gateway passes it on as it is)."""
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": code}}, status_code=status)

@@ -1,0 +1,37 @@
+"""The memory service's settings (prefix ``MEMORY_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MemorySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MEMORY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8100
+    # The consumer group: a second memory store (a rebuild) reads in a group of its own.
+    group: str = "memory"
+    # The tables' schema in DATABASE_URL (None: the search path's, beside the store).
+    schema_name: str | None = None
+    # The embedding model: a model directory or a Hugging Face name (vLLM's pooling
+    # runner; a causal model is converted to an embedding model). Unset: the tiny random
+    # model made locally, whose vectors rank nothing by meaning (tests and the demo).
+    model: str | None = None
+    # float32 on CPU, as the worker: vLLM's CPU backend has no fast half-precision path on
+    # every processor (oneDNN falls back to torch). "auto" or bfloat16 on a GPU.
+    dtype: str = "float32"
+    max_model_len: int | None = Field(default=None, ge=16)
+    # What vLLM may take for its KV cache on a CPU host (bytes).
+    kv_cache_memory_bytes: int = Field(default=256 * 2**20, ge=2**20)
+    # A memory is the user's message of a finished turn, cut to this many characters.
+    max_memory_chars: int = Field(default=1000, ge=16, le=100_000)
+    # Recalled per turn: ``recall_k`` by default, at most ``max_recall_k``, and at most
+    # ``max_recall_chars`` characters in all (the nearest first).
+    recall_k: int = Field(default=3, ge=1)
+    max_recall_k: int = Field(default=8, ge=1, le=100)
+    max_recall_chars: int = Field(default=4000, ge=16)
+    batch_max_events: int = Field(default=200, ge=1)
+    batch_max_ms: float = Field(default=50.0, gt=0)
+    session_timeout_ms: int = Field(default=10_000, ge=6_000)

@@ -1,0 +1,305 @@
+"""Long-term memory, end to end on the vLLM stack: the memory service (``pipeline
+memory``) embedding with vLLM's pooling runner and the tiny local model, memories in
+PostgreSQL with pgvector, and a gateway that recalls from it.
+
+The tiny model's vectors rank by nothing, so these tests give each user few memories
+(all within the recall's k): what they check is what reaches the model, who may see
+what, and how a memory is forgotten, not the ranking.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from infra.process import free_port
+from pipeline.topics import CONTROL, PROMPTS
+from schemas import MemoryForgotten, PromptSubmitted
+from schemas.history import RECALL_PREAMBLE
+from tests.conftest import MODEL, Pipeline, Service, start_service, wait_healthy
+from tests.logread import read_events, read_records
+
+MEMORY_START_S = 600  # vLLM's engine on a loaded CI host
+
+
+@dataclass
+class Memory:
+    pipeline: Pipeline
+    url: str  # the gateway that recalls
+    service_url: str  # the memory service itself
+    services: dict[str, Service]
+
+    def logs(self) -> str:
+        return "\n".join(s.tail() for s in self.services.values())
+
+
+def wait_up(url: str, service: Service, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert service.proc.poll() is None, service.tail()
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, service.tail()
+        time.sleep(0.5)
+
+
+def start_memory(pipeline: Pipeline, name: str, *args: str) -> tuple[Service, str]:
+    port = free_port()
+    service = start_service(pipeline.stack, name, "memory", "--port", str(port), *args)
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url, service, MEMORY_START_S)
+    return service, url
+
+
+@pytest.fixture(scope="module")
+def mem(pipeline: Pipeline) -> Iterator[Memory]:
+    services: dict[str, Service] = {}
+    try:
+        services["memory"], service_url = start_memory(pipeline, "memory")
+        port = free_port()
+        services["gateway"] = start_service(
+            pipeline.stack, "memory-gateway", "gateway", "--port", str(port),
+            GATEWAY_MEMORY_URL=service_url)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, list(services.values()), timeout=60)
+        yield Memory(pipeline, url, service_url, services)
+    finally:
+        for service in services.values():
+            service.stop()
+
+
+def turn(url: str, content: str, user: str | None, memory: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "memory": memory,
+                            "messages": [{"role": "user", "content": content}]}
+    if user is not None:
+        body["user"] = user
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    reply: dict[str, Any] = r.json()
+    return {**reply, "session_id": r.headers["x-session-id"]}
+
+
+def memories(url: str, user: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/v1/memories", params={"user": user}, timeout=30)
+    assert r.status_code == 200, r.text
+    found: list[dict[str, Any]] = r.json()["data"]
+    return found
+
+
+def remembered(url: str, user: str, count: int, timeout: float = 60) -> list[dict[str, Any]]:
+    """The user's memories once there are ``count`` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = memories(url, user)
+        if len(found) == count:
+            return found
+        assert time.monotonic() < deadline, found
+        time.sleep(0.3)
+
+
+def prompt_of(mem: Memory, request_id: str) -> PromptSubmitted:
+    found = [e for _, e in read_events(mem.pipeline.stack.bootstrap, PROMPTS)
+             if isinstance(e, PromptSubmitted) and e.request_id == request_id]
+    assert len(found) == 1, request_id
+    return found[0]
+
+
+def user_name() -> str:
+    return f"user-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_fact_told_in_one_session_is_given_to_the_model_in_the_next(mem: Memory) -> None:
+    alice, fact = user_name(), f"My dog is called Rex-{uuid.uuid4().hex[:6]}."
+    first = turn(mem.url, fact, alice)
+    [memory] = remembered(mem.url, alice, 1)
+    assert memory["text"] == fact and memory["id"] == first["id"]
+    assert memory["session_id"] == first["session_id"]
+
+    question = "What is my dog called?"
+    second = turn(mem.url, question, alice)
+    assert second["session_id"] != first["session_id"]  # a new session
+    prompt = prompt_of(mem, second["id"])
+    # What the model was given is in the log, for an auditor: the fact, by its turn.
+    assert [(r.id, r.text) for r in prompt.recalled] == [(first["id"], fact)]
+    assert prompt.memory and prompt.user == alice
+    # ... and it was given it: the same question without memory reads fewer tokens,
+    # the difference being the recalled memory's message.
+    plain = turn(mem.url, question, alice, memory=False)
+    assert prompt_of(mem, plain["id"]).recalled == ()
+    assert second["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 5
+    # A turn without memory is not remembered.
+    assert len(remembered(mem.url, alice, 2)) == 2  # the question, not the plain turn
+    # In the log the recalled text is sealed like the messages: no raw record holds it.
+    raw = b"".join(value or b"" for _, value, _ in
+                   read_records(mem.pipeline.stack.bootstrap, PROMPTS))
+    assert fact.encode() not in raw and RECALL_PREAMBLE.encode() not in raw
+
+
+def test_no_user_and_no_tenant_recalls_another_users_memory(mem: Memory) -> None:
+    alice, bob, secret = user_name(), user_name(), f"my PIN is {uuid.uuid4().hex[:8]}"
+    turn(mem.url, secret, alice)
+    remembered(mem.url, alice, 1)
+    # Another user of the same tenant: nothing of alice's is listed or recalled.
+    assert memories(mem.url, bob) == []
+    bobs = turn(mem.url, "what is my PIN?", bob)
+    assert prompt_of(mem, bobs["id"]).recalled == ()
+    # Another tenant's user of the same name: the memory service answers within the
+    # tenant the gateway names (the caller's), and finds nothing there.
+    for tenant in ("another-tenant", "default\x00", "Default"):
+        r = httpx.post(f"{mem.service_url}/v1/recall", timeout=30, json={
+            "tenant": tenant, "user": alice, "text": "what is my PIN?"})
+        assert r.status_code in (200, 400), r.text
+        assert r.status_code == 400 or r.json()["memories"] == []
+    same = httpx.post(f"{mem.service_url}/v1/recall", timeout=30, json={
+        "tenant": "default", "user": alice, "text": "what is my PIN?"}).json()
+    assert [m["text"] for m in same["memories"]] == [secret]
+
+
+def test_a_forgotten_memory_is_never_recalled_again_even_from_the_log(mem: Memory) -> None:
+    carol = user_name()
+    kept = turn(mem.url, "I live in Lyon.", carol)
+    gone = turn(mem.url, "I was born in 1980.", carol)
+    remembered(mem.url, carol, 2)
+    r = httpx.delete(f"{mem.url}/v1/memories/{gone['id']}", params={"user": carol},
+                     timeout=30)
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert [m["id"] for m in memories(mem.url, carol)] == [kept["id"]]
+    again = turn(mem.url, "When was I born?", carol)
+    assert [r.id for r in prompt_of(mem, again["id"]).recalled] == [kept["id"]]
+    # The forgetting is in the log, so a store rebuilt from it forgets it too.
+    forgotten = [e for _, e in read_events(mem.pipeline.stack.bootstrap, CONTROL)
+                 if isinstance(e, MemoryForgotten) and e.user == carol]
+    assert [e.request_id for e in forgotten] == [gone["id"]]
+    # Unknown, or another user's: 404, and nothing is written.
+    for memory_id, user in (("chatcmpl-nope", carol), (kept["id"], user_name())):
+        r = httpx.delete(f"{mem.url}/v1/memories/{memory_id}", params={"user": user},
+                         timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "memory_not_found"
+    # All of a user's memories at once.
+    r = httpx.delete(f"{mem.url}/v1/memories", params={"user": carol}, timeout=30)
+    assert r.status_code == 200 and r.json()["deleted"] == 2, r.text  # Lyon, and the question
+    assert memories(mem.url, carol) == []
+
+
+def test_a_deleted_session_takes_its_memories_with_it(mem: Memory) -> None:
+    dave = user_name()
+    told = turn(mem.url, "My favourite colour is green.", dave)
+    remembered(mem.url, dave, 1)
+    r = httpx.delete(f"{mem.url}/v1/sessions/{told['session_id']}", timeout=30)
+    assert r.status_code == 200, r.text
+    remembered(mem.url, dave, 0)
+
+
+def test_a_rebuilt_memory_store_equals_the_live_one(mem: Memory) -> None:
+    """A second memory service in a group and schema of its own reads the log from its
+    start: its memories are the live store's, forgotten and deleted ones included."""
+    users = [user_name(), user_name()]
+    for user in users:
+        turn(mem.url, f"{user} likes tea.", user)
+        remembered(mem.url, user, 1)
+    gone = turn(mem.url, "forget me", users[0])
+    remembered(mem.url, users[0], 2)
+    assert httpx.delete(f"{mem.url}/v1/memories/{gone['id']}", params={"user": users[0]},
+                        timeout=30).status_code == 200
+    schema = f"memory_rebuild_{uuid.uuid4().hex[:6]}"
+    service, url = start_memory(mem.pipeline, "memory-rebuild", "--group", schema,
+                                "--schema", schema)
+    try:
+        for user in users:
+            want = [(m["id"], m["text"]) for m in memories(mem.url, user)]
+            deadline = time.monotonic() + 120
+            while True:
+                r = httpx.get(f"{url}/v1/memories", timeout=30,
+                              params={"tenant": "default", "user": user})
+                got = [(m["id"], m["text"]) for m in r.json()["data"]]
+                if got == want:
+                    break
+                assert time.monotonic() < deadline, (got, want)
+                time.sleep(0.5)
+    finally:
+        service.stop()
+
+
+def test_memory_refusals_are_clear(mem: Memory) -> None:
+    # memory without a user
+    r = httpx.post(f"{mem.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "memory": True, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text
+    # listing without a user, a user past its limits
+    for params in ({}, {"user": ""}, {"user": "x" * 201}, {"user": "a\x00b"}):
+        r = httpx.get(f"{mem.url}/v1/memories", params=params, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text
+    # memory asked of a gateway that has none
+    r = httpx.post(f"{mem.pipeline.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "memory": True, "user": "u",
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "memory_not_enabled", r.text
+    r = httpx.get(f"{mem.pipeline.url}/v1/memories", params={"user": "u"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "memory_not_enabled", r.text
+    # hostile bodies at the memory service itself
+    for body in ([], {"tenant": "t"}, {"tenant": "t", "user": "u", "text": 5},
+                 {"tenant": "t", "user": "u", "text": "x", "k": -1},
+                 {"tenant": "t", "user": "u", "text": "x", "exclude_session": "nope"}):
+        r = httpx.post(f"{mem.service_url}/v1/recall", json=body, timeout=30)
+        assert r.status_code == 400 and "error" in r.json(), (body, r.text)
+    r = httpx.post(f"{mem.service_url}/v1/recall", content=b"{", timeout=30)
+    assert r.status_code == 400, r.text
+
+
+def test_a_turn_that_cannot_recall_is_refused_and_not_written(mem: Memory) -> None:
+    port = free_port()
+    away = start_service(mem.pipeline.stack, "memory-away-gateway", "gateway", "--port",
+                         str(port), GATEWAY_MEMORY_URL=f"http://127.0.0.1:{free_port()}",
+                         GATEWAY_MEMORY_TIMEOUT_S="2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [away], timeout=60)
+        content = f"never written {uuid.uuid4().hex}"
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "memory": True, "user": "u",
+            "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "memory_unavailable"
+        assert r.headers["retry-after"]
+        assert not [e for _, e in read_events(mem.pipeline.stack.bootstrap, PROMPTS)
+                    if isinstance(e, PromptSubmitted)
+                    and e.messages[-1].content == content]
+        r = httpx.get(f"{url}/v1/memories", params={"user": "u"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "memory_unavailable"
+    finally:
+        away.stop()
+
+
+def test_a_session_created_with_memory_recalls_and_remembers_for_its_user(mem: Memory) -> None:
+    erin = user_name()
+    told = turn(mem.url, "I play the cello.", erin)  # in a session of its own
+    remembered(mem.url, erin, 1)
+    r = httpx.post(f"{mem.url}/v1/sessions", json={"memory": True, "user": erin}, timeout=30)
+    assert r.status_code == 201 and r.json()["memory"] == {"user": erin}, r.text
+    session = r.json()["id"]
+
+    def append(**fields: Any) -> PromptSubmitted:
+        r = httpx.post(f"{mem.url}/v1/sessions/{session}/messages", timeout=120,
+                       json={"content": "What do I play?", "max_tokens": 2, **fields})
+        assert r.status_code == 200, r.text
+        return prompt_of(mem, r.json()["id"])
+
+    # Its turns say nothing of memory: they have it, for the session's user.
+    asked = append()
+    assert asked.memory and asked.user == erin
+    assert [m.id for m in asked.recalled] == [told["id"]]
+    remembered(mem.url, erin, 2)
+    # A turn may say otherwise.
+    assert not (plain := append(memory=False)).memory and plain.recalled == ()
+    # Memory for a session needs its user.
+    r = httpx.post(f"{mem.url}/v1/sessions", json={"memory": True}, timeout=30)
+    assert r.status_code == 400, r.text
