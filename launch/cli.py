@@ -8,20 +8,25 @@
     pipeline worker                  a generation worker (vLLM)
     pipeline projector               the Postgres projection
     pipeline analytics               usage and quality figures (faust-streaming)
+    pipeline memory                  users' long-term memory: its store and recall API
     pipeline usage --tenant T        a tenant's usage per minute, hour or day, as a table
     pipeline contract [--check]      the events' JSON Schema and the topics' AsyncAPI document
     pipeline replay --from-beginning rebuild the store from the log into an empty schema
     pipeline audit SESSION_ID        a session's full event history, from the log
+    pipeline erase --conversation ID an operator's erasure (or --user U --tenant T): the
+                                     conversations' data keys destroyed, in the log too
     pipeline rollout ALIAS --to V    a share of an alias's turns to version V, judged, then
                                      promoted or rolled back; `rollout status` shows them
     pipeline keys create|list|revoke API keys (per tenant, with rate limits)
-    pipeline bench [--quick] [PART]  serving, capacity, log, fairness, projection, analytics
+    pipeline bench [--quick] [PART]  serving, capacity, log, fairness, projection, analytics,
+                                     sealing
     pipeline bench pair --b-env N=V  a change's cost per token, before / after, in pairs
     pipeline fuzz [--examples N]     fuzz a running gateway from its OpenAPI document
     pipeline demo                    all of the above, until Ctrl-C
 
 Settings come from the environment (``PIPELINE_*``, ``DATABASE_URL``, ``GATEWAY_*``,
-``WORKER_*``, ``PROJECTOR_*``, ``ANALYTICS_*``); flags override them. See docs/running.md.
+``WORKER_*``, ``PROJECTOR_*``, ``ANALYTICS_*``, ``MEMORY_*``); flags override them. See
+docs/running.md.
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ from launch.services import (
     resolve_model,
     run_analytics,
     run_gateway,
+    run_memory,
     run_projector,
     run_worker,
 )
+from memory.settings import MemorySettings
 from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.logs import log_format, setup_logging
 from pipeline.retry import RepeatFilter
@@ -130,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
     an.add_argument("--group", help="its consumer group (default analytics)")
     an.add_argument("--schema", dest="schema_name",
                     help="write the tables into this schema of DATABASE_URL (a rebuild)")
+    me = sub.add_parser("memory", help="run the memory service (store and recall API)")
+    me.add_argument("--port", type=int)
+    me.add_argument("--group", help="its consumer group (default memory)")
+    me.add_argument("--schema", dest="schema_name",
+                    help="keep the memories in this schema of DATABASE_URL (a rebuild)")
+    me.add_argument("--model", help="the embedding model (default: the tiny random one)")
     us = sub.add_parser("usage", help="a tenant's usage, as GET /v1/usage gives it")
     us.add_argument("--tenant", default="default")
     us.add_argument("--start", type=_timestamp, help="ISO-8601 (default: a bucket-width "
@@ -150,6 +163,15 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--target-url", help="rebuild into this (empty) database")
     rp.add_argument("--until", type=_timestamp,
                     help="only events that occurred at or before this ISO-8601 time")
+    er = sub.add_parser("erase", help="erase a conversation, or a user's conversations, "
+                        "from the store and the log (their data keys are destroyed)")
+    which = er.add_mutually_exclusive_group(required=True)
+    which.add_argument("--conversation", type=uuid.UUID, metavar="ID",
+                       help="the conversation (session) id")
+    which.add_argument("--user", metavar="USER",
+                       help="every conversation whose first turn named this user")
+    er.add_argument("--tenant", default="default",
+                    help="the user's tenant (with --user; default: default)")
     au = sub.add_parser("audit", help="print a session's event history from the log")
     au.add_argument("session_id", type=uuid.UUID)
     au.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -420,6 +442,7 @@ def _timestamp(text: str) -> datetime:
 
 
 def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from pipeline.keystore import open_keyring
     from projections.replay import ReplayError, run_replay
 
     url = args.target_url or common.database_url
@@ -427,7 +450,8 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
         raise SystemExit("replay needs a target: --schema NAME or --target-url URL "
                          "(the live store is never overwritten)")
     try:
-        stats = run_replay(common.kafka_bootstrap, url, args.schema, args.until)
+        with open_keyring(common, "replay"):
+            stats = run_replay(common.kafka_bootstrap, url, args.schema, args.until)
     except (ReplayError, ValueError) as exc:
         print(f"replay refused: {exc}", file=sys.stderr)
         return 2
@@ -497,10 +521,18 @@ def run_usage_command(common: CommonSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_erase_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from launch.erase import erase_command
+
+    return erase_command(common, args)
+
+
 def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from pipeline.keystore import open_keyring
     from projections.audit import audit, format_text
 
-    entries, live = audit(common.kafka_bootstrap, args.session_id)
+    with open_keyring(common, "audit"):
+        entries, live = audit(common.kafka_bootstrap, args.session_id)
     if not entries:
         print(f"no events for session {args.session_id}", file=sys.stderr)
         return 1
@@ -547,10 +579,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout"}
+ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout", "erase"}
 # What talks to Kafka: it is refused at once if the cluster will not let it in.
-KAFKA_COMMANDS = {"gateway", "worker", "projector", "analytics", "topics", "keys", "replay",
-                  "audit", "rollout"}
+KAFKA_COMMANDS = {"gateway", "worker", "projector", "analytics", "memory", "topics", "keys",
+                  "replay", "audit", "rollout", "erase"}
 
 
 def _check_kafka_access(common: CommonSettings) -> None:
@@ -575,7 +607,7 @@ def service_down(exc: Exception, common: CommonSettings, external_db: bool) -> s
         info = psycopg.conninfo.conninfo_to_dict(common.database_url)
         return (f"PostgreSQL does not answer at {info.get('host')}:{info.get('port', 5432)}; "
                 "`pipeline infra up` starts it")
-    if unreachable(exc):
+    if unreachable(exc) or getattr(exc, "unreachable", False) is True:  # KeyringError
         return (f"Kafka does not answer at {common.kafka_bootstrap}; "
                 "`pipeline infra up` starts it")
     return None
@@ -632,6 +664,12 @@ def _analytics(args: argparse.Namespace, common: CommonSettings, external_db: bo
     return 0
 
 
+def _memory(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
+    run_memory(common, MemorySettings(**_overrides(args, "port", "group", "schema_name",
+                                                   "model")))
+    return 0
+
+
 def _contract(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
     from pipeline import contract
     from pipeline.settings import REPO_ROOT
@@ -664,10 +702,12 @@ COMMANDS: dict[str, Command] = {
     "worker": _worker,
     "projector": _projector,
     "analytics": _analytics,
+    "memory": _memory,
     "usage": lambda args, common, _: run_usage_command(common, args),
     "contract": _contract,
     "replay": lambda args, common, _: run_replay_command(common, args),
     "audit": lambda args, common, _: run_audit_command(common, args),
+    "erase": lambda args, common, _: run_erase_command(common, args),
     "bench": lambda args, common, _: run_bench_command(common, args),
     "rollout": lambda args, common, _: run_rollout_command(common, args),
     "fuzz": lambda args, common, _: run_fuzz_command(args),

@@ -10,6 +10,7 @@ import time
 
 from gateway.settings import GatewaySettings
 from launch.local import infra_down, infra_up
+from memory.settings import MemorySettings
 from pipeline.settings import CommonSettings
 
 
@@ -27,8 +28,11 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     exe = [sys.executable, "-m", "launch"]
     # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
     # and one that will not stop is killed with every process it started (vLLM's engine).
-    procs = {name: subprocess.Popen([*exe, name], start_new_session=True)
-             for name in ("projector", "analytics", "worker", "gateway")}
+    # The gateway recalls users' memories from the memory service (MEMORY_PORT).
+    memory_url = f"http://127.0.0.1:{MemorySettings().port}"
+    env = {**os.environ, "GATEWAY_MEMORY_URL": os.environ.get("GATEWAY_MEMORY_URL", memory_url)}
+    procs = {name: subprocess.Popen([*exe, name], start_new_session=True, env=env)
+             for name in ("projector", "analytics", "memory", "worker", "gateway")}
     base = f"http://{gateway.host}:{gateway.port}"
     try:
         try:
@@ -84,6 +88,14 @@ The worker's engine may take ~30 s more to warm up; requests wait for it.
 
   # the reply's X-Session-Id header names the session; its stored history:
   curl {base}/v1/sessions/SESSION_ID/messages
+
+  # long-term memory: a user's turns with "memory": true are remembered, and their
+  # memories recalled into the next ones (the memory service's engine takes a minute
+  # or two to start; until then such turns answer 503):
+  curl {base}/v1/chat/completions -H 'content-type: application/json' \
+       -d '{{"model":"{model}","memory":true,"user":"ada",
+            "messages":[{{"role":"user","content":"I like tea"}}]}}'
+  curl "{base}/v1/memories?user=ada"
 
   # usage per minute (tokens, requests, TTFT), as OpenAI's usage API shapes it:
   curl "{base}/v1/usage?start_time=$(( $(date +%s) - 3600 ))&bucket_width=1m"

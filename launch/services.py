@@ -4,13 +4,18 @@ here, when their service starts, so the command's other uses load none of them."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from gateway.settings import GatewaySettings
+from memory.embedder import Embedder
+from memory.settings import MemorySettings
 from pipeline import runtime
+from pipeline.keystore import open_keyring
 from pipeline.logs import log_format
 from pipeline.settings import CommonSettings
 from pipeline.tracing import setup_tracing
@@ -104,6 +109,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
     setup_tracing("worker")
 
     async def main(stop: asyncio.Event) -> None:
+        keyring = await asyncio.to_thread(open_keyring, common, "worker")
         engine = make_engine(common, settings)
         if isinstance(engine, SimEngine):  # fault injection, simulated engine only
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.crash)
@@ -118,8 +124,80 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
             await worker.run(stop)
         finally:
             engine.close()
+            keyring.close()
 
     _run_until_signalled(main)
+
+
+def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
+    """The memory service: its consumer (group ``memory``) and its recall API."""
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+    from psycopg.conninfo import make_conninfo
+
+    from memory import store
+    from memory.service import MemoryService
+
+    url = common.database_url
+    if settings.schema_name is not None:
+        from projections.migrate import in_schema
+
+        in_schema(url, settings.schema_name)  # checks the name
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {settings.schema_name}")
+        # pgvector's type lives in the schema the extension was created in (public).
+        url = make_conninfo(url, options=f"-c search_path={settings.schema_name},public")
+    store.migrate(url)
+    embedder = open_embedder(common, settings)
+    registry = CollectorRegistry()
+    service = MemoryService(settings, common.kafka_bootstrap, url, embedder, registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: object) -> AsyncIterator[None]:
+        keyring = await asyncio.to_thread(open_keyring, common, "memory")  # content is sealed
+        stop = asyncio.Event()
+        consuming = asyncio.create_task(service.run(stop))
+        consuming.add_done_callback(_stop_if_failed)
+        log.info("memory ready: model %s, on http://%s:%d", embedder.name, settings.host,
+                 settings.port)
+        runtime.settle()
+        try:
+            yield
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await consuming
+            service.close()
+            embedder.close()
+            keyring.close()
+
+    app = service.app()
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                loop="uvloop", http="httptools")
+
+
+def _stop_if_failed(task: asyncio.Task[None]) -> None:
+    """A service's consumer that died stops its process (its supervisor restarts it)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the consumer stopped", exc_info=task.exception())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def open_embedder(common: CommonSettings, settings: MemorySettings) -> Embedder:
+    """The configured embedding model's embedder; without one, the tiny random model's."""
+    if settings.model:
+        return Embedder(settings.model, Path(settings.model).name, settings)
+    from workers.tiny_model import make_tiny_model
+
+    path = make_tiny_model(common.state_dir / "models" / TINY_MODEL_NAME)
+    log.warning("embedding with the tiny random model at %s: its vectors rank memories by "
+                "nothing. Set MEMORY_MODEL to an embedding model.", path)
+    if settings.max_model_len is None:
+        settings = settings.model_copy(update={"max_model_len": 512})
+    return Embedder(str(path), TINY_MODEL_NAME, settings)
 
 
 def run_analytics(common: CommonSettings, settings: AnalyticsSettings) -> None:
@@ -149,5 +227,8 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     registry = CollectorRegistry()
     serve_metrics(registry, settings.metrics_port, common.metrics_host)
     projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
-    runtime.settle()
-    _run_until_signalled(projector.run)
+    # The store holds conversations' content in the clear, to serve it: opened with
+    # their data keys, and dropped when they are deleted or erased.
+    with open_keyring(common, "projector"):
+        runtime.settle()
+        _run_until_signalled(projector.run)

@@ -1,0 +1,262 @@
+"""Erasure that reaches the log: content is sealed with per-conversation data keys, and
+deleting or erasing a conversation destroys them (crypto-shredding, docs/erasure.md).
+Real Kafka, PostgreSQL, and the vLLM worker with its tiny model; a turn erased while it
+runs, on the SIMULATED engine (slow enough to be caught mid-turn)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from gateway.ids import idempotent_conversation
+from infra.process import free_port
+from pipeline.codec import decode
+from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
+from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
+from tests.conftest import MODEL, Pipeline, Stack, new_database, start_service, wait_healthy
+from tests.logread import deltas_of, end_offsets, read_events
+from tests.replaying import cli, differences
+from tests.sse import stream_chat
+
+pytestmark = pytest.mark.integration
+
+
+def every_record(bootstrap: str) -> list[bytes]:
+    """Every record's key, value and headers, of every topic of the cluster (internal
+    ones too), as bytes: what anyone with read access to the log could see."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4()}",
+                         "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
+    out = []
+    try:
+        topics = consumer.list_topics(timeout=10).topics
+        for topic in topics:
+            ends = end_offsets(bootstrap, topic)
+            parts = [p for p, end in ends.items() if end > 0]
+            if not parts:
+                continue
+            consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+            remaining = set(parts)
+            while remaining:
+                msg = consumer.poll(0.5)
+                if msg is not None and not msg.error():
+                    out.append(b"%s\0%s\0%r" % (msg.key() or b"", msg.value() or b"",
+                                                msg.headers()))
+                for tp in consumer.position([TopicPartition(topic, p) for p in remaining]):
+                    if tp.offset >= ends[tp.partition]:
+                        remaining.discard(tp.partition)
+    finally:
+        consumer.close()
+    return out
+
+
+def chat(pipeline: Pipeline, text: str, session: str | None = None, stream: bool = False,
+         user: str | None = None) -> tuple[str, str]:
+    headers = {"X-Session-Id": session} if session else {}
+    body = {"model": MODEL, "max_tokens": 12, "stream": stream,
+            "messages": [{"role": "user", "content": text}]}
+    if user is not None:
+        body["user"] = user
+    r = httpx.post(f"{pipeline.url}/v1/chat/completions", headers=headers, json=body,
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    reply = "" if stream else r.json()["choices"][0]["message"]["content"]
+    return r.headers["x-session-id"], reply
+
+
+def contents(pipeline: Pipeline, session: str) -> list[str]:
+    r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
+    assert r.status_code == 200, r.text
+    return [m["content"] for m in r.json()["data"]]
+
+
+def found_in(records: list[bytes], *texts: str) -> list[str]:
+    return [t for t in texts if any(t.encode() in r for r in records)]
+
+
+def test_content_is_sealed_in_the_log_and_erasure_makes_it_unreadable(
+        pipeline: Pipeline) -> None:
+    secret = f"my-secret-{uuid.uuid4().hex}"
+    titled = httpx.post(f"{pipeline.url}/v1/sessions", json={"title": f"title-{secret}"},
+                        timeout=30)
+    assert titled.status_code == 201, titled.text
+    session = titled.json()["id"]
+    _, reply = chat(pipeline, f"remember {secret}", session)
+    chat(pipeline, f"and stream {secret}-2", session, stream=True)
+    kept_secret = f"kept-{uuid.uuid4().hex}"
+    kept, kept_reply = chat(pipeline, f"keep {kept_secret}")
+    pipeline.wait_projected()
+
+    # Sealed from the start: no record of any topic holds the text, yet every reader
+    # with the keys reads it (the store, the API, the audit command).
+    records = every_record(pipeline.stack.bootstrap)
+    assert found_in(records, secret, kept_secret) == []
+    assert f"remember {secret}" in contents(pipeline, session)
+    assert reply in contents(pipeline, session)
+    audit = cli(pipeline.stack, "audit", session, "--json")
+    assert audit.returncode == 0 and f"remember {secret}" in audit.stdout, audit.stderr
+
+    erased = cli(pipeline.stack, "erase", "--conversation", session)
+    assert erased.returncode == 0, erased.stderr
+    assert "erased 1 conversation(s)" in erased.stdout
+    pipeline.wait_projected()
+    assert httpx.get(f"{pipeline.url}/v1/sessions/{session}", timeout=30).status_code == 404
+
+    # The erasure is recorded, and says nothing of what was erased.
+    deletions = [e for _, e in read_events(pipeline.stack.bootstrap, CONTROL)
+                 if isinstance(e, SessionDeleted) and str(e.conversation_id) == session]
+    assert [d.reason for d in deletions] == ["erased"]
+    # Its keys are tombstoned in chat.keys.
+    keys = [v for v in every_record(pipeline.stack.bootstrap) if v.startswith(
+        session.encode() + b"/")]
+    assert keys and any(v.split(b"\0")[1] == b"" for v in keys)
+
+    # Nothing anyone reads brings it back: the raw log holds no trace of the text, a
+    # reader with the keys gets the erased prompts empty, the audit shows no text, and a
+    # replay into an empty store equals the live store.
+    records = every_record(pipeline.stack.bootstrap)
+    assert found_in(records, secret) == []
+    prompts = [e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
+               if str(e.conversation_id) == session]
+    assert prompts and all(isinstance(p, PromptSubmitted) and p.erased
+                           and p.messages[0].content == "" for p in prompts)
+    audit = cli(pipeline.stack, "audit", session, "--json")
+    assert audit.returncode == 0 and '"sealed"' in audit.stdout, audit.stderr
+    assert secret not in audit.stdout and (len(reply) < 8 or reply not in audit.stdout)
+    assert differences(pipeline.stack) == []
+
+    # The other conversation is untouched.
+    assert contents(pipeline, kept) == [f"keep {kept_secret}", kept_reply]
+
+
+def test_erasing_a_user_erases_their_conversations_only(pipeline: Pipeline) -> None:
+    alice, bob = f"alice-{uuid.uuid4().hex[:8]}", f"bob-{uuid.uuid4().hex[:8]}"
+    first, _ = chat(pipeline, "alice's first", user=alice)
+    second, _ = chat(pipeline, "alice's second", user=alice)
+    chat(pipeline, "alice again, in the first", first)
+    other, _ = chat(pipeline, "bob's own", user=bob)
+    pipeline.wait_projected()
+
+    erased = cli(pipeline.stack, "erase", "--user", alice)
+    assert erased.returncode == 0, erased.stderr
+    assert "erased 2 conversation(s)" in erased.stdout
+    pipeline.wait_projected()
+    for session in (first, second):
+        assert httpx.get(f"{pipeline.url}/v1/sessions/{session}",
+                         timeout=30).status_code == 404
+    assert "bob's own" in contents(pipeline, other)
+    # Erasing again finds nothing.
+    again = cli(pipeline.stack, "erase", "--user", alice)
+    assert again.returncode == 1 and "nothing to erase" in again.stderr
+
+
+def test_deleting_a_session_destroys_its_keys(pipeline: Pipeline) -> None:
+    session, _ = chat(pipeline, "delete me and my keys")
+    pipeline.wait_projected()
+    deleted = httpx.delete(f"{pipeline.url}/v1/sessions/{session}", timeout=30)
+    assert deleted.status_code == 200, deleted.text
+    records = [r for r in every_record(pipeline.stack.bootstrap)
+               if r.startswith(session.encode() + b"/")]
+    assert records and records[-1].split(b"\0")[1] == b""  # the last: a tombstone
+    prompt = next(e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
+                  if str(e.conversation_id) == session)
+    assert prompt.erased
+
+
+def test_a_process_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:
+    from pipeline import sealing
+
+    session, _ = chat(pipeline, "for keyholders only")
+    raw = next(value for _, value, _ in _prompts(pipeline) if session.encode() in value)
+    assert decode(raw).messages[0].content == "for keyholders only"  # type: ignore[union-attr]
+    rings = list(sealing._rings)
+    for ring in rings:
+        sealing.uninstall(ring)
+    try:
+        blind = decode(raw)
+        assert blind.erased and blind.messages[0].content == ""  # type: ignore[union-attr]
+    finally:
+        for ring in rings:
+            sealing.install(ring)
+
+
+def _prompts(pipeline: Pipeline) -> list[tuple[object, bytes, object]]:
+    from tests.logread import read_records
+
+    return [(p, v, h) for p, v, h in read_records(pipeline.stack.bootstrap, PROMPTS)
+            if v is not None]
+
+
+def test_the_key_topic_is_compacted_within_the_erasure_window(pipeline: Pipeline) -> None:
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": pipeline.stack.bootstrap})
+    resource = ConfigResource(ConfigResource.Type.TOPIC, KEYS)
+    config = admin.describe_configs([resource])[resource].result(timeout=10)
+    assert config["cleanup.policy"].value == "compact"
+    assert int(config["max.compaction.lag.ms"].value) == 24 * 3600 * 1000
+
+
+SLOW_RATE = 10  # simulated tokens/s: a turn of 400 tokens runs 40 s
+
+
+@pytest.fixture(scope="module")
+def slow(sim_stack: Stack) -> Iterator[Pipeline]:
+    """A gateway, a SIMULATED-engine worker and a projector on the SIMULATED stack."""
+    stack = Stack(sim_stack.bootstrap, new_database(sim_stack.database_url, "erasure"),
+                  sim_stack.logs)
+    port = free_port()
+    services = {
+        "projector": start_service(stack, "erase-projector", "projector"),
+        "worker": start_service(stack, "erase-worker", "worker", "--engine", "sim",
+                                WORKER_SIM_TOKENS_PER_S=str(SLOW_RATE)),
+        "gateway": start_service(stack, "erase-gateway", "gateway", "--port", str(port),
+                                 GATEWAY_MODELS="sim"),
+    }
+    p = Pipeline(stack, f"http://127.0.0.1:{port}", services)
+    try:
+        wait_healthy(p.url, list(services.values()), timeout=60)
+        yield p
+    finally:
+        for s in services.values():
+            s.stop()
+
+
+def test_a_conversation_erased_mid_turn_stops_and_nothing_of_it_reads(slow: Pipeline) -> None:
+    """Erased while its turn streams: the turn stops (its stream ends long before its 400
+    tokens), and every text it wrote, before the erasure and after, reads as erased to a
+    reader holding every live key."""
+    key = uuid.uuid4().hex
+    conversation = idempotent_conversation("default", key)
+    body = {"model": "sim", "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"talk a long time {key}"}]}
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream_chat, slow.url, body, headers={"Idempotency-Key": key},
+                                timeout=120)
+        time.sleep(3)  # about 30 tokens streamed
+        assert not streaming.done()
+        erasing = time.monotonic()
+        erased = cli(slow.stack, "erase", "--conversation", str(conversation))
+        assert erased.returncode == 0, erased.stderr
+        streamed = streaming.result(timeout=90)
+        stopped_s = time.monotonic() - erasing
+    assert streamed.status == 200 and streamed.text, streamed
+    assert stopped_s < 15 and streamed.content_chunks() < 400, (stopped_s, streamed)
+    slow.wait_projected()
+    assert httpx.get(f"{slow.url}/v1/sessions/{conversation}", timeout=30).status_code == 404
+    # The live stream: the turn's text was written, and none of it opens any more.
+    deltas = deltas_of(slow.stack.bootstrap, streamed.request_id)
+    assert deltas and all(d.text == "" and d.token_ids == () for d in deltas), deltas[:3]
+    # The durable record: its prompt and its end hold no text.
+    ours = [e for _, e in read_events(slow.stack.bootstrap, PROMPTS)
+            + read_events(slow.stack.bootstrap, GENERATIONS)
+            if e.conversation_id == conversation]
+    prompts = [e for e in ours if isinstance(e, PromptSubmitted)]
+    ends = [e for e in ours if isinstance(e, (GenerationFinished, GenerationFailed))]
+    assert prompts and all(p.erased and p.messages[0].content == "" for p in prompts)
+    assert ends and all(not getattr(e, "text", "") for e in ends), ends
