@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from gateway.settings import GatewaySettings
+from memory.settings import MemorySettings
 from pipeline.kafka.config import read_properties
 from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import PROMPTS, workers_group
@@ -61,7 +62,7 @@ def known_settings() -> set[str]:
     names = {"DATABASE_URL"}
     for settings, prefix in ((CommonSettings, "PIPELINE_"), (GatewaySettings, "GATEWAY_"),
                              (WorkerSettings, "WORKER_"), (ProjectorSettings, "PROJECTOR_"),
-                             (AnalyticsSettings, "ANALYTICS_")):
+                             (AnalyticsSettings, "ANALYTICS_"), (MemorySettings, "MEMORY_")):
         names |= {prefix + field.upper() for field in settings.model_fields}
     return names | {"PIPELINE_KAFKA_CONFIG", "PIPELINE_KAFKA_PASSWORD"}
 
@@ -139,6 +140,13 @@ def test_the_chart_means_what_the_pipeline_needs(values: str) -> None:
         assert trigger["metadata"]["topic"] == PROMPTS
         assert scaled[name]["spec"]["maxReplicaCount"] <= given["kafka"]["partitions"]
     assert {n.split("-")[-1] for n in deployments} >= {"projector", "analytics"}
+    if given["memory"]["enabled"]:  # the gateways recall from the memory service
+        (memory,) = [d for n, d in deployments.items() if n.endswith("-memory")]
+        (service,) = [s for s in by_kind["Service"] if s["metadata"]["name"].endswith("-memory")]
+        assert service["spec"]["selector"].items() <= \
+            memory["spec"]["template"]["metadata"]["labels"].items()
+        url = env_of(container)["GATEWAY_MEMORY_URL"]
+        assert url == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
 
     known = known_settings()
     for doc in by_kind["Deployment"] + by_kind["Job"]:

@@ -41,6 +41,13 @@ app.kubernetes.io/component: {{ .component }}
     secretKeyRef:
       name: {{ .Values.postgres.urlSecret.name }}
       key: {{ .Values.postgres.urlSecret.key }}
+- name: PIPELINE_KEK
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.sealing.kekSecret.name }}
+      key: {{ .Values.sealing.kekSecret.key }}
+- name: PIPELINE_ERASURE_WINDOW_MS
+  value: {{ .Values.sealing.erasureWindowMs | quote }}
 {{- if .Values.kafka.passwordSecret.name }}
 - name: PIPELINE_KAFKA_PASSWORD
   valueFrom:
