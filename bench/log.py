@@ -12,8 +12,9 @@ messages and the replies, as the clients received them).
 * **long session**: one session of 25 turns of 40 KB messages (1 MB of history by the
   end), 16-token replies; turns refused are counted.
 
-The durable record is ``chat.prompts``, ``chat.control`` and ``chat.generations`` (kept
-forever); the live stream is ``chat.live`` (kept 7 days). Code from before the live
+The durable record is ``chat.prompts``, ``chat.control``, ``chat.generations`` (kept
+forever) and ``chat.keys`` (the conversations' data keys, kept until erased); the live
+stream is ``chat.live`` (kept 7 days). Code from before the live
 stream writes everything to the durable record.
 """
 
@@ -32,9 +33,9 @@ import aiohttp
 from bench.capacity import _stack
 from bench.loadgen import chat_body, http_client, stream_once
 from bench.pair import checkout
-from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS
+from pipeline.topics import CONTROL, GENERATIONS, KEYS, LIVE, PROMPTS
 
-DURABLE = (PROMPTS, CONTROL, GENERATIONS)
+DURABLE = (PROMPTS, CONTROL, GENERATIONS, KEYS)
 TOPICS = (*DURABLE, LIVE)
 WORDS = ("the log is the system of record and every fact about a conversation is an event "
          "on a kafka topic kept for as long as the operator keeps it").split()

@@ -16,7 +16,8 @@ from typing import Any
 from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
-PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics")
+PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics", "sealing",
+         "memory")
 # The capacity figures of the code before the work on plumbing cost, kept to set beside
 # every later run's.
 CAPACITY_BEFORE = Path("docs/benchmarks/capacity-before.json")
@@ -137,6 +138,38 @@ def analytics(common: CommonSettings, quick: bool, out: Path) -> str:
                common.state_dir / "bench-logs")
 
 
+def sealing(common: CommonSettings, quick: bool, out: Path) -> str:
+    from bench import sealing as bench
+
+    figures = bench.run(quick)
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.table(figures)
+    _save(out, "sealing", "What sealing content costs in CPU per token", figures, table,
+          "In process, keys in memory (pipeline.sealing, AES-256-GCM from cryptography): "
+          "each case's whole write and read path (the worker's live record made and "
+          "encoded, then decoded by a reader; a turn's end encoded and decoded), sealed "
+          f"and in the clear, alternating, medians of {figures['rounds']} rounds. On "
+          f"{figures['machine']}. Measured with `pipeline bench sealing"
+          f"{' --quick' if quick else ''}`.")
+    return table
+
+
+def memory(common: CommonSettings, quick: bool, out: Path) -> str:
+    from bench import memory as bench
+
+    figures = bench.run(common.kafka_bootstrap, common.state_dir / "bench-logs", quick)
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.table(figures)
+    _save(out, "memory", "What long-term memory adds to a turn's time to first token",
+          figures, table,
+          "A vLLM worker and the memory service, both with the tiny random model on CPU "
+          f"(embeddings of 256 dimensions; memories in PostgreSQL with pgvector), on "
+          f"{figures['machine']}. One client, one turn at a time, the same question with "
+          f"memory on and off alternating, {figures['rounds']} pairs. Measured with "
+          f"`pipeline bench memory{' --quick' if quick else ''}`.")
+    return table
+
+
 def pair(common: CommonSettings, out: Path, label: str, sides: tuple[Any, Any], *,
          rate: float, pairs: int, rounds: int) -> str:
     from bench import pair as bench
@@ -173,6 +206,10 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = fairness(common, quick, out)
         elif part == "projection":
             table = projection(common, quick, out)
+        elif part == "sealing":
+            table = sealing(common, quick, out)
+        elif part == "memory":
+            table = memory(common, quick, out)
         else:
             table = analytics(common, quick, out)
         print(f"{table}\n\n({part}: {time.monotonic() - part_started:.0f} s)", flush=True)

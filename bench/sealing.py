@@ -1,0 +1,136 @@
+"""``pipeline bench sealing``: what sealing content with its conversation's data key costs
+in CPU per token, in process (no Kafka: the keys are held in memory, as a keyring
+holds them once it has read ``chat.keys``).
+
+Each case is timed sealed and in the clear, alternating, and the medians of the rounds
+are set side by side:
+
+* **live, one delta per turn**: a ``chat.live`` record of 256 running turns with one
+  delta of 4 characters each (a loaded GPU's step: every turn sealed alone, the worst
+  case per token); written by the worker's output, then read by the codec.
+* **live, 8 deltas per turn**: 32 turns with 8 deltas each in a record (a worker's
+  window at 8 tokens a turn).
+* **a turn's end**: a ``GenerationFinished`` of 256 tokens (1 KB of text), encoded and
+  decoded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pipeline import sealing
+from pipeline.codec import decode, decode_live, encode
+from schemas import GenerationFinished, Usage
+
+
+class _Ring:
+    """Keys held in memory: one per conversation."""
+
+    def __init__(self) -> None:
+        self.keys: dict[uuid.UUID, sealing.DataKey] = {}
+        self.by_id: dict[str, sealing.DataKey] = {}
+
+    def add(self, conversation: uuid.UUID) -> None:
+        key, _ = sealing.new_data_key(conversation)
+        self.keys[conversation] = key
+        self.by_id[key.key_id] = key
+
+    def for_writing(self, conversation_id: uuid.UUID
+                    ) -> sealing.DataKey | Literal["erased"] | None:
+        return self.keys.get(conversation_id)
+
+    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+        return self.by_id.get(key_id)
+
+
+def _live_case(turns: int, per_turn: int, ring: _Ring) -> Callable[[], int]:
+    from workers.output import Output
+
+    output = Output(None, "bench")  # type: ignore[arg-type]  # only batches are made
+    conversations = [uuid.uuid4() for _ in range(turns)]
+    for c in conversations:
+        ring.add(c)
+    for ref, c in enumerate(conversations):
+        output._conversations[(0, ref)] = c
+    deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
+        (ref, seq, "tok ", (1234,)) for seq in range(per_turn) for ref in range(turns)]
+
+    def run() -> int:
+        kept, boxes = output._sealed(0, deltas)
+        value = encode_live(kept, boxes)
+        decode_live(value)
+        return len(deltas)
+
+    return run
+
+
+def encode_live(deltas: list[Any], sealed: list[Any]) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode({"type": "LiveBatch", "v": 1, "worker": "bench", "at": 0,
+                                "deltas": deltas, "sealed": sealed})
+
+
+def _end_case(tokens: int, ring: _Ring) -> Callable[[], int]:
+    conversation = uuid.uuid4()
+    ring.add(conversation)
+    end = GenerationFinished(conversation_id=conversation, request_id="r", model="m",
+                             reply_seq=1, finish_reason="stop", text="tok " * tokens,
+                             usage=Usage(prompt_tokens=10, completion_tokens=tokens),
+                             deltas=tokens, duration_ms=1.0)
+
+    def run() -> int:
+        decode(encode(end))
+        return tokens
+
+    return run
+
+
+CASES: dict[str, Callable[[_Ring], Callable[[], int]]] = {
+    "live, one delta per turn (256 turns)": lambda ring: _live_case(256, 1, ring),
+    "live, 8 deltas per turn (32 turns)": lambda ring: _live_case(32, 8, ring),
+    "a turn's end (256 tokens)": lambda ring: _end_case(256, ring),
+}
+
+
+def _per_token(run: Callable[[], int], seconds: float) -> float:
+    tokens, start = 0, time.perf_counter()
+    deadline = start + seconds
+    while time.perf_counter() < deadline:
+        tokens += run()
+    return (time.perf_counter() - start) / tokens * 1e6
+
+
+def run(quick: bool) -> dict[str, Any]:
+    rounds, seconds = (3, 0.3) if quick else (9, 1.0)
+    figures: dict[str, Any] = {"rounds": rounds, "cases": {}}
+    for name, make in CASES.items():
+        ring = _Ring()
+        case = make(ring)
+        clear, sealed = [], []
+        for _ in range(rounds):
+            sealing.install(ring)
+            try:
+                sealed.append(_per_token(case, seconds))
+            finally:
+                sealing.uninstall(ring)
+            clear.append(_per_token(case, seconds))
+        figures["cases"][name] = {
+            "clear_us_per_token": statistics.median(clear),
+            "sealed_us_per_token": statistics.median(sealed),
+            "added_us_per_token": statistics.median(s - c for s, c in
+                                                    zip(sealed, clear, strict=True))}
+    return figures
+
+
+def table(figures: dict[str, Any]) -> str:
+    lines = ["| case | in the clear, µs per token | sealed, µs per token | added |",
+             "|---|---:|---:|---:|"]
+    for name, f in figures["cases"].items():
+        lines.append(f"| {name} | {f['clear_us_per_token']:.2f} | "
+                     f"{f['sealed_us_per_token']:.2f} | {f['added_us_per_token']:+.2f} |")
+    return "\n".join(lines)
