@@ -23,7 +23,8 @@ from infra.kafka_broker import KafkaBroker
 from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
-from pipeline.settings import REPO_ROOT
+from pipeline.keystore import open_keyring
+from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import CONVERSATION_TOPICS, TopicPolicy, topic_specs
 from projections.migrate import migrate
 from tests.logread import end_offsets
@@ -64,7 +65,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         wait_for_broker(broker.bootstrap)
         ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(postgres.url)
-        yield Stack(broker.bootstrap, postgres.url, tmp_path_factory.mktemp("logs"))
+        # The tests read content from the log as the services do: with its data keys.
+        with open_keyring(CommonSettings(kafka_bootstrap=broker.bootstrap), "tests"):
+            yield Stack(broker.bootstrap, postgres.url, tmp_path_factory.mktemp("logs"))
     finally:
         postgres.stop()
         broker.stop()
@@ -170,7 +173,8 @@ def sim_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         wait_for_broker(broker.bootstrap)
         ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(database_url)
-        yield Stack(broker.bootstrap, database_url, stack.logs)
+        with open_keyring(CommonSettings(kafka_bootstrap=broker.bootstrap), "tests-sim"):
+            yield Stack(broker.bootstrap, database_url, stack.logs)
     finally:
         broker.stop()
 

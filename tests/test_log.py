@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -291,8 +293,11 @@ def test_a_prompt_past_what_the_log_takes_is_refused_alone_and_at_once(logged: L
     requests sent beside it are served, each in under 2 s. The code before took the
     refusal for a passing error and sent the transaction again, with every prompt queued
     beside it: they were all refused with 503 after 10 s."""
+    # Text that does not compress (content of up to a MiB is deflated before it is
+    # sealed): 9 MiB of base64 is a record of more than 8 MiB however it is written.
+    noise = base64.b64encode(random.Random(7).randbytes(9 * 2**20 * 3 // 4)).decode()
     huge = {"model": "sim", "max_tokens": 2, "messages": [
-        {"role": "user", "content": "x" * (9 * 2**20)}]}
+        {"role": "user", "content": noise}]}
     small = {"model": "sim", "max_tokens": 2, "ignore_eos": True,
              "messages": [{"role": "user", "content": "beside it"}]}
 
