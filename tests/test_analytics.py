@@ -110,8 +110,9 @@ def an(sim_stack: Stack) -> Iterator[Analytics]:
         p.metrics["gateway"] = f"{p.url}/metrics"
         p.start_worker("an-worker-a")
         p.start_worker("an-worker-b")
-        # Offsets committed rarely: a SIGKILL is sure to leave records to deliver again.
-        p.start_analytics(ANALYTICS_COMMIT_INTERVAL_S="30")
+        # Offsets not committed on a timer before the first test kills it: what it has
+        # applied by then is sure to be delivered again.
+        p.start_analytics(ANALYTICS_COMMIT_INTERVAL_S="3600")
         wait_healthy(p.url, list(p.services.values()), timeout=60)
         first = stream_chat(p.url, chat("warm", 2))
         assert first.done, p.logs()
@@ -278,8 +279,22 @@ def caught_up(an: Analytics) -> None:
 
 
 # -- the tests ---------------------------------------------------------------------
+def batches_applied(an: Analytics) -> float:
+    """Batches the analytics consumer has applied (0 while it is still starting: faust
+    serves its metrics only once it is up)."""
+    try:
+        return scrape(an.metrics["analytics"]).get("analytics_batch_seconds_count", 0)
+    except httpx.HTTPError:
+        return 0
+
+
 def test_sigkilled_analytics_consumer_equals_a_rebuild(an: Analytics) -> None:
+    before = batches_applied(an)
+
     def kill_and_restart() -> None:
+        # Killed once it has applied some of the load (a slow start under a loaded host
+        # had it killed before it applied any, and nothing came again).
+        wait_equal("batches applied", lambda: batches_applied(an) >= before + 3, True, 60)
         an.services["analytics"].kill()
         time.sleep(2)
         an.start_analytics(ANALYTICS_COMMIT_INTERVAL_S="30")
