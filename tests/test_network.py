@@ -166,7 +166,8 @@ def test_the_leader_of_a_busy_partition_isolated_from_its_peers(
             for broker in BROKERS:
                 net.heal(broker)
 
-    under_load(hosts, "net: leader isolated 20 s", isolate)
+    # Its transactions wait for it: a prompt whose commit it held is answered after.
+    under_load(hosts, "net: leader isolated 20 s", isolate, frozen_s=20)
     hosts.wait_fully_replicated()
 
 
