@@ -58,4 +58,4 @@ def erase(keyring: Keyring, writer: PlainWriter, conversation: uuid.UUID, tenant
     failed = writer.flush(timeout)
     if failed:
         raise ProduceError(f"the erasure of {conversation} was not acknowledged: {failed[0]}")
-    return keyring.destroy(conversation, timeout)
+    return keyring.destroy(conversation, timeout=timeout)

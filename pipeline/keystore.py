@@ -34,8 +34,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pipeline import sealing
-from pipeline.kafka import BEGINNING, ProduceError, Record
+from pipeline.kafka import BEGINNING, KafkaException, ProduceError, Record, unreachable
 from pipeline.kafka.plain import PlainReader, PlainWriter
+from pipeline.retry import QuietLog
 from pipeline.settings import CommonSettings
 from pipeline.topics import KEYS
 
@@ -96,6 +97,15 @@ class Owner:
     user: str | None
 
 
+class _CatchUp:
+    """A wait for the keyring's thread to read ``chat.keys`` to its end: ``done`` once it
+    tried, ``read`` if it did."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.read = False
+
+
 class Keyring:
     """Every data key in ``chat.keys`` (see the module). ``start`` reads the topic to
     its end, then a thread follows it."""
@@ -115,8 +125,14 @@ class Keyring:
         self._owners: dict[uuid.UUID, Owner] = {}
         self._erased: set[uuid.UUID] = set()
         self._gone: set[str] = set()  # key ids looked for to the topic's end, not found
-        self._pending: list[threading.Event] = []
+        self._pending: list[_CatchUp] = []
+        # Why the keyring cannot serve at all (its thread stopped, or a key wrapped by
+        # another key-encryption key), and whether that is Kafka away.
         self._failure: str | None = None
+        self._unreachable = False
+        # Why the last catch-up could not read to the end (Kafka away; the next tries).
+        self._missed: str | None = None
+        self._quiet = QuietLog(log)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="keyring", daemon=True)
         self._writer: PlainWriter | None = None
@@ -128,9 +144,7 @@ class Keyring:
         process's content with it."""
         self._thread.start()
         if not self.catch_up():
-            raise KeyringError(self._failure or f"could not read {KEYS} to its end in "
-                               f"{self._wait_s:g} s",
-                               unreachable=not self._failure or "failed" in self._failure)
+            raise self._unavailable()
         if self._failure:
             raise KeyringError(self._failure)
         sealing.install(self)
@@ -172,8 +186,8 @@ class Keyring:
             if key is not None:
                 return key
         if not self.catch_up():  # written a moment ago by another process, or gone
-            raise KeyringError(self._failure or f"{KEYS} not readable to its end: key "
-                               f"{key_id} can be neither found nor known to be gone")
+            raise self._unavailable(f"key {key_id} can be neither found nor known to be "
+                                    "gone")
         with self._lock:
             key = self._keys.get(key_id)
             if key is None:
@@ -207,13 +221,13 @@ class Keyring:
         with self._lock:
             self._hold(key, owner)
 
-    def tombstones(self, conversation_id: uuid.UUID) -> list[bytes]:
-        """The record keys of every key of the conversation (read to the topic's end
-        first), to write as tombstones, then ``forget``."""
+    def tombstones(self, *conversations: uuid.UUID) -> list[bytes]:
+        """The record keys of every key of these conversations (read to the topic's end
+        first, once), to write as tombstones, then ``forget``."""
         if not self.catch_up():
-            raise KeyringError(self._failure or f"could not read {KEYS} to its end")
+            raise self._unavailable()
         with self._lock:
-            return [_record_key(conversation_id, k) for k in self._of.get(conversation_id, ())]
+            return [_record_key(c, k) for c in conversations for k in self._of.get(c, ())]
 
     def forget(self, conversation_id: uuid.UUID) -> None:
         with self._lock:
@@ -222,7 +236,7 @@ class Keyring:
     def conversations_of(self, tenant: str, user: str) -> list[uuid.UUID]:
         """Every conversation with a key whose turn named this user (read to the end)."""
         if not self.catch_up():
-            raise KeyringError(self._failure or f"could not read {KEYS} to its end")
+            raise self._unavailable()
         with self._lock:
             return sorted(c for c, o in self._owners.items()
                           if o.tenant == tenant and o.user == user and self._of.get(c))
@@ -231,18 +245,21 @@ class Keyring:
         with self._lock:
             return self._owners.get(conversation_id)
 
-    def destroy(self, conversation_id: uuid.UUID, timeout: float = 30.0) -> int:
-        """Destroy the conversation's keys now, from this process (``pipeline erase``):
-        the number destroyed."""
-        records = self.tombstones(conversation_id)
-        if self._writer is None:
-            self._writer = PlainWriter(self._bootstrap, f"{self._name}-keys")
-        for record in records:
-            self._writer.send(KEYS, record, None)
-        failed = self._writer.flush(timeout)
-        if failed:
-            raise ProduceError(f"key tombstones not acknowledged: {failed[0]}")
-        self.forget(conversation_id)
+    def destroy(self, *conversations: uuid.UUID, timeout: float = 30.0) -> int:
+        """Destroy these conversations' keys now, from this process (``pipeline erase``,
+        the projector on a deletion): the number destroyed. Keys destroyed already are
+        not written again, so a deletion read twice writes nothing the second time."""
+        records = self.tombstones(*conversations)
+        if records:
+            if self._writer is None:
+                self._writer = PlainWriter(self._bootstrap, f"{self._name}-keys")
+            for record in records:
+                self._writer.send(KEYS, record, None)
+            failed = self._writer.flush(timeout)
+            if failed:
+                raise ProduceError(f"key tombstones not acknowledged: {failed[0]}")
+        for conversation in conversations:
+            self.forget(conversation)
         return len(records)
 
     def size(self) -> int:
@@ -255,10 +272,18 @@ class Keyring:
         it could not within the wait."""
         if not self._thread.is_alive():
             return False
-        done = threading.Event()
+        wait = _CatchUp()
         with self._lock:
-            self._pending.append(done)
-        return done.wait(self._wait_s)
+            self._pending.append(wait)
+        return wait.done.wait(self._wait_s) and wait.read
+
+    def _unavailable(self, what: str = "") -> KeyringError:
+        """Why a catch-up failed: for good (``_failure``), or for now, Kafka being away
+        (``unreachable``: the caller may ask again)."""
+        if self._failure is not None:
+            return KeyringError(self._failure, unreachable=self._unreachable)
+        why = self._missed or f"could not read {KEYS} to its end in {self._wait_s:g} s"
+        return KeyringError(f"{why}{': ' if what else ''}{what}", unreachable=True)
 
     def _follow(self) -> None:
         reader = PlainReader(self._bootstrap, f"{self._name}-keyring")
@@ -272,18 +297,37 @@ class Keyring:
                 with self._lock:
                     waiting, self._pending = self._pending, []
                 if waiting:
-                    self._read_to_end(reader, partitions)
-                    for event in waiting:
-                        event.set()
+                    read = self._caught_up(reader, partitions)
+                    for wait in waiting:
+                        wait.read = read
+                        wait.done.set()
                 else:  # a short wait: a catch-up asked meanwhile starts within it
                     self._apply(reader.read(1000, timeout=POLL_S))
         except KeyringError as exc:
             self._failure = str(exc)
         except Exception as exc:  # the waiters learn it from the failure
             self._failure = f"reading {KEYS} failed: {exc}"
-            log.exception("the keyring stopped following %s", KEYS)
+            self._unreachable = unreachable(exc)
+            if not self._unreachable:
+                log.exception("the keyring stopped following %s", KEYS)
         finally:
             reader.close()
+            with self._lock:
+                waiting, self._pending = self._pending, []
+            for wait in waiting:  # told at once: read is False
+                wait.done.set()
+
+    def _caught_up(self, reader: PlainReader, partitions: list[int]) -> bool:
+        """Read ``chat.keys`` to its end as it is now: False if Kafka did not let it in
+        time (logged; the thread follows on, and the next catch-up tries again)."""
+        try:
+            self._read_to_end(reader, partitions)
+        except (TimeoutError, KafkaException) as exc:
+            self._missed = f"could not read {KEYS} to its end: {exc}"
+            self._quiet.warning("%s", self._missed)
+            return False
+        self._missed = None
+        return True
 
     def _retrying(self, call: Callable[[], T]) -> T:
         deadline = time.monotonic() + self._wait_s

@@ -51,9 +51,9 @@ from infra.kafka_broker import KafkaBroker, KafkaCluster
 from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
-from pipeline.keystore import Keyring, open_keyring
+from pipeline.keystore import Keyring, KeyringError, load_kek, open_keyring
 from pipeline.settings import REPO_ROOT, CommonSettings
-from pipeline.topics import GENERATIONS, PROMPTS, TopicPolicy, topic_specs
+from pipeline.topics import GENERATIONS, KEYS, PROMPTS, TopicPolicy, topic_specs
 from projections.migrate import migrate
 from schemas import GenerationStarted, PromptSubmitted
 from tests.conftest import PARTITIONS, Pipeline, Service, Stack, start_service, wait_healthy
@@ -546,6 +546,31 @@ def test_a_paused_broker(fleet: Fleet) -> None:
             os.kill(node.pid, signal.SIGCONT)
 
     under_load(fleet, "broker-paused", pause_a_broker, frozen_s=PAUSE_S)
+    fleet.wait_fully_replicated()
+
+
+def test_a_keyring_outlives_a_catch_up_that_kafka_did_not_answer(fleet: Fleet) -> None:
+    """A catch-up (a key looked for, an erasure) while the leader of ``chat.keys`` is
+    paused fails as Kafka away, to be asked again; and once the broker runs again the
+    keyring reads to the end as before (its thread did not stop with that catch-up)."""
+    common = CommonSettings(kafka_bootstrap=fleet.stack.bootstrap)
+    keyring = Keyring(fleet.stack.bootstrap, load_kek(common), "paused-keys", wait_s=3)
+    keyring.start()
+    try:
+        node = fleet.node(fleet.leader(KEYS, 0))
+        assert node.pid is not None
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KeyringError) as failed:
+                keyring.tombstones(uuid.uuid4())  # reads the topic to its end first
+            assert failed.value.unreachable, failed.value
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while not keyring.catch_up():
+            assert time.monotonic() < deadline, "the keyring never read to the end again"
+    finally:
+        keyring.close()
     fleet.wait_fully_replicated()
 
 
