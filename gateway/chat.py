@@ -56,7 +56,7 @@ from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, lega
 from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key, encode
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
-from pipeline.keystore import Keyring, Owner
+from pipeline.keystore import Keyring, KeyringError, Owner
 from pipeline.logs import bind_turn
 from pipeline.sealing import DEFLATE_UP_TO
 from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, KEYS, LIVE, PROMPTS
@@ -363,10 +363,17 @@ class ChatService:
             conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}",
             tenant=tenant, reason="deleted")), self.settings.dependency_timeout_s)
         # Its records' tombstones: the broker deletes the keys within the erasure window.
+        # The deletion is durable already: if Kafka fails these, the projector destroys
+        # the keys when it reads it (``projections.projector``).
         timeout_s = self.settings.dependency_timeout_s
-        for record in await asyncio.to_thread(self.keyring.tombstones, session):
-            await from_log(functools.partial(self.producer.send_raw, KEYS, record, None),
-                           timeout_s)
+        try:
+            for record in await asyncio.to_thread(self.keyring.tombstones, session):
+                await from_log(functools.partial(self.producer.send_raw, KEYS, record,
+                                                 None), timeout_s)
+        except (KeyringError, LogUnavailable) as exc:
+            log.warning("session %s deleted; its keys are left to the projector: %r",
+                        session, exc)
+            return
         self.keyring.forget(session)
 
     # -- an existing turn ---------------------------------------------------------

@@ -157,6 +157,7 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:
         keyring = await asyncio.to_thread(open_keyring, common, "memory")  # content is sealed
+        await service.open()
         stop = asyncio.Event()
         consuming = asyncio.create_task(service.run(stop))
         consuming.add_done_callback(_stop_if_failed)
@@ -169,7 +170,7 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
             stop.set()
             with contextlib.suppress(Exception):
                 await consuming
-            service.close()
+            await service.close()
             embedder.close()
             keyring.close()
 
@@ -226,9 +227,11 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     migrate(common.database_url)
     registry = CollectorRegistry()
     serve_metrics(registry, settings.metrics_port, common.metrics_host)
-    projector = Projector(settings, common.kafka_bootstrap, common.database_url, registry)
     # The store holds conversations' content in the clear, to serve it: opened with
-    # their data keys, and dropped when they are deleted or erased.
-    with open_keyring(common, "projector"):
+    # their data keys, and dropped when they are deleted or erased (their keys destroyed
+    # if their deleter did not).
+    with open_keyring(common, "projector") as keyring:
+        projector = Projector(settings, common.kafka_bootstrap, common.database_url,
+                              registry, keyring=keyring)
         runtime.settle()
         _run_until_signalled(projector.run)

@@ -3,6 +3,11 @@
 Exactly-once effect: each batch of events is applied in one transaction that also
 records, per partition, the next offset to read. On assignment the projector seeks
 to those stored positions, so a crash at any point neither loses nor repeats rows.
+
+A deleted or erased conversation's data keys are destroyed by the projector too, before
+the batch holding its ``SessionDeleted`` commits: the gateway or ``pipeline erase`` that
+wrote the deletion destroys them at once, but may die between the two writes, and this
+makes the deletion alone enough. Keys destroyed already are not written again.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -27,11 +33,12 @@ from pipeline.kafka import (
     ProduceError,
     Record,
 )
+from pipeline.keystore import Keyring, KeyringError
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import CONVERSATION_TOPICS
 from projections.projection import Write, project
 from projections.settings import ProjectorSettings
-from schemas import Event, PromptSubmitted
+from schemas import Event, PromptSubmitted, SessionDeleted
 from schemas.conversation import TurnLedger, Verdict
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,10 @@ class ProjectorMetrics:
         self.retries = Counter("projector_retries",
                                "Batches retried after a database or Kafka error",
                                registry=registry)
+        self.keys_destroyed = Counter(
+            "projector_keys_destroyed", "Data keys of deleted conversations the projector "
+            "destroyed (those their deleter had not yet when it read the deletion)",
+            registry=registry)
 
 
 @dataclass
@@ -91,6 +102,8 @@ class Batch:
     positions: dict[TP, int] = field(default_factory=dict)
     applied: dict[str, int] = field(default_factory=dict)
     parked: list[tuple[Record, str]] = field(default_factory=list)
+    # The conversations a SessionDeleted of the batch deleted.
+    deleted: list[uuid.UUID] = field(default_factory=list)
 
 
 def load_positions(conn: psycopg.Connection) -> dict[TP, int]:
@@ -99,6 +112,7 @@ def load_positions(conn: psycopg.Connection) -> dict[TP, int]:
 
 
 Park = Callable[[list[tuple[Record, str]]], Awaitable[None]]
+Destroy = Callable[[list[uuid.UUID]], Awaitable[None]]
 
 
 async def apply_batch(
@@ -106,6 +120,7 @@ async def apply_batch(
     records: list[Record],
     park: Park | None = None,
     keep: Callable[[Event], bool] = lambda _e: True,
+    destroy: Destroy | None = None,
 ) -> Batch:
     """Apply ``records`` and their positions in one transaction.
 
@@ -113,8 +128,10 @@ async def apply_batch(
     events whose rows Postgres refuses for their content (``caused_by_event``) are
     skipped and handed to ``park`` with the reason before the transaction commits, so
     they are dead-lettered before the positions that skip them are stored. Events for
-    which ``keep`` is false are skipped silently (their positions advance). Any other
-    error propagates, and nothing of the batch is stored.
+    which ``keep`` is false are skipped silently (their positions advance). The
+    conversations the batch deletes are handed to ``destroy`` before it commits too, so
+    their data keys are destroyed before the positions past the deletion are stored. Any
+    other error propagates, and nothing of the batch is stored.
     """
     batch = Batch()
     decoded: list[tuple[Record, Event]] = []
@@ -128,6 +145,8 @@ async def apply_batch(
             continue
         if keep(event):
             decoded.append((record, event))
+            if isinstance(event, SessionDeleted):
+                batch.deleted.append(event.conversation_id)
     async with conn.transaction():
         ledger = await _ledger(conn, [e for _, e in decoded if isinstance(e, PromptSubmitted)])
     writes: list[tuple[Record, Event, list[Write]]] = []
@@ -145,6 +164,8 @@ async def apply_batch(
         await store_positions(conn, batch.positions)
         if park is not None and batch.parked:
             await park(batch.parked)
+        if destroy is not None and batch.deleted:
+            await destroy(batch.deleted)
 
     try:
         async with conn.transaction(), conn.pipeline():
@@ -219,6 +240,7 @@ class Projector:
         registry: CollectorRegistry,
         topics: tuple[str, ...] = CONVERSATION_TOPICS,
         group: str | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
@@ -226,6 +248,7 @@ class Projector:
         self.metrics = ProjectorMetrics(registry)
         self.topics = topics
         self.group = group or settings.group
+        self.keyring = keyring  # the deleted conversations' keys are destroyed with it
         self._quiet = QuietLog(log)
         self._positions: dict[TP, int] = {}  # what is stored, as far as this process knows
         # Stored positions not yet mirrored into Kafka for lag tools: those applied or
@@ -289,7 +312,7 @@ class Projector:
                         self._unmirrored.update(await self._store_skipped(conn, consumer))
                         last_skip = time.monotonic()
                     backoff.reset()
-                except (psycopg.Error, OSError, ProduceError) as exc:
+                except (psycopg.Error, OSError, ProduceError, KeyringError) as exc:
                     self.metrics.retries.inc()
                     if conn is not None and (conn.broken or conn.closed):
                         await conn.close()
@@ -328,6 +351,11 @@ class Projector:
             self._positions.update(moved)
         return moved
 
+    async def _destroy_keys(self, conversations: list[uuid.UUID]) -> None:
+        if self.keyring is not None:
+            destroyed = await asyncio.to_thread(self.keyring.destroy, *conversations)
+            self.metrics.keys_destroyed.inc(destroyed)
+
     async def _commit_for_lag_tools(
         self, consumer: AsyncConsumer, positions: dict[TP, int]
     ) -> None:
@@ -346,7 +374,7 @@ class Projector:
             await asyncio.gather(*(dead_letter(producer, r, why, self.group)
                                    for r, why in parked))
 
-        batch = await apply_batch(conn, records, park)
+        batch = await apply_batch(conn, records, park, destroy=self._destroy_keys)
         self.metrics.dead_letters.inc(len(batch.parked))
         for kind, n in batch.applied.items():
             self.metrics.events.labels(kind).inc(n)

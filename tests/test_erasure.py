@@ -16,7 +16,10 @@ from confluent_kafka import Consumer, TopicPartition
 
 from gateway.ids import idempotent_conversation
 from infra.process import free_port
-from pipeline.codec import decode
+from pipeline.codec import conversation_key, decode, encode
+from pipeline.kafka.plain import PlainWriter
+from pipeline.keystore import open_keyring
+from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
 from tests.conftest import MODEL, Pipeline, Stack, new_database, start_service, wait_healthy
@@ -166,6 +169,39 @@ def test_deleting_a_session_destroys_its_keys(pipeline: Pipeline) -> None:
     prompt = next(e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
                   if str(e.conversation_id) == session)
     assert prompt.erased
+
+
+def keys_in_log(pipeline: Pipeline, conversation: uuid.UUID) -> bool:
+    """Whether ``chat.keys`` holds a live key of the conversation, read to its end by a
+    keyring of its own."""
+    common = CommonSettings(kafka_bootstrap=pipeline.stack.bootstrap)
+    with open_keyring(common, f"check-{uuid.uuid4().hex[:6]}") as keyring:
+        return keyring.has_key(conversation)
+
+
+def test_a_deletion_whose_deleter_died_before_the_keys_still_destroys_them(
+        pipeline: Pipeline) -> None:
+    """A deleter killed between its ``SessionDeleted`` and its keys' tombstones (a
+    gateway, ``pipeline erase``) leaves the deletion alone in the log: the projector
+    destroys the keys when it reads it."""
+    session, _ = chat(pipeline, "my deleter dies halfway")
+    pipeline.wait_projected()
+    conversation = uuid.UUID(session)
+    prompt = next(e for _, e in read_events(pipeline.stack.bootstrap, PROMPTS)
+                  if e.conversation_id == conversation)
+    assert keys_in_log(pipeline, conversation)
+    writer = PlainWriter(pipeline.stack.bootstrap, "dying-deleter")
+    writer.send(CONTROL, conversation_key(conversation), encode(SessionDeleted(
+        conversation_id=conversation, request_id=f"delete-{uuid.uuid4().hex}",
+        tenant=prompt.tenant, reason="deleted")))
+    assert writer.flush(30) == []  # and it writes nothing more
+    deadline = time.monotonic() + 60
+    while keys_in_log(pipeline, conversation):
+        assert time.monotonic() < deadline, "the deleted conversation's keys live on"
+        time.sleep(0.5)
+    pipeline.wait_projected()  # the keys go just before the batch that deletes it commits
+    r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
+    assert r.status_code == 404, r.text
 
 
 def test_a_process_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:
