@@ -8,7 +8,9 @@ A record that is not an event goes to the dead-letter topic.
 The HTTP API is for gateways, on a private network (it takes the tenant it is told):
 ``POST /v1/recall`` (the user's memories nearest a text), ``GET /v1/memories``,
 ``DELETE /v1/memories[/{id}]`` (each forgetting written to ``chat.control`` before it
-is applied: a rebuild forgets it too).
+is applied: a rebuild forgets it too). Each call is bounded
+(``MEMORY_REQUEST_TIMEOUT_S``): past it, or with PostgreSQL away, it is answered 503
+with ``Retry-After``, which the gateway passes on as ``memory_unavailable``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -45,6 +48,10 @@ log = logging.getLogger(__name__)
 CONSUMER_NAME = "memory"
 MAX_QUERY_CHARS = 100_000
 MAX_LISTED = 1000
+BATCH_TIMEOUT_S = 60.0  # a consumer's batch in the database, connection wait included
+# What the database raises when it, or the way to it, is gone or too slow.
+DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout,
+                 TimeoutError)
 
 
 class MemoryMetrics:
@@ -86,12 +93,24 @@ class MemoryService:
                  embedder: Embedder, registry: CollectorRegistry) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
-        self.database_url = database_url
         self.embedder = embedder
         self.registry = registry
         self.metrics = MemoryMetrics(registry)
         self.producer = EventProducer(bootstrap)
+        self.pool = AsyncConnectionPool(
+            database_url, min_size=1, max_size=settings.pool_size, open=False,
+            check=AsyncConnectionPool.check_connection, kwargs={"connect_timeout": 10})
         self._quiet = QuietLog(log)
+
+    async def open(self) -> None:
+        await self.pool.open(wait=False)
+
+    @contextlib.asynccontextmanager
+    async def _db(self, timeout_s: float) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pooled connection, its wait and its use all within ``timeout_s``; committed
+        at the end unless the block raised."""
+        async with asyncio.timeout(timeout_s), self.pool.connection(timeout_s) as conn:
+            yield conn
 
     # -- the consumer ----------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -110,7 +129,7 @@ class MemoryService:
                 if records:
                     try:
                         await self._apply(records)
-                    except (psycopg.Error, OSError) as exc:
+                    except (psycopg.Error, PoolTimeout, OSError, TimeoutError) as exc:
                         self.metrics.retries.inc()
                         delay = backoff.next()
                         self._quiet.warning("could not apply %d records (retrying in %.1f "
@@ -150,12 +169,13 @@ class MemoryService:
                 await dead_letter(self.producer, record, str(exc), CONSUMER_NAME)
         remember = [r for e in events if isinstance(e, PromptSubmitted)
                     for r in [remembered(e, self.settings.max_memory_chars)] if r is not None]
-        started = time.perf_counter()
-        vectors = await self.embedder.embed([r.text for r in remember])
-        if remember:
+        vectors: list[list[float]] = []
+        chunk = self.settings.embed_chunk
+        for at in range(0, len(remember), chunk):  # a recall may go between chunks
+            started = time.perf_counter()
+            vectors += await self.embedder.embed([r.text for r in remember[at:at + chunk]])
             self.metrics.embed_seconds.observe(time.perf_counter() - started)
-        async with await psycopg.AsyncConnection.connect(self.database_url,
-                                                         connect_timeout=10) as conn:
+        async with self._db(BATCH_TIMEOUT_S) as conn:
             async with conn.transaction():
                 # Ends and deletions first: a batch may hold a turn and its deletion.
                 await store.finished(conn, [e.request_id for e in events
@@ -171,7 +191,8 @@ class MemoryService:
 
     # -- the HTTP API ----------------------------------------------------------------
     def app(self) -> Starlette:
-        return Starlette(routes=[
+        return Starlette(exception_handlers={e: _database_away for e in DATABASE_AWAY},
+                         routes=[
             Route("/v1/recall", self.recall, methods=["POST"]),
             Route("/v1/memories", self.list_memories, methods=["GET"]),
             Route("/v1/memories", self.forget_all, methods=["DELETE"]),
@@ -206,9 +227,10 @@ class MemoryService:
         k = min(k, self.settings.max_recall_k)
         found: list[store.Memory] = []
         if k and text.strip():
-            vector = (await self.embedder.embed([storable(text)[:MAX_QUERY_CHARS]]))[0]
-            async with await psycopg.AsyncConnection.connect(self.database_url,
-                                                             connect_timeout=10) as conn:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                vector = (await self.embedder.embed([storable(text)[:MAX_QUERY_CHARS]],
+                                                    urgent=True))[0]
+            async with self._db(self.settings.request_timeout_s) as conn:
                 found = await store.nearest(conn, *who, vector, self.embedder.name, k,
                                             exclude)
         kept, total = [], 0
@@ -226,8 +248,7 @@ class MemoryService:
         who = _who(dict(request.query_params))
         if isinstance(who, Response):
             return who
-        async with await psycopg.AsyncConnection.connect(self.database_url,
-                                                         connect_timeout=10) as conn:
+        async with self._db(self.settings.request_timeout_s) as conn:
             found = await store.listed(conn, *who, MAX_LISTED)
         return JSONResponse({"object": "list", "data": [m.json() for m in found]})
 
@@ -242,8 +263,7 @@ class MemoryService:
         if isinstance(who, Response):
             return who
         tenant, user = who
-        async with await psycopg.AsyncConnection.connect(self.database_url,
-                                                         connect_timeout=10) as conn:
+        async with self._db(self.settings.request_timeout_s) as conn:
             found = await store.of_user(conn, tenant, user, memory_id)
             if memory_id is not None and not found:
                 return problem(404, "memory_not_found", "No such memory of this user.")
@@ -259,8 +279,18 @@ class MemoryService:
             return JSONResponse({"id": memory_id, "object": "memory", "deleted": True})
         return JSONResponse({"object": "list", "deleted": len(found)})
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.pool.close()
         self.producer.close()
+
+
+async def _database_away(_request: Request, exc: Exception) -> Response:
+    """PostgreSQL away, or a call past its time: 503, to be tried again."""
+    log.warning("memory call refused: %r", exc)
+    response = problem(503, "memory_store_unavailable",
+                       "The memory store did not answer in time; try again.")
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _who(fields: dict[str, Any]) -> tuple[str, str] | Response:

@@ -32,6 +32,16 @@ class MemorySettings(BaseSettings):
     recall_k: int = Field(default=3, ge=1)
     max_recall_k: int = Field(default=8, ge=1, le=100)
     max_recall_chars: int = Field(default=4000, ge=16)
+    # Texts embedded at a time by the consumer: a recall waiting for the engine goes
+    # before the consumer's next chunk, so a user's burst of memories delays another
+    # user's recall by one chunk at most.
+    embed_chunk: int = Field(default=16, ge=1, le=1024)
+    # Connections to PostgreSQL (the API's calls and the consumer's batches share them).
+    pool_size: int = Field(default=8, ge=2, le=100)
+    # An API call's whole time (its wait for a connection and its queries): past it, or
+    # with the database away, the call is answered 503 (the gateway's own timeout,
+    # GATEWAY_MEMORY_TIMEOUT_S, is 5 s by default).
+    request_timeout_s: float = Field(default=4.0, gt=0)
     batch_max_events: int = Field(default=200, ge=1)
     batch_max_ms: float = Field(default=50.0, gt=0)
     session_timeout_ms: int = Field(default=10_000, ge=6_000)

@@ -9,9 +9,12 @@ what, and how a memory is forgotten, not the ranking.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +22,7 @@ import httpx
 import pytest
 
 from infra.process import free_port
+from memory.embedder import Turns
 from pipeline.topics import CONTROL, PROMPTS
 from schemas import MemoryForgotten, PromptSubmitted
 from schemas.history import RECALL_PREAMBLE
@@ -52,8 +56,9 @@ def wait_up(url: str, service: Service, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def start_memory(pipeline: Pipeline, name: str, *args: str) -> tuple[Service, str]:
-    port = free_port()
+def start_memory(pipeline: Pipeline, name: str, *args: str,
+                 port: int | None = None) -> tuple[Service, str]:
+    port = port or free_port()
     service = start_service(pipeline.stack, name, "memory", "--port", str(port), *args)
     url = f"http://127.0.0.1:{port}"
     wait_up(url, service, MEMORY_START_S)
@@ -115,6 +120,43 @@ def prompt_of(mem: Memory, request_id: str) -> PromptSubmitted:
 
 def user_name() -> str:
     return f"user-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_recall_waiting_for_the_engine_goes_before_the_consumers_next_chunk() -> None:
+    """The engine's turns (``memory.embedder.Turns``), with threads standing for the
+    consumer's chunks and a recall: while the consumer's first chunk holds the engine
+    and its next two wait, a recall that comes is next."""
+    turns, order = Turns(), []
+    holding, release = threading.Event(), threading.Event()
+
+    def call(name: str, urgent: bool) -> None:
+        with turns.hold(urgent):
+            order.append(name)
+            if name == "chunk 1":
+                holding.set()
+                assert release.wait(10)
+
+    def start(name: str, urgent: bool = False) -> threading.Thread:
+        thread = threading.Thread(target=call, args=(name, urgent))
+        thread.start()
+        return thread
+
+    def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    threads = [start("chunk 1")]
+    assert holding.wait(10)
+    threads += [start("chunk 2"), start("chunk 3")]
+    until(lambda: turns.waiting == 2)
+    threads.append(start("recall", urgent=True))
+    until(lambda: turns.waiting == 3)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert order[:2] == ["chunk 1", "recall"] and sorted(order[2:]) == ["chunk 2", "chunk 3"]
 
 
 def test_a_fact_told_in_one_session_is_given_to_the_model_in_the_next(mem: Memory) -> None:
@@ -303,3 +345,58 @@ def test_a_session_created_with_memory_recalls_and_remembers_for_its_user(mem: M
     # Memory for a session needs its user.
     r = httpx.post(f"{mem.url}/v1/sessions", json={"memory": True}, timeout=30)
     assert r.status_code == 400, r.text
+
+
+def refused(url: str, user: str) -> httpx.Response:
+    """A memory turn that the gateway refuses, since it cannot recall."""
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "memory": True, "user": user, "max_tokens": 2,
+        "messages": [{"role": "user", "content": f"refused {uuid.uuid4().hex}"}]})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "memory_unavailable" and r.headers["retry-after"]
+    return r
+
+
+def test_a_paused_memory_service_refuses_memory_turns_in_bounded_time_and_no_other(
+        mem: Memory) -> None:
+    """SIGSTOP the memory service (and its engine): a memory turn is refused once the
+    gateway's memory timeout (5 s) is past, a turn without memory is served as ever, and
+    once it runs again, so does memory, with what it was told before."""
+    gina = user_name()
+    told = turn(mem.url, "I live in Lyon.", gina)
+    service = mem.services["memory"]
+    os.killpg(service.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        refused(mem.url, gina)
+        assert time.monotonic() - started < 5 + 5
+        r = httpx.get(f"{mem.url}/v1/memories", params={"user": gina}, timeout=30)
+        assert r.status_code == 503, r.text
+        plain = turn(mem.url, "Hello there.", gina, memory=False)
+        assert plain["choices"][0]["finish_reason"] in ("length", "stop"), plain
+    finally:
+        os.killpg(service.proc.pid, signal.SIGCONT)
+    [memory] = remembered(mem.url, gina, 1)
+    assert memory["id"] == told["id"]
+    again = turn(mem.url, "Where do I live?", gina)
+    assert [r.id for r in prompt_of(mem, again["id"]).recalled] == [told["id"]]
+
+
+def test_a_killed_memory_service_loses_nothing_it_was_told(mem: Memory) -> None:
+    """SIGKILL the memory service right after a memory turn: memory turns are refused
+    while it is away, others are served; restarted, it has that turn (stored before the
+    kill, or read again from the log: its offsets are committed after a batch is
+    stored) and recalls it."""
+    hugo = user_name()
+    told = turn(mem.url, "My sister is called Ines.", hugo)
+    service = mem.services["memory"]
+    service.kill()
+    refused(mem.url, hugo)
+    plain = turn(mem.url, "Hello again.", hugo, memory=False)
+    assert plain["usage"]["completion_tokens"] >= 1, plain
+    port = int(mem.service_url.rsplit(":", 1)[1])
+    mem.services["memory"], _ = start_memory(mem.pipeline, "memory-restarted", port=port)
+    [memory] = remembered(mem.url, hugo, 1, timeout=120)
+    assert memory["id"] == told["id"]
+    asked = turn(mem.url, "What is my sister called?", hugo)
+    assert [r.id for r in prompt_of(mem, asked["id"]).recalled] == [told["id"]]
