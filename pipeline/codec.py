@@ -42,7 +42,8 @@ class DecodeError(ValueError):
 
 def encode(event: Event) -> bytes:
     """The event as its record's value: JSON, fields that are None left out (a reader
-    takes them as None: every such field defaults to it). Its content is sealed with its
+    takes them as None: every such field defaults to it), and those of
+    ``OMITTED_EMPTY`` while empty. Its content is sealed with its
     conversation's data key if this process has a keyring that holds one
     (``pipeline.sealing``), and dropped if that conversation's keys were destroyed."""
     if sealing.active() and event.sealed is None:
@@ -54,7 +55,8 @@ def encode(event: Event) -> bytes:
                 event = without_content(event, Sealed(key=key.key_id, box=box))  # type: ignore[assignment]
             elif key is not None:  # its keys were destroyed: its content is not written
                 event = without_content(event, Sealed(key=sealing.ERASED, box=""))  # type: ignore[assignment]
-    return event.model_dump_json(exclude_none=True).encode()
+    empty = {name for name in event.OMITTED_EMPTY if not getattr(event, name)}
+    return event.model_dump_json(exclude_none=True, exclude=empty or None).encode()
 
 
 _json = msgspec.json.Encoder()

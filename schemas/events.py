@@ -18,7 +18,7 @@ import os
 import threading
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, ClassVar, Literal, TypedDict
 
 from pydantic import (
     AfterValidator,
@@ -154,6 +154,10 @@ class EventBase(Frozen):
     occurred_at: Time = Field(default_factory=_now)
     tenant: Name = "default"
     sealed: Sealed | None = None
+    # Fields added within a version that a record leaves out while they are empty (as
+    # every field that is None): older readers never knew them, and most events hold
+    # nothing there.
+    OMITTED_EMPTY: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def erased(self) -> bool:
@@ -239,6 +243,7 @@ class PromptSubmitted(EventBase):
     # Keep generating when every client has gone away (a client asked for it).
     background: bool = False
     charge: Charge | None = None
+    OMITTED_EMPTY: ClassVar[frozenset[str]] = frozenset({"memory", "recalled"})
     memory: bool = False
     user: Name | None = None
     recalled: tuple[Recalled, ...] = ()
