@@ -57,6 +57,8 @@ DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout,
 class MemoryMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.remembered = Counter("memory_remembered", "Memories stored", registry=registry)
+        self.evicted = Counter("memory_evicted", "Memories dropped for newer ones past "
+                               "MEMORY_MAX_MEMORIES_PER_USER", registry=registry)
         self.forgotten = Counter("memory_forgotten", "Memories forgotten on request",
                                  registry=registry)
         self.recalls = Counter("memory_recalls", "Recall requests answered", registry=registry)
@@ -187,7 +189,10 @@ class MemoryService:
                         await store.forget(conn, e.tenant, e.user, e.request_id)
                 new = await store.remember(conn, list(zip(remember, vectors, strict=True)),
                                            self.embedder.name)
+                evicted = await store.evict(conn, sorted({(r.tenant, r.user) for r in remember}),
+                                            self.settings.max_memories_per_user)
         self.metrics.remembered.inc(new)
+        self.metrics.evicted.inc(evicted)
 
     # -- the HTTP API ----------------------------------------------------------------
     def app(self) -> Starlette:

@@ -27,6 +27,9 @@ class MemorySettings(BaseSettings):
     kv_cache_memory_bytes: int = Field(default=256 * 2**20, ge=2**20)
     # A memory is the user's message of a finished turn, cut to this many characters.
     max_memory_chars: int = Field(default=1000, ge=16, le=100_000)
+    # A user keeps their newest this many memories: an older one is dropped as a new one
+    # comes (recall reads all of a user's memories: this bounds its cost).
+    max_memories_per_user: int = Field(default=10_000, ge=1, le=10_000_000)
     # Recalled per turn: ``recall_k`` by default, at most ``max_recall_k``, and at most
     # ``max_recall_chars`` characters in all (the nearest first).
     recall_k: int = Field(default=3, ge=1)

@@ -15,7 +15,7 @@ memory, and nothing outside that tenant's user is ever compared.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -112,6 +112,21 @@ async def remember(conn: Conn, items: Sequence[tuple[Remembered, Vector]], model
              item.conversation_id))
         new += cur.rowcount
     return new
+
+
+async def evict(conn: Conn, users: Iterable[tuple[str, str]], keep: int) -> int:
+    """Drop each of these users' memories past their ``keep`` newest (by time, then id):
+    how many. The set kept depends only on which memories there are, not on the order
+    they came in, so a rebuild keeps the same."""
+    evicted = 0
+    for tenant, user in users:
+        cur = await conn.execute(
+            "DELETE FROM memories WHERE tenant = %s AND user_id = %s AND id IN (SELECT id "
+            "FROM memories WHERE tenant = %s AND user_id = %s "
+            "ORDER BY created_at DESC, id DESC OFFSET %s)",
+            (tenant, user, tenant, user, keep))
+        evicted += cur.rowcount
+    return evicted
 
 
 async def finished(conn: Conn, request_ids: Sequence[str]) -> None:

@@ -9,6 +9,7 @@ what, and how a memory is forgotten, not the ranking.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -16,17 +17,28 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from infra.process import free_port
+from memory import store
 from memory.embedder import Turns
 from pipeline.topics import CONTROL, PROMPTS
 from schemas import MemoryForgotten, PromptSubmitted
 from schemas.history import RECALL_PREAMBLE
-from tests.conftest import MODEL, Pipeline, Service, start_service, wait_healthy
+from tests.conftest import (
+    MODEL,
+    Pipeline,
+    Service,
+    Stack,
+    new_database,
+    start_service,
+    wait_healthy,
+)
 from tests.logread import read_events, read_records
 
 MEMORY_START_S = 600  # vLLM's engine on a loaded CI host
@@ -157,6 +169,34 @@ def test_a_recall_waiting_for_the_engine_goes_before_the_consumers_next_chunk() 
     for thread in threads:
         thread.join(10)
     assert order[:2] == ["chunk 1", "recall"] and sorted(order[2:]) == ["chunk 2", "chunk 3"]
+
+
+def test_a_user_keeps_their_newest_memories_whatever_order_they_come_in(stack: Stack
+                                                                         ) -> None:
+    """``memory.store`` on PostgreSQL with pgvector: past ``keep`` a user's oldest
+    memories are dropped, another user's are not, and a store that gets the same
+    memories in the opposite order (a rebuild reading partitions otherwise) keeps the
+    same ones."""
+    base = datetime(2026, 11, 27, tzinfo=UTC)
+    told = [store.Remembered("t", "u", f"turn-{i}", uuid.uuid4(), f"fact {i}",
+                             base + timedelta(minutes=i)) for i in range(6)]
+    other = store.Remembered("t", "v", "turn-v", uuid.uuid4(), "another user's",
+                             base - timedelta(days=1))
+
+    async def fill(url: str, items: list[store.Remembered]) -> set[str]:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            for item in items:  # one at a time, as batches come
+                await store.remember(conn, [(item, [1.0, 0.0, float(len(item.id))])], "m")
+                await store.evict(conn, [(item.tenant, item.user)], keep=3)
+            cur = await conn.execute("SELECT id FROM memories")
+            return {row[0] for row in await cur.fetchall()}
+
+    kept = []
+    for name, items in (("forward", [other, *told]), ("backward", [*reversed(told), other])):
+        url = new_database(stack.database_url, f"memory_evict_{name}_{uuid.uuid4().hex[:6]}")
+        store.migrate(url)
+        kept.append(asyncio.run(fill(url, items)))
+    assert kept[0] == kept[1] == {"turn-3", "turn-4", "turn-5", "turn-v"}
 
 
 def test_a_fact_told_in_one_session_is_given_to_the_model_in_the_next(mem: Memory) -> None:
