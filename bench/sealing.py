@@ -43,7 +43,8 @@ class _Ring:
                     ) -> sealing.DataKey | Literal["erased"] | None:
         return self.keys.get(conversation_id)
 
-    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> sealing.DataKey | None:
         return self.by_id.get(key_id)
 
 

@@ -67,7 +67,7 @@ def _opened(event: Event) -> Event:
     """``event`` with its sealed content opened, if this process holds its key; else as
     it is (content empty, ``sealed`` set: erased)."""
     assert event.sealed is not None
-    key = sealing.reading_key(event.sealed.key)
+    key = sealing.reading_key(event.sealed.key, event.occurred_at.timestamp())
     if key is None:
         return event
     if key.conversation_id != event.conversation_id:
@@ -131,7 +131,7 @@ async def _unblocked(call: Callable[..., T], *args: object) -> T:
             return call(*args)
         except sealing.KeyNotHeld as miss:
             try:  # held, or known to be gone, after this (or it raises)
-                await asyncio.to_thread(sealing.reading_key, miss.key_id)
+                await asyncio.to_thread(sealing.reading_key, miss.key_id, miss.written_at)
             except sealing.RingUnavailable as exc:
                 if not exc.unreachable:
                     raise
@@ -176,7 +176,7 @@ def open_live(batch: LiveBatch, wanted: Container[int] | None = None) -> LiveBat
     for ref, key_id, box in batch.sealed:
         if wanted is not None and ref not in wanted:
             continue
-        key = sealing.reading_key(key_id)
+        key = sealing.reading_key(key_id, batch.at / 1000)
         if key is None:
             continue
         try:

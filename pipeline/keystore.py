@@ -46,6 +46,13 @@ T = TypeVar("T")
 # misses a key waits for the thread to bring it before reading the topic to its end.
 POLL_S = 0.02
 MISS_WAIT_S = 0.05
+# A key not found up to the end of ``chat.keys``, for content written less than the
+# erasure window ago, is looked for again for this long before that content reads as
+# erased: the end may have come from a broker that lost its leadership without knowing
+# (a leader cut off from its peers answers with the end it had, and new keys are
+# written to its successor). Content older than the window may have outlived its key
+# and the key's tombstone, both compacted away: not found then means destroyed.
+MISSING_WAIT_S = 120.0
 
 
 class KeyringError(sealing.RingUnavailable):
@@ -110,13 +117,16 @@ class Keyring:
     """Every data key in ``chat.keys`` (see the module). ``start`` reads the topic to
     its end, then a thread follows it."""
 
-    def __init__(self, bootstrap: str, kek: bytes, name: str,
-                 wait_s: float = 15.0) -> None:
+    def __init__(self, bootstrap: str, kek: bytes, name: str, wait_s: float = 15.0,
+                 erasure_window_s: float = 86_400.0,
+                 missing_wait_s: float = MISSING_WAIT_S) -> None:
         self._kek = AESGCM(kek)
         self.fingerprint = fingerprint(kek)
         self._bootstrap = bootstrap
         self._name = name
         self._wait_s = wait_s
+        self._erasure_window_s = erasure_window_s
+        self._missing_wait_s = missing_wait_s
         self._lock = threading.Lock()
         # Notified whenever the thread has applied what it read (new keys among it).
         self._applied = threading.Condition(self._lock)
@@ -172,27 +182,45 @@ class Keyring:
                 return self._keys[ids[0]]
             return "erased" if conversation_id in self._erased else None
 
-    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> sealing.DataKey | None:
         with self._lock:
             key = self._keys.get(key_id)
             if key is not None or key_id in self._gone:
                 return key
             if not wait:
-                raise sealing.KeyNotHeld(key_id)
+                raise sealing.KeyNotHeld(key_id, written_at)
             # Most often made a moment ago, and on its way to the thread already: a wait
             # of milliseconds, not a read to the topic's end.
             self._applied.wait_for(lambda: key_id in self._keys, MISS_WAIT_S)
             key = self._keys.get(key_id)
             if key is not None:
                 return key
-        if not self.catch_up():  # written a moment ago by another process, or gone
-            raise self._unavailable(f"key {key_id} can be neither found nor known to be "
-                                    "gone")
+        # Written a moment ago by another process, or gone (see MISSING_WAIT_S).
+        recent = written_at is not None and time.time() - written_at < self._erasure_window_s
+        deadline = time.monotonic() + (self._missing_wait_s if recent else 0.0)
+        pause = 0.5
+        while True:
+            if not self.catch_up():
+                raise self._unavailable(f"key {key_id} can be neither found nor known to "
+                                        "be gone")
+            with self._lock:
+                key = self._keys.get(key_id)
+                if key is not None or key_id in self._gone:  # a tombstone read meanwhile
+                    return key
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._quiet.warning("data key %s of content written %.0f s ago is not in %s up "
+                                "to its end: looking again for %.0f s more", key_id,
+                                time.time() - (written_at or 0), KEYS, left)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 5.0)
+        log.warning("data key %s is not in %s up to its end: what it sealed reads as "
+                    "erased", key_id, KEYS)
         with self._lock:
-            key = self._keys.get(key_id)
-            if key is None:
-                self._gone.add(key_id)
-            return key
+            self._gone.add(key_id)
+        return None
 
     # -- what the gateway and ``pipeline erase`` ask -----------------------------------
     def has_key(self, conversation_id: uuid.UUID) -> bool:
@@ -340,6 +368,9 @@ class Keyring:
                 time.sleep(0.2)
 
     def _read_to_end(self, reader: PlainReader, partitions: list[int]) -> None:
+        # Ask for the partitions' leaders first: ends are asked of them, and a client
+        # that followed a broker which lost its leadership learns of its successor here.
+        self._retrying(lambda: reader.partitions(KEYS))
         ends = {p: self._retrying(functools.partial(reader.end, KEYS, p)) for p in partitions}
         deadline = time.monotonic() + self._wait_s
         while not self._stop.is_set():
@@ -420,4 +451,5 @@ def _aad(conversation_id: uuid.UUID, key_id: str) -> bytes:
 
 def open_keyring(common: CommonSettings, name: str) -> Keyring:
     """This process's keyring, started and installed (see ``Keyring.start``)."""
-    return Keyring(common.kafka_bootstrap, load_kek(common), name).start()
+    return Keyring(common.kafka_bootstrap, load_kek(common), name,
+                   erasure_window_s=common.erasure_window_ms / 1000).start()

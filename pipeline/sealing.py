@@ -97,9 +97,10 @@ class KeyNotHeld(Exception):
     as Kafka does to answer, and would stall every task of the loop meanwhile: the
     caller looks for it on another thread (``pipeline.codec.decode_async``)."""
 
-    def __init__(self, key_id: str) -> None:
+    def __init__(self, key_id: str, written_at: float | None = None) -> None:
         super().__init__(f"data key {key_id} not held yet")
         self.key_id = key_id
+        self.written_at = written_at
 
 
 class Ring(Protocol):
@@ -107,10 +108,12 @@ class Ring(Protocol):
         """The key to seal the conversation's content with; ``"erased"`` if its keys
         were destroyed; None if it has none (it was written in the clear)."""
 
-    def for_reading(self, key_id: str, wait: bool = True) -> DataKey | None:
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> DataKey | None:
         """The key of that id, or None if it is gone (destroyed, or never existed). A key
         neither held nor known to be gone is looked for (a read of the key topic) if
-        ``wait``; else ``KeyNotHeld``."""
+        ``wait``; else ``KeyNotHeld``. ``written_at``: when the content it sealed was
+        written (seconds since the epoch), which says how long to look."""
 
 
 _rings: list[Ring] = []
@@ -140,9 +143,10 @@ def writing_key(conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | Non
     return None
 
 
-def reading_key(key_id: str) -> DataKey | None:
-    """The key of that id, or None if it is gone. Never waits on a thread that runs an
-    event loop: ``KeyNotHeld`` there if no keyring holds it or knows it gone yet."""
+def reading_key(key_id: str, written_at: float | None = None) -> DataKey | None:
+    """The key of that id, or None if it is gone (``written_at``: when the content it
+    sealed was written). Never waits on a thread that runs an event loop: ``KeyNotHeld``
+    there if no keyring holds it or knows it gone yet."""
     if key_id == ERASED:
         return None
     # A process reading several clusters (an auditor, the tests) holds a ring for each:
@@ -150,7 +154,7 @@ def reading_key(key_id: str) -> DataKey | None:
     unknown = False
     for ring in _rings:
         try:
-            found = ring.for_reading(key_id, False)
+            found = ring.for_reading(key_id, False, written_at)
         except KeyNotHeld:
             unknown = True
             continue
@@ -159,9 +163,9 @@ def reading_key(key_id: str) -> DataKey | None:
     if not unknown:
         return None
     if _on_a_loop():
-        raise KeyNotHeld(key_id)
+        raise KeyNotHeld(key_id, written_at)
     for ring in _rings:
-        found = ring.for_reading(key_id, True)
+        found = ring.for_reading(key_id, True, written_at)
         if found is not None:
             return found
     return None

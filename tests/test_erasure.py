@@ -18,7 +18,7 @@ from gateway.ids import idempotent_conversation
 from infra.process import free_port
 from pipeline.codec import conversation_key, decode, encode
 from pipeline.kafka.plain import PlainWriter
-from pipeline.keystore import open_keyring
+from pipeline.keystore import Keyring, load_kek, open_keyring
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
@@ -202,6 +202,36 @@ def test_a_deletion_whose_deleter_died_before_the_keys_still_destroys_them(
     pipeline.wait_projected()  # the keys go just before the batch that deletes it commits
     r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
     assert r.status_code == 404, r.text
+
+
+def test_a_key_not_found_yet_for_recent_content_is_looked_for_again(
+        pipeline: Pipeline) -> None:
+    """A reader that read ``chat.keys`` to an end without a key (a broker that lost its
+    leadership answers with the end it had: tests/test_network.py isolates one) looks
+    again for the key of recent content, and finds it once it is written; content
+    older than the erasure window whose key is not found reads as erased at once (its
+    key and tombstone may both be compacted away)."""
+    common = CommonSettings(kafka_bootstrap=pipeline.stack.bootstrap)
+    kek = load_kek(common)
+    reader = Keyring(pipeline.stack.bootstrap, kek, "late-reader", missing_wait_s=60)
+    writer = Keyring(pipeline.stack.bootstrap, kek, "late-writer")
+    with reader, writer:
+        record, value, key = writer.new_key(uuid.uuid4(), "t", None)
+        started = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            looking = pool.submit(reader.for_reading, key.key_id, True, time.time())
+            time.sleep(2)  # it looks, does not find, and looks again
+            assert not looking.done()
+            out = PlainWriter(pipeline.stack.bootstrap, "late-key")
+            out.send(KEYS, record, value)
+            assert out.flush(30) == []
+            found = looking.result(60)
+        assert found is not None and found.key_id == key.key_id
+        assert time.monotonic() - started < 30
+        _, _, never = writer.new_key(uuid.uuid4(), "t", None)
+        started = time.monotonic()
+        assert reader.for_reading(never.key_id, True, time.time() - 2 * 86_400) is None
+        assert time.monotonic() - started < 10
 
 
 def test_a_process_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:

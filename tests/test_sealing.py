@@ -43,7 +43,8 @@ class Ring:
             return "erased"
         return self.keys.get(conversation_id)
 
-    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> sealing.DataKey | None:
         return next((k for k in self.keys.values() if k.key_id == key_id), None)
 
     def destroy(self, conversation: uuid.UUID) -> None:
@@ -206,7 +207,8 @@ class SlowRing(Ring):
         self.followed: set[str] = set()
         self.lookups: list[str] = []
 
-    def for_reading(self, key_id: str, wait: bool = True) -> sealing.DataKey | None:
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> sealing.DataKey | None:
         if key_id not in self.followed:
             if not wait:
                 raise sealing.KeyNotHeld(key_id)
