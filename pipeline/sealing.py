@@ -164,6 +164,11 @@ def reading_key(key_id: str, written_at: float | None = None) -> DataKey | None:
         return None
     if _on_a_loop():
         raise KeyNotHeld(key_id, written_at)
+    if len(_rings) > 1:
+        # Each ring would look for a recent key it does not hold for minutes (see
+        # ``pipeline.keystore``) though the key is another cluster's: a process reading
+        # several clusters takes a key not found as gone at once.
+        written_at = None
     for ring in _rings:
         found = ring.for_reading(key_id, True, written_at)
         if found is not None:
