@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -54,13 +55,19 @@ class Embedder:
     def __init__(self, model: str, name: str, settings: MemorySettings) -> None:
         """``model``: a directory or a Hugging Face name; ``name``, what the memories
         record they were embedded with (a recall compares only those)."""
+        # The engine in this process, stepped by the embedding call's own thread. In
+        # processes of its own (vLLM's default), the model's process busy-waits on their
+        # shared-memory queue for a second after every call: a second of a core taken,
+        # on a small CPU host, from the chat worker's engine after each recall.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM  # heavy: only the memory service loads it
 
         self.name = name
         self._engine = Turns()
         options: dict[str, Any] = {
             "dtype": settings.dtype, "max_model_len": settings.max_model_len,
-            "kv_cache_memory_bytes": settings.kv_cache_memory_bytes, "enforce_eager": True}
+            "kv_cache_memory_bytes": settings.kv_cache_memory_bytes, "enforce_eager": True,
+            "distributed_executor_backend": "uni"}
         self._llm: Any = LLM(model=model, runner="pooling", convert="embed", **options)
 
     def embed_sync(self, texts: Sequence[str], urgent: bool = False) -> list[Vector]:
