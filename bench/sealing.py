@@ -47,6 +47,9 @@ class _Ring:
                     written_at: float | None = None) -> sealing.DataKey | None:
         return self.by_id.get(key_id)
 
+    def revoked(self, conversation_id: uuid.UUID) -> bool:
+        return False
+
 
 def _live_case(turns: int, per_turn: int, ring: _Ring) -> Callable[[], int]:
     from workers.output import Output
@@ -56,7 +59,7 @@ def _live_case(turns: int, per_turn: int, ring: _Ring) -> Callable[[], int]:
     for c in conversations:
         ring.add(c)
     for ref, c in enumerate(conversations):
-        output._conversations[(0, ref)] = c
+        output._seals[(0, ref)] = (c, ring.keys[c])
     deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
         (ref, seq, "tok ", (1234,)) for seq in range(per_turn) for ref in range(turns)]
 

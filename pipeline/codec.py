@@ -8,7 +8,7 @@ import logging
 import uuid
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 from pydantic import ValidationError
@@ -40,16 +40,35 @@ class DecodeError(ValueError):
     """A record that is not a valid event. It goes to the dead-letter topic."""
 
 
-def encode(event: Event) -> bytes:
+class _Held:
+    """``encode``'s default: the key a keyring holds for the event's conversation."""
+
+
+HELD = _Held()
+# What ``encode`` seals an event's content with: a key, ``"erased"`` (the content is
+# dropped), None (it is written in the clear), or the key held (``HELD``).
+SealWith = sealing.DataKey | Literal["erased"] | None
+
+
+def encode(event: Event, key: SealWith | _Held = HELD) -> bytes:
     """The event as its record's value: JSON, fields that are None left out (a reader
     takes them as None: every such field defaults to it), and those of
-    ``OMITTED_EMPTY`` while empty. Its content is sealed with its
-    conversation's data key if this process has a keyring that holds one
-    (``pipeline.sealing``), and dropped if that conversation's keys were destroyed."""
+    ``OMITTED_EMPTY`` while empty. In a process that seals (``pipeline.sealing``), its
+    content is sealed with ``key`` (by default, the one a keyring holds for its
+    conversation, else none), and dropped if that conversation's keys were destroyed.
+    A writer that knows its conversation's key names it: a keyring holds a bounded
+    number."""
     if sealing.active() and event.sealed is None:
         content = content_of(event)
         if content is not None:
-            key = sealing.writing_key(event.conversation_id)
+            if isinstance(key, _Held):
+                key = sealing.writing_key(event.conversation_id)
+            elif isinstance(key, sealing.DataKey):
+                if key.conversation_id != event.conversation_id:
+                    raise ValueError(f"key {key.key_id} is not the key of conversation "
+                                     f"{event.conversation_id}")
+                if sealing.revoked(event.conversation_id):
+                    key = "erased"
             if isinstance(key, sealing.DataKey):
                 box = sealing.seal(key, _json.encode(content))
                 event = without_content(event, Sealed(key=key.key_id, box=box))  # type: ignore[assignment]
@@ -63,20 +82,20 @@ _json = msgspec.json.Encoder()
 _content = msgspec.json.Decoder(dict)
 
 
-def _opened(event: Event) -> Event:
-    """``event`` with its sealed content opened, if this process holds its key; else as
-    it is (content empty, ``sealed`` set: erased)."""
+def _opened(event: Event) -> tuple[Event, sealing.DataKey | None]:
+    """``event`` with its sealed content opened, and the key that opened it, if this
+    process holds it; else as it is (content empty, ``sealed`` set: erased)."""
     assert event.sealed is not None
     key = sealing.reading_key(event.sealed.key, event.occurred_at.timestamp())
     if key is None:
-        return event
+        return event, None
     if key.conversation_id != event.conversation_id:
         raise DecodeError(f"sealed with key {key.key_id} of another conversation")
     try:
         content = _content.decode(sealing.unseal(key, event.sealed.box))
     except (sealing.Unreadable, msgspec.DecodeError) as exc:
         raise DecodeError(str(exc)) from None
-    return with_content(event, content, None)  # type: ignore[return-value]
+    return with_content(event, content, None), key  # type: ignore[return-value]
 
 
 def decode(data: bytes | None, open_sealed: bool = True) -> Event:
@@ -85,6 +104,13 @@ def decode(data: bytes | None, open_sealed: bool = True) -> Event:
     content is opened if this process holds the key (unless not ``open_sealed``); on a
     thread that runs an event loop, ``decode_async`` does what this cannot there: wait
     for a key not held yet."""
+    return decode_keyed(data, open_sealed)[0]
+
+
+def decode_keyed(data: bytes | None, open_sealed: bool = True
+                 ) -> tuple[Event, sealing.DataKey | None]:
+    """``decode``, and the key its content was opened with (None: it was in the clear,
+    or erased): the key a writer of the same conversation's content seals with."""
     if data is None:
         raise DecodeError("empty record value")
     try:
@@ -93,12 +119,13 @@ def decode(data: bytes | None, open_sealed: bool = True) -> Event:
         first_error: ValidationError | None = exc
     else:
         if is_current(event.type, event.v):
-            return event if event.sealed is None or not open_sealed else _opened(event)
+            return (event, None) if event.sealed is None or not open_sealed \
+                else _opened(event)
         first_error = None
     try:  # an older version: bring its JSON up to date, then validate that
         raw = json.loads(data)
         event = EVENT_ADAPTER.validate_python(upcast(raw) if isinstance(raw, dict) else raw)
-        return event if event.sealed is None or not open_sealed else _opened(event)
+        return (event, None) if event.sealed is None or not open_sealed else _opened(event)
     except ValidationError as exc:
         raise DecodeError(_summarise(first_error or exc)) from exc
     except (ValueError, RecursionError) as exc:
@@ -111,6 +138,11 @@ async def decode_async(data: bytes | None) -> Event:
     loop's other tasks go on meanwhile), and while the key topic cannot be read, asked
     for again until it can (bound the wait where an answer is due)."""
     return await _unblocked(decode, data)
+
+
+async def decode_keyed_async(data: bytes | None) -> tuple[Event, sealing.DataKey | None]:
+    """``decode_keyed`` for a coroutine (see ``decode_async``)."""
+    return await _unblocked(decode_keyed, data)
 
 
 async def decode_live_async(data: bytes | None) -> LiveBatch:

@@ -105,8 +105,9 @@ class KeyNotHeld(Exception):
 
 class Ring(Protocol):
     def for_writing(self, conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
-        """The key to seal the conversation's content with; ``"erased"`` if its keys
-        were destroyed; None if it has none (it was written in the clear)."""
+        """The key this ring holds to seal the conversation's content with; ``"erased"``
+        if its keys were destroyed; None if it holds none (the writer names its key:
+        ``pipeline.codec.encode``)."""
 
     def for_reading(self, key_id: str, wait: bool = True,
                     written_at: float | None = None) -> DataKey | None:
@@ -114,6 +115,9 @@ class Ring(Protocol):
         neither held nor known to be gone is looked for (a read of the key topic) if
         ``wait``; else ``KeyNotHeld``. ``written_at``: when the content it sealed was
         written (seconds since the epoch), which says how long to look."""
+
+    def revoked(self, conversation_id: uuid.UUID) -> bool:
+        """Whether the conversation's keys were destroyed (a set look-up: never waits)."""
 
 
 _rings: list[Ring] = []
@@ -133,6 +137,11 @@ def uninstall(ring: Ring) -> None:
 
 def active() -> bool:
     return bool(_rings)
+
+
+def revoked(conversation_id: uuid.UUID) -> bool:
+    """Whether an installed ring knows the conversation's keys destroyed."""
+    return any(ring.revoked(conversation_id) for ring in _rings)
 
 
 def writing_key(conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:

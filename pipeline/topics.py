@@ -17,8 +17,10 @@ of ``chat.control`` (range assignment).
 * ``chat.rollouts``: every change of which version serves a model alias, kept forever
   (``schemas.rollout``).
 * ``chat.keys``: each conversation's data keys, wrapped by the key-encryption key
-  (``pipeline.keystore``). Compacted: a destroyed key's tombstone makes the broker
-  delete its record within ``erasure_window_ms``.
+  (``pipeline.keystore``), in the partition of its conversation. Compacted: a destroyed
+  key's tombstone makes the broker delete its record within ``erasure_window_ms``.
+* ``chat.erasures``: the conversations whose keys were destroyed, kept twice the erasure
+  window (``pipeline.erasures``): every keyring reads it whole and refuses their keys.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ WORKERS = "chat.workers"
 ROLLOUTS = "chat.rollouts"
 # The conversations' data keys (``pipeline.keystore``).
 KEYS = "chat.keys"
+# What the store is projected from: the durable record, and the keys' index (data_keys).
+STORE_TOPICS = (*CONVERSATION_TOPICS, KEYS)
+# The conversations whose data keys were destroyed lately (``pipeline.erasures``).
+ERASURES = "chat.erasures"
 # The name workers give themselves in dead letters; also the consumer group every worker
 # shared before groups were per model (``workers_group``), whose offsets a model's group
 # starts from the first time.
@@ -133,4 +139,8 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
             "max.compaction.lag.ms": str(policy.erasure_window_ms),
             "segment.ms": str(policy.erasure_window_ms),
             "delete.retention.ms": str(policy.erasure_window_ms)}, replication),
+        # Longer than a destroyed key's record can outlive its tombstone; few records.
+        TopicSpec(ERASURES, 1, {**base, "cleanup.policy": "delete",
+                                "retention.ms": str(2 * policy.erasure_window_ms),
+                                "retention.bytes": "-1"}, replication),
     ]

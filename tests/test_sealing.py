@@ -47,6 +47,9 @@ class Ring:
                     written_at: float | None = None) -> sealing.DataKey | None:
         return next((k for k in self.keys.values() if k.key_id == key_id), None)
 
+    def revoked(self, conversation_id: uuid.UUID) -> bool:
+        return conversation_id in self.erased
+
     def destroy(self, conversation: uuid.UUID) -> None:
         del self.keys[conversation]
         self.erased.add(conversation)
@@ -154,7 +157,8 @@ def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring) -> None:
     ring.add(a)
     ring.add(b)
     output = Output(None, "w")  # type: ignore[arg-type]  # only batches are made here
-    output._conversations.update({(0, 10): a, (0, 11): b, (0, 12): clear})
+    output._seals.update({(0, 10): (a, ring.keys[a]), (0, 11): (b, ring.keys[b]),
+                          (0, 12): (clear, None)})
     deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
         (10, 0, "alpha ", (1,)), (11, 0, "beta ", (2,)), (10, 1, "gamma", (3,)),
         (12, 0, "open", (4,))]

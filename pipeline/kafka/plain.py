@@ -35,8 +35,10 @@ class PlainWriter:
     delivery failed are listed by ``take_failures``."""
 
     def __init__(self, bootstrap: str, name: str, *, durable: bool = True,
-                 linger_ms: float = 5.0, timeout_s: float | None = None) -> None:
+                 linger_ms: float = 5.0, timeout_s: float | None = None,
+                 compression: str = "none") -> None:
         config: dict[str, Any] = {**client_config(bootstrap), "linger.ms": linger_ms,
+                                  "compression.type": compression,
                                   # the Java client's partitioner: every client agrees
                                   # where a key lives
                                   "partitioner": "murmur2_random", **client_logging(name)}
@@ -47,11 +49,17 @@ class PlainWriter:
         self._producer = Producer(config)
         self._failures: list[str] = []
 
-    def send(self, topic: str, key: bytes | None, value: bytes | None) -> None:
-        """Queue a record (``value`` None: a tombstone). Raises ProduceError if the
-        client's queue cannot take it."""
+    def send(self, topic: str, key: bytes | None, value: bytes | None,
+             partition: int | None = None) -> None:
+        """Queue a record (``value`` None: a tombstone), to ``partition`` if given (else
+        where its key goes). Raises ProduceError if the client's queue cannot take it."""
         try:
-            self._producer.produce(topic, key=key, value=value, on_delivery=self._delivered)
+            if partition is None:
+                self._producer.produce(topic, key=key, value=value,
+                                       on_delivery=self._delivered)
+            else:
+                self._producer.produce(topic, key=key, value=value, partition=partition,
+                                       on_delivery=self._delivered)
         except (BufferError, KafkaException) as exc:
             raise ProduceError(f"not queued: {exc}") from exc
 
@@ -59,9 +67,9 @@ class PlainWriter:
         if err is not None:
             self._failures.append(str(err))
 
-    def poll(self) -> None:
-        """Serve delivery reports that have arrived; never waits."""
-        self._producer.poll(0)
+    def poll(self, timeout: float = 0.0) -> None:
+        """Serve delivery reports that have arrived, waiting at most ``timeout`` for one."""
+        self._producer.poll(timeout)
 
     def take_failures(self) -> list[str]:
         failures, self._failures = self._failures, []
@@ -103,8 +111,15 @@ class PlainReader:
 
     def end(self, topic: str, partition: int, timeout: float = 10.0) -> int:
         """The partition's high watermark."""
-        return int(self._consumer.get_watermark_offsets(
-            TopicPartition(topic, partition), timeout=timeout)[1])
+        return self.bounds(topic, partition, timeout)[1]
+
+    def bounds(self, topic: str, partition: int, timeout: float = 10.0) -> tuple[int, int]:
+        """The partition's first offset and its high watermark. (A reader started at a
+        concrete offset reads at once; one started at ``BEGINNING`` waits half a second
+        for librdkafka to look the offset up.)"""
+        low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                         timeout=timeout)
+        return int(low), int(high)
 
     def position(self, topic: str, partition: int) -> int:
         """The next offset this reader reads in the partition (negative: none yet)."""

@@ -122,7 +122,9 @@ class EventProducer:
         key: bytes | None,
         value: bytes | None,
         headers: Sequence[tuple[str, bytes]] = (),
+        partition: int | None = None,
     ) -> asyncio.Future[Position]:
+        """Produce one record (to ``partition`` if given, else where its key goes)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Position] = loop.create_future()
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
@@ -137,7 +139,9 @@ class EventProducer:
                 result = Position(msg.topic() or topic, msg.partition() or 0, msg.offset() or 0)
             loop.call_soon_threadsafe(resolve, future, result)
 
-        self._produce(topic, value=value, key=key, headers=list(headers), on_delivery=settle)
+        at = {} if partition is None else {"partition": partition}
+        self._produce(topic, value=value, key=key, headers=list(headers), on_delivery=settle,
+                      **at)
         return future
 
     def flush(self, timeout: float = 30.0) -> int:

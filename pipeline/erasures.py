@@ -1,0 +1,209 @@
+"""The conversations whose data keys were destroyed lately, from ``chat.erasures``.
+
+A destroyed key's record stays in ``chat.keys`` until the broker's compaction deletes it
+(within the erasure window), and a reader that finds keys where content says they lie
+could read it until then. So whoever destroys a conversation's keys also writes an
+erasure to ``chat.erasures``: key the conversation id, value its tenant and when. Every
+keyring follows that topic and refuses the keys of the conversations it names.
+
+The topic keeps an erasure twice the erasure window, longer than the destroyed keys'
+records can outlive their tombstones (the broker deletes them within one window), so
+reading it whole costs the erasures of two windows, never the history. A tombstone
+writer writes an erasure with its tombstones (``Keyring.destroy``), so the newest erasure
+of a conversation is never older than its keys' tombstones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+from pipeline.kafka import KafkaException, Record, unreachable
+from pipeline.kafka.plain import PlainReader
+from pipeline.retry import QuietLog
+from pipeline.topics import ERASURES
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+POLL_S = 0.02  # how long the following thread waits for records at a time
+PRUNE_EVERY_S = 60.0
+
+
+class ErasuresUnavailable(RuntimeError):
+    """``chat.erasures`` could not be read to its end: ``unreachable`` if Kafka did not
+    answer, else for another reason the message says (a read that is slow, a topic that
+    does not exist)."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def erasure_record(conversation_id: uuid.UUID, tenant: str, by: str) -> tuple[bytes, bytes]:
+    """The record key and value of an erasure of ``conversation_id``."""
+    return str(conversation_id).encode(), json.dumps({
+        "v": 1, "conversation_id": str(conversation_id), "tenant": tenant, "by": by,
+        "at": int(time.time() * 1000)}).encode()
+
+
+class Erasures:
+    """The erasures of the last ``horizon_s``, read to the end at ``start`` and followed
+    on a thread of its own. ``revoked`` is a set look-up: it never waits."""
+
+    def __init__(self, bootstrap: str, name: str, horizon_s: float, wait_s: float = 15.0
+                 ) -> None:
+        self._bootstrap, self._name = bootstrap, name
+        self._horizon_s, self._wait_s = horizon_s, wait_s
+        self._at: dict[uuid.UUID, float] = {}  # conversation -> when it was erased (s)
+        self._lock = threading.Lock()
+        self._read_to = threading.Condition(self._lock)  # notified as positions move
+        self._positions: dict[int, int] = {}  # how far the thread has read, per partition
+        self._failure: str | None = None
+        self._unreachable = False
+        self._quiet = QuietLog(log)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="erasures", daemon=True)
+        # Ends are asked by the callers, on a client of their own: on the follower's
+        # connection a request waits behind its fetch, which an idle broker holds for up
+        # to half a second.
+        self._asker: PlainReader | None = None
+        self._asking = threading.Lock()
+        self._partitions: list[int] = []
+        self._pruned = time.monotonic()
+        self.read = 0  # records read so far (a slow start says how far it got)
+
+    def start(self) -> None:
+        self._asker = PlainReader(self._bootstrap, f"{self._name}-erasures-ends")
+        try:
+            self._partitions = self._retrying(lambda: self._asker_().partitions(ERASURES))
+        except KafkaException as exc:
+            raise ErasuresUnavailable(f"Kafka does not answer for {ERASURES}: {exc}",
+                                      unreachable=unreachable(exc)) from None
+        if not self._partitions:
+            raise ErasuresUnavailable(f"the topic {ERASURES} does not exist: `pipeline "
+                                      "topics` makes it")
+        self._thread.start()
+        if not self.catch_up():
+            raise self.unavailable()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        with self._asking:
+            if self._asker is not None:
+                self._asker.close()
+                self._asker = None
+
+    def revoked(self, conversation_id: uuid.UUID) -> bool:
+        return conversation_id in self._at
+
+    def add(self, conversation_id: uuid.UUID) -> None:
+        """An erasure this process made (before its record is read back)."""
+        with self._lock:
+            self._at.setdefault(conversation_id, time.time())
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def catch_up(self) -> bool:
+        """Wait until the thread has read the topic to its end as it is now; False if it
+        could not within the wait (``unavailable`` says why)."""
+        if not self._thread.is_alive():
+            return False
+        try:
+            with self._asking:
+                asker = self._asker_()
+                ends = {p: asker.end(ERASURES, p, self._wait_s) for p in self._partitions}
+        except KafkaException as exc:
+            self._unreachable = True
+            self._quiet.warning("Kafka does not answer for %s: %s", ERASURES, exc)
+            return False
+        with self._lock:
+            return self._read_to.wait_for(
+                lambda: self._failure is not None or all(
+                    self._positions.get(p, 0) >= end for p, end in ends.items()),
+                self._wait_s) and self._failure is None
+
+    def unavailable(self) -> ErasuresUnavailable:
+        if self._failure is not None:
+            return ErasuresUnavailable(self._failure, self._unreachable)
+        if self._unreachable:
+            return ErasuresUnavailable(f"Kafka does not answer for {ERASURES}",
+                                       unreachable=True)
+        return ErasuresUnavailable(
+            f"could not read {ERASURES} to its end in {self._wait_s:g} s ({self.read:,} "
+            "records read so far): Kafka answers, but slowly")
+
+    def _asker_(self) -> PlainReader:
+        if self._asker is None:
+            raise ErasuresUnavailable("closed")
+        return self._asker
+
+    # -- the thread ---------------------------------------------------------------
+    def _follow(self) -> None:
+        reader = PlainReader(self._bootstrap, f"{self._name}-erasures")
+        try:
+            with self._asking:
+                asker = self._asker_()
+                starts = {(ERASURES, p): self._retrying(
+                    lambda p=p: asker.bounds(ERASURES, p, self._wait_s)[0])  # type: ignore[misc]
+                    for p in self._partitions}
+            reader.start(starts)
+            while not self._stop.is_set():
+                self._apply(reader.read(1000, timeout=POLL_S))
+                moved = {p: reader.position(ERASURES, p) for p in self._partitions}
+                with self._lock:
+                    self._positions.update({p: o for p, o in moved.items() if o >= 0})
+                    self._read_to.notify_all()
+                if time.monotonic() - self._pruned > PRUNE_EVERY_S:
+                    self._prune()
+        except Exception as exc:  # the waiters learn it from the failure
+            self._unreachable = unreachable(exc)
+            if not self._unreachable:
+                log.exception("stopped following %s", ERASURES)
+            with self._lock:
+                self._failure = f"reading {ERASURES} failed: {exc}"
+                self._read_to.notify_all()
+        finally:
+            reader.close()
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            try:
+                return call()
+            except KafkaException:
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise
+                time.sleep(0.2)
+
+    def _apply(self, records: list[Record]) -> None:
+        if not records:
+            return
+        horizon = time.time() - self._horizon_s
+        with self._lock:
+            for record in records:
+                self.read += 1
+                try:
+                    conversation = uuid.UUID((record.key or b"").decode())
+                except ValueError:
+                    log.warning("%s holds a record keyed %r: not an erasure", ERASURES,
+                                record.key)
+                    continue
+                at = record.timestamp_ms / 1000
+                if at >= horizon and at > self._at.get(conversation, 0.0):
+                    self._at[conversation] = at
+
+    def _prune(self) -> None:
+        """Forget erasures past the horizon: their keys' records are gone from the log."""
+        self._pruned = time.monotonic()
+        horizon = time.time() - self._horizon_s
+        with self._lock:
+            for conversation in [c for c, at in self._at.items() if at < horizon]:
+                del self._at[conversation]
