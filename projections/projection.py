@@ -108,9 +108,11 @@ ON CONFLICT (request_id) DO UPDATE SET
 
 _STARTED_GENERATION = """
 INSERT INTO generations (request_id, conversation_id, tenant, status, attempt, worker,
-    prompt_tokens)
-VALUES (%s, %s, %s, 'running', %s, %s, %s)
+    prompt_tokens, started_at)
+VALUES (%s, %s, %s, 'running', %s, %s, %s, %s)
 ON CONFLICT (request_id) DO UPDATE SET
+    started_at = LEAST(COALESCE(generations.started_at, EXCLUDED.started_at),
+                       EXCLUDED.started_at),
     status = CASE WHEN generations.status = 'pending' THEN 'running' ELSE generations.status END,
     attempt = GREATEST(generations.attempt, EXCLUDED.attempt),
     worker = CASE WHEN EXCLUDED.attempt >= generations.attempt
@@ -219,7 +221,7 @@ def project(event: Event, offset: int | None = None,
             write(
                 _STARTED_GENERATION,
                 (event.request_id, conv, event.tenant, event.attempt, event.worker,
-                 event.prompt_tokens),
+                 event.prompt_tokens, at),
             )
         )
     elif isinstance(event, GenerationFinished):

@@ -4,10 +4,12 @@ Exactly-once effect: each batch of events is applied in one transaction that als
 records, per partition, the next offset to read. On assignment the projector seeks
 to those stored positions, so a crash at any point neither loses nor repeats rows.
 
-A deleted or erased conversation's data keys are destroyed by the projector too, before
-the batch holding its ``SessionDeleted`` commits: the gateway or ``pipeline erase`` that
-wrote the deletion destroys them at once, but may die between the two writes, and this
-makes the deletion alone enough. Keys destroyed already are not written again.
+It projects ``chat.keys`` too, into the index of data keys (``projections.keys``), and
+destroys a deleted or erased conversation's keys before the batch holding its
+``SessionDeleted`` commits (or holding a key made for it after its deletion): it writes
+their tombstones and the conversation's erasure (``pipeline.erasures``). The gateway or
+``pipeline erase`` that wrote the deletion erases the conversation at once, but may die
+before, and this makes the deletion alone enough.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from pipeline.kafka import (
     ProduceError,
     Record,
 )
+from pipeline.kek import parse_record_key
 from pipeline.keystore import Keyring, KeyringError
 from pipeline.retry import Backoff, QuietLog
-from pipeline.topics import CONVERSATION_TOPICS
+from pipeline.topics import KEYS, STORE_TOPICS
+from projections.keys import DOOMED, DROP, key_writes
 from projections.projection import Write, project
 from projections.settings import ProjectorSettings
 from schemas import Event, PromptSubmitted, SessionDeleted
@@ -91,7 +95,7 @@ class ProjectorMetrics:
                                registry=registry)
         self.keys_destroyed = Counter(
             "projector_keys_destroyed", "Data keys of deleted conversations the projector "
-            "destroyed (those their deleter had not yet when it read the deletion)",
+            "destroyed (tombstones written, with the conversation's erasure)",
             registry=registry)
 
 
@@ -102,8 +106,10 @@ class Batch:
     positions: dict[TP, int] = field(default_factory=dict)
     applied: dict[str, int] = field(default_factory=dict)
     parked: list[tuple[Record, str]] = field(default_factory=list)
-    # The conversations a SessionDeleted of the batch deleted.
-    deleted: list[uuid.UUID] = field(default_factory=list)
+    # The conversations a SessionDeleted of the batch deleted, or a key of the batch is
+    # of: their keys are destroyed if the conversation is deleted.
+    deleted: set[uuid.UUID] = field(default_factory=set)
+    destroyed: int = 0  # keys of deleted conversations destroyed
 
 
 def load_positions(conn: psycopg.Connection) -> dict[TP, int]:
@@ -112,7 +118,8 @@ def load_positions(conn: psycopg.Connection) -> dict[TP, int]:
 
 
 Park = Callable[[list[tuple[Record, str]]], Awaitable[None]]
-Destroy = Callable[[list[uuid.UUID]], Awaitable[None]]
+# Destroys these keys of these deleted conversations (conversation, tenant, key ids).
+Destroy = Callable[[list[tuple[uuid.UUID, str, list[str]]]], Awaitable[None]]
 
 
 async def apply_batch(
@@ -128,16 +135,28 @@ async def apply_batch(
     events whose rows Postgres refuses for their content (``caused_by_event``) are
     skipped and handed to ``park`` with the reason before the transaction commits, so
     they are dead-lettered before the positions that skip them are stored. Events for
-    which ``keep`` is false are skipped silently (their positions advance). The
-    conversations the batch deletes are handed to ``destroy`` before it commits too, so
-    their data keys are destroyed before the positions past the deletion are stored. Any
-    other error propagates, and nothing of the batch is stored.
+    which ``keep`` is false are skipped silently (their positions advance). The keys of
+    deleted conversations (``projections.keys``) are handed to ``destroy`` before it
+    commits too, so they are destroyed before the positions past the deletion are
+    stored, and their rows dropped. Any other error propagates, and nothing of the
+    batch is stored.
     """
     batch = Batch()
     decoded: list[tuple[Record, Event]] = []
+    writes: list[tuple[Record, Event | None, list[Write]]] = []  # None: a key record
     for record in records:
         pos = record.position
         batch.positions[(pos.topic, pos.partition)] = pos.offset + 1
+        if pos.topic == KEYS:
+            try:
+                writes.append((record, None, key_writes(record)))
+            except ValueError as exc:
+                batch.parked.append((record, f"not a data key's record: {exc}"))
+                continue
+            parsed = parse_record_key(record.key)
+            if parsed is not None:
+                batch.deleted.add(parsed[0])
+            continue
         try:
             event = await decode_async(record.value)
         except DecodeError as exc:
@@ -146,10 +165,9 @@ async def apply_batch(
         if keep(event):
             decoded.append((record, event))
             if isinstance(event, SessionDeleted):
-                batch.deleted.append(event.conversation_id)
+                batch.deleted.add(event.conversation_id)
     async with conn.transaction():
         ledger = await _ledger(conn, [e for _, e in decoded if isinstance(e, PromptSubmitted)])
-    writes: list[tuple[Record, Event, list[Write]]] = []
     for record, event in decoded:
         offset = record.position.offset
         try:
@@ -164,13 +182,13 @@ async def apply_batch(
         await store_positions(conn, batch.positions)
         if park is not None and batch.parked:
             await park(batch.parked)
-        if destroy is not None and batch.deleted:
-            await destroy(batch.deleted)
+        if batch.deleted:
+            batch.destroyed = await _destroy_doomed(conn, batch.deleted, destroy)
 
     try:
         async with conn.transaction(), conn.pipeline():
-            for _, event, event_writes in writes:
-                await _write(conn, event, event_writes, batch)
+            for _, subject, subject_writes in writes:
+                await _write(conn, subject, subject_writes, batch)
             await finish()
         return batch
     except psycopg.Error as exc:
@@ -181,10 +199,10 @@ async def apply_batch(
     batch.applied.clear()
     parked_before = len(batch.parked)
     async with conn.transaction():
-        for record, event, event_writes in writes:
+        for record, subject, subject_writes in writes:
             try:
                 async with conn.transaction():
-                    await _write(conn, event, event_writes, batch)
+                    await _write(conn, subject, subject_writes, batch)
             except psycopg.Error as exc:
                 if not caused_by_event(exc):
                     raise
@@ -193,6 +211,22 @@ async def apply_batch(
     log.warning("the store refused %d events of a batch of %d",
                 len(batch.parked) - parked_before, len(records))
     return batch
+
+
+async def _destroy_doomed(conn: psycopg.AsyncConnection, touched: set[uuid.UUID],
+                          destroy: Destroy | None) -> int:
+    """Destroy the keys of the deleted conversations among ``touched`` (with ``destroy``:
+    a replay only drops their rows), and drop their rows: how many."""
+    rows = await (await conn.execute(DOOMED, (list(touched),))).fetchall()
+    if not rows:
+        return 0
+    doomed: dict[uuid.UUID, tuple[str, list[str]]] = {}
+    for key_id, conversation, tenant in rows:
+        doomed.setdefault(conversation, (tenant, []))[1].append(key_id)
+    if destroy is not None:
+        await destroy([(c, tenant, keys) for c, (tenant, keys) in doomed.items()])
+    await conn.execute(DROP, ([key_id for key_id, _, _ in rows],))
+    return len(rows)
 
 
 async def _ledger(conn: psycopg.AsyncConnection, prompts: list[PromptSubmitted]) -> TurnLedger:
@@ -211,11 +245,12 @@ async def _ledger(conn: psycopg.AsyncConnection, prompts: list[PromptSubmitted])
     return ledger
 
 
-async def _write(conn: psycopg.AsyncConnection, event: Event, writes: list[Write],
+async def _write(conn: psycopg.AsyncConnection, event: Event | None, writes: list[Write],
                  batch: Batch) -> None:
     for write in writes:
         await conn.execute(write.sql, write.params)
-    batch.applied[event.type] = batch.applied.get(event.type, 0) + 1
+    kind = event.type if event is not None else "DataKey"
+    batch.applied[kind] = batch.applied.get(kind, 0) + 1
 
 
 async def store_positions(conn: psycopg.AsyncConnection, positions: dict[TP, int]) -> None:
@@ -238,7 +273,7 @@ class Projector:
         bootstrap: str,
         database_url: str,
         registry: CollectorRegistry,
-        topics: tuple[str, ...] = CONVERSATION_TOPICS,
+        topics: tuple[str, ...] = STORE_TOPICS,
         group: str | None = None,
         keyring: Keyring | None = None,
     ) -> None:
@@ -351,10 +386,14 @@ class Projector:
             self._positions.update(moved)
         return moved
 
-    async def _destroy_keys(self, conversations: list[uuid.UUID]) -> None:
-        if self.keyring is not None:
-            destroyed = await asyncio.to_thread(self.keyring.destroy, *conversations)
-            self.metrics.keys_destroyed.inc(destroyed)
+    async def _destroy_keys(self, doomed: list[tuple[uuid.UUID, str, list[str]]]) -> None:
+        keyring = self.keyring
+        assert keyring is not None
+
+        def destroy() -> int:
+            return sum(keyring.destroy(c, tenant, keys) for c, tenant, keys in doomed)
+
+        self.metrics.keys_destroyed.inc(await asyncio.to_thread(destroy))
 
     async def _commit_for_lag_tools(
         self, consumer: AsyncConsumer, positions: dict[TP, int]
@@ -374,7 +413,8 @@ class Projector:
             await asyncio.gather(*(dead_letter(producer, r, why, self.group)
                                    for r, why in parked))
 
-        batch = await apply_batch(conn, records, park, destroy=self._destroy_keys)
+        batch = await apply_batch(conn, records, park, destroy=self._destroy_keys
+                                  if self.keyring is not None else None)
         self.metrics.dead_letters.inc(len(batch.parked))
         for kind, n in batch.applied.items():
             self.metrics.events.labels(kind).inc(n)

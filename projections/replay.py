@@ -18,7 +18,7 @@ from psycopg import sql
 from tqdm import tqdm
 
 from pipeline.kafka import AsyncConsumer
-from pipeline.topics import CONVERSATION_TOPICS
+from pipeline.topics import STORE_TOPICS
 from projections.migrate import in_schema, migrate
 from projections.projector import apply_batch, store_positions
 from schemas import Event
@@ -68,7 +68,7 @@ async def replay(
     until: datetime | None = None,
     batch_size: int = 2000,
     progress: bool = True,
-    topics: tuple[str, ...] = CONVERSATION_TOPICS,
+    topics: tuple[str, ...] = STORE_TOPICS,
 ) -> ReplayStats:
     prepare_target(database_url, schema)
     consumer = AsyncConsumer(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")

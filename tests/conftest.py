@@ -25,7 +25,7 @@ from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.keystore import open_keyring
 from pipeline.settings import REPO_ROOT, CommonSettings
-from pipeline.topics import CONVERSATION_TOPICS, TopicPolicy, topic_specs
+from pipeline.topics import STORE_TOPICS, TopicPolicy, topic_specs
 from projections.migrate import migrate
 from tests.logread import end_offsets
 
@@ -123,8 +123,8 @@ class Pipeline:
         return "\n".join(s.tail() for s in self.services.values())
 
     def wait_projected(self, timeout: float = 60) -> None:
-        """Until the projector's stored positions reach the current end of both topics."""
-        ends = {(t, p): o for t in CONVERSATION_TOPICS
+        """Until the projector's stored positions reach the current end of its topics."""
+        ends = {(t, p): o for t in STORE_TOPICS
                 for p, o in end_offsets(self.stack.bootstrap, t).items() if o > 0}
         deadline = time.monotonic() + timeout
         with psycopg.connect(self.stack.database_url, autocommit=True) as conn:
