@@ -93,7 +93,7 @@ def test_live_records_the_worker_writes_validate_against_the_live_schema() -> No
         recorder = Recorder()
         output = Output(recorder, "w")  # type: ignore[arg-type]
         output.start(1, 7, GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
-                                             prompt_tokens=3), b"k", 0)
+                                             prompt_tokens=3), b"k", 0, None)
         output.delta(1, 7, 0, 'he said "\u2603"\n', (5, 6), 0)
         output.end(1, 7, GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop",
                                             text="x", usage=Usage(prompt_tokens=3,

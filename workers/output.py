@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline import sealing
-from pipeline.codec import Position, encode
+from pipeline.codec import Position, SealWith, encode
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import Fenced, Outgoing, Record, TransactionalProducer
 from pipeline.topics import DEADLETTER, GENERATIONS, LIVE, WORKERS_GROUP
@@ -59,8 +59,9 @@ class Output:
         self._open: dict[int, _Open] = {}
         self._gathering = False  # a call to ``_gather`` is scheduled
         self.records = 0  # live records written (queued)
-        # The conversation of each running turn, by (partition, ref): whose key seals it.
-        self._conversations: dict[tuple[int, int], uuid.UUID] = {}
+        # Each running turn's conversation, and what its text is sealed with, by
+        # (partition, ref): the key its prompt was opened with.
+        self._seals: dict[tuple[int, int], tuple[uuid.UUID, SealWith]] = {}
 
     @property
     def max_bytes(self) -> int:
@@ -73,11 +74,12 @@ class Output:
         return batch
 
     def start(self, partition: int, ref: int, started: GenerationStarted, key: bytes,
-              epoch: int) -> None:
+              epoch: int, seal: SealWith) -> None:
+        """Add the turn's start; its text is sealed with ``seal`` (see ``SealWith``)."""
         batch = self._batch(partition)
         batch.starts.append((ref, started.attempt, started.request_id))
-        self._conversations[(partition, ref)] = started.conversation_id
-        batch.durable.append((key, encode(started), None))
+        self._seals[(partition, ref)] = (started.conversation_id, seal)
+        batch.durable.append((key, encode(started, seal), None))
         self._grown(partition, batch, ENTRY_BYTES + len(started.request_id), epoch)
 
     def delta(self, partition: int, ref: int, seq: int, text: str,
@@ -87,7 +89,7 @@ class Output:
         self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
 
     def end(self, partition: int, ref: int, final: GenerationFinished | GenerationFailed,
-            key: bytes) -> asyncio.Future[Position]:
+            key: bytes, seal: SealWith) -> asyncio.Future[Position]:
         """Add the turn's end; the future resolves once its transaction committed (or
         fails as ``send`` would: ``Fenced``, ``RecordTooLarge``...)."""
         batch = self._batch(partition)
@@ -97,7 +99,7 @@ class Output:
         else:
             batch.failures.append((ref, final.code, final.message))
         answer: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
-        batch.durable.append((key, encode(final), answer))
+        batch.durable.append((key, encode(final, seal), answer))
         return answer
 
     def _grown(self, partition: int, batch: _Open, added: int, epoch: int) -> None:
@@ -149,7 +151,7 @@ class Output:
             records.append(Outgoing(LIVE, None, value, partition))
             self.records += 1
             for ref in [e[0] for e in batch.ends] + [f[0] for f in batch.failures]:
-                self._conversations.pop((partition, ref), None)
+                self._seals.pop((partition, ref), None)
         records += [Outgoing(GENERATIONS, key, value, answer=answer is not None)
                     for key, value, answer in batch.durable]
         futures = self.writer.send_together(records, epoch)
@@ -166,13 +168,13 @@ class Output:
         if not deltas or not sealing.active():
             return deltas, []
         texts: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
-        keys: dict[int, sealing.DataKey | str | None] = {}
+        keys: dict[int, SealWith] = {}
         out = []
         for ref, seq, text, token_ids in deltas:
             if ref not in keys:
-                conversation = self._conversations.get((partition, ref))
-                keys[ref] = (sealing.writing_key(conversation) if conversation is not None
-                             else None)
+                conversation, seal = self._seals.get((partition, ref), (None, None))
+                keys[ref] = "erased" if conversation is not None and isinstance(
+                    seal, sealing.DataKey) and sealing.revoked(conversation) else seal
             if keys[ref] is None:
                 out.append((ref, seq, text, token_ids))
                 continue
@@ -194,8 +196,8 @@ class Output:
             for _, _, answer in batch.durable if batch else ():
                 if answer is not None:  # its turn's task was stopped before this
                     answer.cancel()
-        self._conversations = {at: c for at, c in self._conversations.items()
-                               if partitions is not None and at[0] not in partitions}
+        self._seals = {at: c for at, c in self._seals.items()
+                       if partitions is not None and at[0] not in partitions}
 
 
 def _chain(source: asyncio.Future[Position], target: asyncio.Future[Position]) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.codec import TP, conversation_key, encode
+from pipeline.codec import TP, SealWith, conversation_key, encode
 from pipeline.kafka import TransactionalProducer
 from pipeline.logs import turn_fields
 from pipeline.topics import GENERATIONS
@@ -57,6 +57,9 @@ class Waiting:
     tp: TP
     offset: int
     trace: Traced | None = None
+    # What its turn's text is sealed with: the key its prompt was opened with (None: the
+    # prompt was in the clear; ``"erased"``: its keys were destroyed).
+    seal: SealWith = None
 
     def chars(self) -> int:
         """What it holds in memory, in characters (what bounds the read-ahead)."""
@@ -76,6 +79,7 @@ class Turn:
     epoch: int
     traced: Traced | None = None
     history: History | None = None  # once read: the session before this turn
+    seal: SealWith = None  # as its prompt's (``Waiting.seal``)
 
     @property
     def ids(self) -> EventIds:
@@ -178,7 +182,7 @@ class Runner:
                     **ids, ref=offset, model=model, worker=self.worker,
                     attempt=progress.attempt, reply_seq=prompt.reply_seq,
                     prompt_tokens=prompt_tokens), conversation_key(prompt.conversation_id),
-                    turn.epoch)
+                    turn.epoch, turn.seal)
                 for earlier in progress.republish:  # only the durable record had them
                     self.output.delta(partition, offset, earlier.seq, earlier.text,
                                       earlier.token_ids, turn.epoch)
@@ -205,11 +209,11 @@ class Runner:
         return GenerationFailed(**turn.ids, ref=turn.offset,
                                 attempt=turn.progress.attempt, code=code, message=message)
 
-    def fits(self, final: Final) -> Final:
+    def fits(self, final: Final, seal: SealWith) -> Final:
         """``final``, or, if the log would not take it (a reply larger than its topic's
         records), a failure that says so: the turn ends alone, never retried."""
         limit = self.writer.limit(GENERATIONS)
-        size = len(encode(final))
+        size = len(encode(final, seal))
         if size <= limit - 1024:
             return final
         return GenerationFailed(

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
-from pipeline.codec import TP, DecodeError, conversation_key, decode_async
+from pipeline.codec import TP, DecodeError, SealWith, conversation_key, decode_keyed_async
 from pipeline.kafka import (
     AsyncConsumer,
     Fenced,
@@ -251,7 +251,7 @@ class Worker:
             self.tracker.taken((topic, partition), offset)
         assert self.output is not None
         try:
-            event = await decode_async(record.value)
+            event, key = await decode_keyed_async(record.value)
         except DecodeError as exc:
             log.warning("dead-lettering %s: %s", record.position, exc)
             self.metrics.dead_letters.inc()
@@ -281,7 +281,9 @@ class Worker:
         self.tracker.queued((topic, partition), offset)
         parent = from_record(record.headers)
         self.waiting.push(Waiting(event, (topic, partition), offset, None if parent is None
-                                  else Traced(parent, record.timestamp_ms)))
+                                  else Traced(parent, record.timestamp_ms),
+                                  key if key is not None else "erased" if event.erased
+                                  else None))
 
     def _done(self, tp: TP, offset: int) -> None:
         if tp[0] == PROMPTS:
@@ -295,11 +297,11 @@ class Worker:
             if item is None:
                 return  # nothing waits, or only tenants at their cap
             self.tracker.started(item.tp, item.offset)
-            if not self._start(item.prompt, item.tp, item.offset, item.trace):
+            if not self._start(item.prompt, item.tp, item.offset, item.trace, item.seal):
                 self.waiting.ended(item.prompt.tenant)
 
     def _start(self, prompt: PromptSubmitted, tp: TP, offset: int,
-               traced: Traced | None = None) -> bool:
+               traced: Traced | None = None, seal: SealWith = None) -> bool:
         """Start a turn (False: it needs not run: it ran, or runs, already)."""
         assert self.writer is not None
         rid = prompt.request_id
@@ -309,7 +311,7 @@ class Worker:
         if plan.action is Action.SKIP:  # never run twice
             self._done(tp, offset)
             return False
-        turn = Turn(prompt, tp, offset, plan.progress, self.writer.epoch, traced)
+        turn = Turn(prompt, tp, offset, plan.progress, self.writer.epoch, traced, seal=seal)
         if plan.action is Action.END:
             log.info("not starting %s: %s", rid, plan.reason, extra=turn_fields(prompt))
             self.metrics.unstarted.inc()
@@ -333,7 +335,7 @@ class Worker:
             raise
         if isinstance(final, GenerationFailed) and final.code == "engine_dead":
             self._fatal = EngineDead(final.message)
-        await self._finish(turn, self.runner.fits(final))
+        await self._finish(turn, self.runner.fits(final, turn.seal))
 
     async def _finish(self, turn: Turn, final: GenerationFinished | GenerationFailed) -> None:
         """Write the turn's end (its live entry and its durable event, in one transaction);
@@ -342,7 +344,7 @@ class Worker:
         prompt, tp, offset = turn.prompt, turn.tp, turn.offset
         try:
             written = self.output.end(tp[1], offset, final,
-                                      conversation_key(prompt.conversation_id))
+                                      conversation_key(prompt.conversation_id), turn.seal)
             self.output.gather_soon()
             await written
         except asyncio.CancelledError:
