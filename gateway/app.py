@@ -232,7 +232,8 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     prompts.start()
     opened.push_async_callback(asyncio.to_thread, prompts.close, 10)
     store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,
-                              timeout_s=timeout_s)
+                              max_unprojected=settings.max_unprojected, timeout_s=timeout_s,
+                              reads=metrics.log_reads)
     # The live stream and the durable record, tailed once for every client here.
     tail = GenerationTail(bootstrap, store.end_of, settings.tail_linger_s,
                           settings.stream_max_items, settings.stream_max_bytes,

@@ -25,6 +25,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from gateway.auth import Caller, Guard, estimate_tokens
 from gateway.cursor import failure
@@ -54,12 +55,12 @@ from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, legacy
 from gateway.view import ConversationView, TurnState
-from pipeline.codec import Position, conversation_key, encode
+from pipeline.codec import Position, conversation_key, encode, key_of
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
-from pipeline.keystore import Keyring, KeyringError, Owner
+from pipeline.keystore import Keyring, KeyringError
 from pipeline.logs import bind_turn
-from pipeline.sealing import DEFLATE_UP_TO
-from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, KEYS, LIVE, PROMPTS
+from pipeline.sealing import DEFLATE_UP_TO, DataKey
+from pipeline.topics import CLOCK_SKEW_MS, CONTROL, ERASURES, GENERATIONS, KEYS, LIVE, PROMPTS
 from schemas import (
     Charge,
     ChatMessage,
@@ -82,6 +83,10 @@ from schemas.history import recall as recall_messages
 from schemas.live import TERMINAL, Delta, End, Failure, Start, StreamItem, entries
 
 log = logging.getLogger(__name__)
+# A turn's live records and its start and end events are stamped by one worker's clock,
+# moments apart: its span in the log runs from this long before its start to this long
+# after its end.
+WORKER_MARGIN_MS = 2_000
 
 
 @dataclass
@@ -217,6 +222,8 @@ class ChatService:
         # The history by reference (the session's last turn), or inline when that turn
         # cannot be placed in the log (stored before turns' ends were).
         previous = view.last_turn() if view is not None and history else None
+        if view is not None and len(view.turns) % self.settings.history_inline_every == 0:
+            previous = None  # whole, every so many turns: a rebuild reads that many at most
         prompt = PromptSubmitted(
             conversation_id=conversation, request_id=request_id, tenant=tenant,
             model=version, alias=routed_by.alias if routed_by else None,
@@ -235,8 +242,8 @@ class ChatService:
         if text > max(DEFLATE_UP_TO, self.prompts.limit(PROMPTS)):
             raise PromptTooLarge(text, self.prompts.topic_limit(PROMPTS))
         # Its content is sealed with the conversation's data key, durable before it.
-        await self._ensure_key(conversation, tenant, request.user)
-        value = encode(prompt)  # sealed once: each encoding draws a new nonce
+        data_key = await self._key_for(conversation, tenant, request.user, view)
+        value = encode(prompt, data_key)  # sealed once: each encoding draws a new nonce
         size = len(value) + len(str(conversation))  # its value and its key
         if size > self.prompts.limit(PROMPTS):
             raise PromptTooLarge(size, self.prompts.topic_limit(PROMPTS))
@@ -330,16 +337,31 @@ class ChatService:
                      prompt.request_id, rival)
             raise TurnInProgress(rival)
 
-    async def _ensure_key(self, conversation: uuid.UUID, tenant: str,
-                          user: str | None) -> None:
-        """Give the conversation a data key, durable in ``chat.keys``, unless this
-        gateway knows one (``pipeline.keystore``)."""
-        if self.keyring.has_key(conversation):
-            return
-        record, value, key = self.keyring.new_key(conversation, tenant, user)
-        await from_log(lambda: self.producer.send_raw(KEYS, record, value),
-                       self.settings.dependency_timeout_s)
-        self.keyring.add(key, Owner(tenant, user))
+    async def _key_for(self, conversation: uuid.UUID, tenant: str, user: str | None,
+                       view: ConversationView | None) -> DataKey:
+        """The conversation's data key (``pipeline.keystore``): the one this gateway holds,
+        else the one the store names (one fetch), else a new one, durable in
+        ``chat.keys`` before anything is sealed with it. A deleted conversation takes no
+        more content (``SessionNotFound``)."""
+        if view is not None and view.deleted:
+            raise SessionNotFound(conversation)
+        held = self.keyring.for_writing(conversation)
+        if held == "erased":
+            raise SessionNotFound(conversation)
+        if isinstance(held, DataKey):
+            return held
+        for ref in view.key_refs if view is not None else ():
+            try:
+                found = await asyncio.to_thread(self.keyring.fetch, ref)
+            except KeyringError as exc:
+                raise LogUnavailable(str(conversation)) from exc
+            if found is not None:
+                return found
+        new = self.keyring.new_key(conversation, tenant, user)
+        written = await from_log(lambda: self.producer.send_raw(
+            KEYS, new.record_key, new.value, partition=new.partition),
+            self.settings.dependency_timeout_s)
+        return self.keyring.placed(new, written.offset)
 
     # -- sessions -------------------------------------------------------------------
     async def create_session(self, tenant: str, title: str | None, user: str | None = None,
@@ -349,8 +371,9 @@ class ChatService:
         event = SessionCreated(conversation_id=uuid.uuid4(),
                                request_id=f"session-{uuid.uuid4().hex}", tenant=tenant,
                                title=title, memory_user=user if memory else None)
-        await self._ensure_key(event.conversation_id, tenant, user)
-        await from_log(lambda: self.producer.send(CONTROL, event),
+        key = await self._key_for(event.conversation_id, tenant, user, None)
+        await from_log(lambda: self.producer.send_raw(CONTROL, key_of(event),
+                                                      encode(event, key)),
                        self.settings.dependency_timeout_s)
         return event
 
@@ -358,23 +381,26 @@ class ChatService:
         """Delete a session the tenant sees (``SessionNotFound`` otherwise), once the
         deletion is in the log: its running turns stop, the store drops it, and its data
         keys are destroyed, so its content is unreadable in the log too."""
-        await self.visible_view(session, tenant)
+        view = await self.visible_view(session, tenant)
         await from_log(lambda: self.producer.send(CONTROL, SessionDeleted(
             conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}",
             tenant=tenant, reason="deleted")), self.settings.dependency_timeout_s)
-        # Its records' tombstones: the broker deletes the keys within the erasure window.
-        # The deletion is durable already: if Kafka fails these, the projector destroys
-        # the keys when it reads it (``projections.projector``).
+        # Its erasure (every keyring refuses its keys from then on), then the tombstones
+        # of the keys the store knows: the broker deletes their records within the
+        # erasure window. The deletion is durable already: if Kafka fails these, the
+        # projector destroys the keys when it reads it (``projections.projector``).
         timeout_s = self.settings.dependency_timeout_s
         try:
-            for record in await asyncio.to_thread(self.keyring.tombstones, session):
-                await from_log(functools.partial(self.producer.send_raw, KEYS, record,
-                                                 None), timeout_s)
-        except (KeyringError, LogUnavailable) as exc:
+            await from_log(functools.partial(self.producer.send_raw, ERASURES,
+                                             *self.keyring.erasure(session, tenant)),
+                           timeout_s)
+            for ref in view.key_refs:
+                key, partition = self.keyring.tombstone(session, ref)
+                await from_log(functools.partial(self.producer.send_raw, KEYS, key, None,
+                                                 partition=partition), timeout_s)
+        except LogUnavailable as exc:
             log.warning("session %s deleted; its keys are left to the projector: %r",
                         session, exc)
-            return
-        self.keyring.forget(session)
 
     # -- an existing turn ---------------------------------------------------------
     async def find_turn(self, completion: str,
@@ -405,6 +431,9 @@ class ChatService:
 
     async def attach_turn(self, view: ConversationView, turn: TurnState, tenant: str,
                           last_event_id: EventPosition | None) -> Following:
+        """Follow ``turn``, after ``last_event_id`` if given. What is read of the log is
+        the turn's own span (``_span``), whatever the client says: a position after it is
+        refused without reading, one before it is read from the turn's start."""
         conversation = uuid.UUID(str(view.id))
         partition = self.store.partition_of(conversation)
         if last_event_id is not None and last_event_id[0] != partition:
@@ -415,12 +444,22 @@ class ChatService:
         sub = await self.tail.follow(turn.request_id, conversation_key(conversation), partition,
                                      turn.prompt_offset)
         try:
-            history, held = await self._read_turn(conversation, turn, sub, resume)
-            if resume is not None and not any(d.key == resume for d in history):
+            spans = await self._span(turn, partition, sub)
+            gone = False
+            if resume is not None:
+                start, end = spans[resume[0]]
+                if resume[1] >= end:  # after the turn, or past the log's end
+                    raise InvalidLastEventId()
+                if resume[1] < start:  # before the turn, or past the stream's retention
+                    gone = resume[1] < await self.store.start_of(resume[0], partition)
+                    resume = None
+            history, held = ([], False) if gone else await self._read_turn(
+                conversation, turn, sub, spans, resume)
+            if gone or (resume is not None and not any(d.key == resume for d in history)):
                 if held:  # the log holds that position, and it is another turn's
                     raise InvalidLastEventId()
-                # A position the log does not hold (past its end, or past the live
-                # stream's retention): the turn's end at once if it has one, else 400.
+                # A position the log does not hold (past the live stream's retention):
+                # the turn's end at once if it has one, else 400.
                 history, resume = await self._end_only(turn, partition), None
             elif resume is None and turn.status not in UNFINISHED and not any(
                     isinstance(d.item, TERMINAL) for d in history):
@@ -438,25 +477,45 @@ class ChatService:
         return Following(turn.request_id, conversation, tenant, created, turn.model or "",
                          sub, history, attachment, resume)
 
+    async def _span(self, turn: TurnState, partition: int,
+                    sub: Subscription) -> dict[str, tuple[int, int]]:
+        """Where the turn's records lie in each topic it is read from: from shortly before
+        its first attempt started (its records and its start are stamped by one worker's
+        clock) or, not started yet, before its prompt (the gateway's clock, which may
+        differ from a worker's by ``CLOCK_SKEW_MS``); to shortly after its end, or to
+        where ``sub`` reads on from (a turn not ended yet)."""
+        ended = _ms(turn.ended_at) if turn.ended_at is not None \
+            and turn.status not in UNFINISHED else None
+        if turn.started_at is not None:
+            since = _ms(turn.started_at) - WORKER_MARGIN_MS
+        elif turn.submitted_at is not None:
+            since = _ms(turn.submitted_at) - CLOCK_SKEW_MS
+        else:  # neither is known: no longer ago than the longest turn
+            since = (ended or int(time.time() * 1000)) - CLOCK_SKEW_MS - int(
+                self.settings.generation_timeout_s * 1000)
+        spans = {}
+        for topic in (GENERATIONS, LIVE):
+            end = sub.starts[topic]
+            if ended is not None:
+                end = min(end, await self.store.offset_at(topic, partition,
+                                                          ended + WORKER_MARGIN_MS))
+            start = await self.store.offset_at(topic, partition, since)
+            spans[topic] = (min(start, end), end)
+        return spans
+
     async def _read_turn(self, conversation: uuid.UUID, turn: TurnState, sub: Subscription,
+                         spans: dict[str, tuple[int, int]],
                          resume: tuple[str, int, int] | None
                          ) -> tuple[list[Delivered], bool]:
-        """The turn's items in the log before ``sub`` starts: from the resume position
-        (else from shortly before the turn's prompt) in its topic, and from the turn's
-        prompt in the other; and whether the log held a record at the resume position."""
+        """The turn's items in its ``spans`` (from the resume position in its topic), and
+        whether the log held a record at the resume position."""
         partition = sub.partition
-        since = int(turn.submitted_at.timestamp() * 1000) if turn.submitted_at else 0
-        starts = {}
-        for topic in (GENERATIONS, LIVE):
-            if resume is not None and resume[0] == topic:
-                starts[topic] = resume[1]
-            else:
-                starts[topic] = await self.store.offset_at(topic, partition,
-                                                           since - CLOCK_SKEW_MS)
+        starts = {topic: resume[1] if resume is not None and resume[0] == topic else start
+                  for topic, (start, _) in spans.items()}
         held = False
         items = []
         for r, event in await self.store.events(GENERATIONS, conversation,
-                                                starts[GENERATIONS], sub.starts[GENERATIONS],
+                                                starts[GENERATIONS], spans[GENERATIONS][1],
                                                 keyed=False):
             held = held or (resume is not None and resume[:2] == (GENERATIONS,
                                                                   r.position.offset))
@@ -464,7 +523,7 @@ class ChatService:
                     and (d := legacy(r, event)) is not None:
                 items.append(d)
         ref = sub.ref
-        for record, batch in await self.store.live(partition, starts[LIVE], sub.starts[LIVE]):
+        for record, batch in await self.store.live(partition, starts[LIVE], spans[LIVE][1]):
             held = held or (resume is not None and resume[:2] == (LIVE, record.position.offset))
             for index, entry_ref, item in entries(batch):
                 if ref is None and isinstance(item, Start) and \
@@ -622,6 +681,10 @@ class ChatService:
                                tenant=f.tenant, attachment=f.attachment,
                                grace_s=self.settings.cancel_grace_s)
         self.producer.send(CONTROL, event).add_done_callback(_log_failure)
+
+
+def _ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
 
 
 def _log_failure(future: asyncio.Future[Position]) -> None:

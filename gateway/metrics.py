@@ -46,6 +46,10 @@ class GatewayMetrics:
             "gateway_prompt_transactions",
             "Kafka transactions committed with accepted prompts (each costs the broker "
             "the same round trips however many prompts it holds)", registry=registry)
+        self.log_reads = Counter(
+            "gateway_log_read_records", "Records read from the log for requests (session "
+            "views, resumes, a turn sent again), by topic: bounded by each request's own "
+            "turn or session, never by the partition", ["topic"], registry=registry)
         self.tailed_partitions = Gauge("gateway_tailed_partitions",
                                        "Generation partitions this process reads",
                                        registry=registry)

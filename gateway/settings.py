@@ -35,6 +35,14 @@ class GatewaySettings(BaseSettings):
     transaction_interval_ms: float = Field(default=0.0, ge=0, le=1000)
     # How long a request waits for its generation to finish, all told.
     generation_timeout_s: float = Field(default=300.0, gt=0)
+    # A session's prompt names its history by its previous turn; every this many turns
+    # it carries the history whole instead, so a worker that has not kept it reads at
+    # most this many turns back (workers.history). Sessions shorter than this never do.
+    history_inline_every: int = Field(default=32, ge=2)
+    # A session read folds in the records the projector has not stored yet: past this
+    # many in one topic of its partition, the request is refused (503 store_lagging)
+    # rather than read them all.
+    max_unprojected: int = Field(default=10_000, ge=100)
     max_body_bytes: int = Field(default=1_000_000, ge=1024)
     max_messages: int = Field(default=256, ge=1)
     max_tokens_limit: int = Field(default=32_768, ge=1)

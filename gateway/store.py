@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Any
 
+from prometheus_client import Counter
 from psycopg_pool import AsyncConnectionPool
 
 from gateway.dependencies import from_log, from_store
@@ -29,13 +30,16 @@ from schemas import Event
 from schemas.live import LiveBatch
 
 TOPICS = CONVERSATION_TOPICS
+# The most data keys of one conversation a view reads (a conversation has one, or a few:
+# one per gateway that took its first turn at once).
+MAX_KEYS = 64
 
 
 class ConversationStore:
     def __init__(
         self, pool: AsyncConnectionPool, meta: AsyncConsumer, reader: AsyncConsumer,
-        partitions: int, wait_s: float, max_unprojected: int = 50_000,
-        timeout_s: float = 5.0,
+        partitions: int, wait_s: float, max_unprojected: int = 10_000,
+        timeout_s: float = 5.0, reads: Counter | None = None,
     ) -> None:
         self.pool = pool
         self.meta = meta  # quick metadata calls (watermarks)
@@ -45,6 +49,11 @@ class ConversationStore:
         self.max_unprojected = max_unprojected
         # Each call to Kafka or PostgreSQL waits at most this long (range reads twice).
         self.timeout_s = timeout_s
+        self.reads = reads  # records read, by topic (gateway_log_read_records)
+
+    def _read(self, topic: str, records: int) -> None:
+        if self.reads is not None and records:
+            self.reads.labels(topic).inc(records)
 
     def partition_of(self, conversation_id: uuid.UUID) -> int:
         return partition_for(conversation_key(conversation_id), self.partitions)
@@ -53,6 +62,12 @@ class ConversationStore:
         ends = await from_log(lambda: self.meta.watermarks(topic, partition,
                                              self.timeout_s), self.timeout_s)
         return ends[1]
+
+    async def start_of(self, topic: str, partition: int) -> int:
+        """The partition's first offset (what retention left)."""
+        ends = await from_log(lambda: self.meta.watermarks(topic, partition,
+                                             self.timeout_s), self.timeout_s)
+        return ends[0]
 
     async def offset_at(self, topic: str, partition: int, ms: int) -> int:
         return await from_log(lambda: self.reader.offset_for_time(topic,
@@ -68,6 +83,7 @@ class ConversationStore:
         async def read() -> list[tuple[Record, Event | None]]:
             records = await self.reader.read_range(
                 topic, self.partition_of(conversation_id), start, end, 2 * self.timeout_s)
+            self._read(topic, len(records))
             out: list[tuple[Record, Event | None]] = []
             for record in records:
                 if record.key == key:
@@ -86,6 +102,7 @@ class ConversationStore:
         async def read() -> list[tuple[Record, LiveBatch]]:
             records = await self.reader.read_range(LIVE, partition, start, end,
                                                    2 * self.timeout_s)
+            self._read(LIVE, len(records))
             out = []
             for record in records:
                 with contextlib.suppress(DecodeError):
@@ -100,6 +117,7 @@ class ConversationStore:
 
         async def read() -> Event | None:
             record = (await self.reader.read_at([position], 2 * self.timeout_s))[position]
+            self._read(topic, 1)
             try:
                 return await decode_async(record.value) if record is not None else None
             except DecodeError:
@@ -144,11 +162,18 @@ class ConversationStore:
                 "SELECT seq, role, content, request_id, created_at FROM messages"
                 " WHERE conversation_id = %s", (conversation_id,))).fetchall():
                 view.messages[seq] = Message(role, content, request_id, at)
-            for request_id, status, model, at, offset, end in await (await conn.execute(
-                "SELECT request_id, status, model, submitted_at, prompt_offset, end_offset"
-                " FROM generations WHERE conversation_id = %s", (conversation_id,),
-            )).fetchall():
-                view.stored_turn(TurnState(request_id, status, model, at, offset, end))
+            for request_id, status, model, at, offset, end, ended, began in await (
+                    await conn.execute(
+                        "SELECT request_id, status, model, submitted_at, prompt_offset,"
+                        " end_offset, CASE WHEN end_offset IS NOT NULL THEN finished_at END,"
+                        " started_at FROM generations WHERE conversation_id = %s",
+                        (conversation_id,))).fetchall():
+                view.stored_turn(TurnState(request_id, status, model, at, offset, end, ended,
+                                           began))
+            view.key_refs = [ref for ref, in await (await conn.execute(
+                "SELECT key_id FROM data_keys WHERE conversation_id = %s"
+                " ORDER BY created_at, key_id LIMIT %s",
+                (conversation_id, MAX_KEYS))).fetchall()]
         return view, positions
 
     async def catch_up(self, topic: str) -> None:

@@ -51,6 +51,8 @@ class TurnState:
     submitted_at: datetime | None = None
     prompt_offset: int | None = None  # where its accepted prompt is in chat.prompts
     end_offset: int | None = None  # where its first end is in chat.generations
+    ended_at: datetime | None = None  # when its worker ended it (its end's time)
+    started_at: datetime | None = None  # when its first attempt started (its worker's time)
 
 
 @dataclass
@@ -70,6 +72,9 @@ class ConversationView:
     ledger: TurnLedger = field(default_factory=TurnLedger)
     # Void prompts seen by the fold (never stored): request id -> the turn that counts.
     void: dict[str, str] = field(default_factory=dict)
+    # The conversation's data keys the store knows (references, oldest first): its
+    # content is sealed with the first (``pipeline.keystore``).
+    key_refs: list[str] = field(default_factory=list)
 
     def visible_to(self, tenant: str) -> bool:
         return self.tenant == tenant and not self.deleted
@@ -136,18 +141,25 @@ class ConversationView:
             turn = self._turn(event.request_id)
             if turn.status == PENDING:
                 turn.status = RUNNING
+            at = event.occurred_at
+            turn.started_at = min(turn.started_at, at) if turn.started_at else at
         elif isinstance(event, GenerationFinished):
             self._touch(event)
             self._add_message(event.reply_seq, "assistant", event.text, event.request_id,
                               event.occurred_at)
             turn = self._turn(event.request_id)
             turn.status = ended_status(event.finish_reason)
-            turn.end_offset = offset if turn.end_offset is None else turn.end_offset
+            self._ended(turn, event, offset)
         elif isinstance(event, GenerationFailed):
             self._touch(event)
             turn = self._turn(event.request_id)
             turn.status = FAILED
-            turn.end_offset = offset if turn.end_offset is None else turn.end_offset
+            self._ended(turn, event, offset)
+
+    @staticmethod
+    def _ended(turn: TurnState, event: Event, offset: int) -> None:
+        if turn.end_offset is None:
+            turn.end_offset, turn.ended_at = offset, event.occurred_at
 
     def _apply_prompt(self, event: PromptSubmitted, offset: int) -> None:
         decision = self.ledger.decide(self.id, event.request_id, event.history_end, offset)

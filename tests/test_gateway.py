@@ -30,7 +30,8 @@ import pytest
 from gateway.view import ConversationView
 from infra.postgres import PostgresServer
 from infra.process import free_port
-from pipeline.codec import Position
+from pipeline.codec import Position, conversation_key
+from pipeline.partitioning import partition_for
 from pipeline.topics import (
     CONTROL,
     CONVERSATION_TOPICS,
@@ -48,7 +49,7 @@ from schemas import (
     GenerationStarted,
     PromptSubmitted,
 )
-from tests.conftest import Pipeline, Service, Stack, start_service, wait_healthy
+from tests.conftest import PARTITIONS, Pipeline, Service, Stack, start_service, wait_healthy
 from tests.logread import end_offsets, model_input, read_events, read_records
 from tests.sse import Streamed, resume_chat, scrape, stream_chat
 from workers.sim_engine import sim_token_text
@@ -217,16 +218,64 @@ def test_bad_last_event_ids_are_400s(gw: Gateways) -> None:
         r = httpx.get(f"{gw.url}/v1/chat/completions/{done.request_id}/stream",
                       headers={"Last-Event-ID": bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_last_event_id"
-    # A position the log does not hold (past its end): a finished turn's end, at once.
+    # A position after the turn (past the log's end): refused at once, nothing read.
     for beyond in (f"{partition}-999999999999-0", f"{partition}-999999999999"):
         started = time.monotonic()
-        end = resume_chat(gw.url, done.request_id, beyond, timeout=10)
-        assert time.monotonic() - started < 2 and end.done and end.text == ""
-        assert end.finish_reason == "length" and end.error is None
+        r = httpx.get(f"{gw.url}/v1/chat/completions/{done.request_id}/stream",
+                      headers={"Last-Event-ID": beyond}, timeout=10)
+        assert time.monotonic() - started < 2
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_last_event_id"
     unknown = f"chatcmpl-{uuid.uuid4().hex}{'0' * 16}"
     for path in (unknown, f"{unknown}/stream", "not-an-id/stream"):
         r = httpx.get(f"{gw.url}/v1/chat/completions/{path}", timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "completion_not_found"
+
+
+def test_a_resume_from_the_partitions_start_reads_the_turn_alone(gw: Gateways) -> None:
+    """A Last-Event-ID at the start of the partition, with the live stream full before the
+    turn: the gateway reads the turn's own span, never the records before it, and sends
+    the turn whole from its start."""
+    session = httpx.post(f"{gw.url}/v1/sessions", json={}, timeout=30).json()["id"]
+    partition = partition_for(conversation_key(uuid.UUID(session)), PARTITIONS)
+    fill_live(gw.stack.bootstrap, partition, FILLER)
+    time.sleep(3)  # more than a worker's clock margin before the turn (gateway.chat)
+    done = stream_chat(gw.url, chat("bounded", 6), headers={"X-Session-Id": session})
+    assert done.done and positions(done.ids)[0][0] == partition
+    before = scrape(f"{gw.second}/metrics")
+    started = time.monotonic()
+    whole = resume_chat(gw.second, done.request_id, f"{partition}-0-0", timeout=30)
+    took = time.monotonic() - started
+    after = scrape(f"{gw.second}/metrics")
+    assert whole.done and whole.text == expected(6) and whole.ids == done.ids, whole
+    read = {t: after.get(f'gateway_log_read_records_total{{topic="{t}"}}', 0)
+            - before.get(f'gateway_log_read_records_total{{topic="{t}"}}', 0)
+            for t in (LIVE, GENERATIONS)}
+    assert read[LIVE] < FILLER / 10, (read, took)  # its span, not the partition
+    assert took < 5, took
+
+
+FILLER = 20_000  # live records before a turn: what a resume must not read
+
+
+def fill_live(bootstrap: str, partition: int, records: int) -> None:
+    """``records`` live batches of no one's turn in ``partition`` of ``chat.live`` (valid,
+    so every reader takes and passes them over)."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20,
+                         "compression.type": "none"})
+    value = json.dumps({"type": "LiveBatch", "v": 1, "worker": "filler",
+                        "at": int(time.time() * 1000), "starts": [],
+                        "deltas": [[2**40, 0, "x" * 512, []]], "ends": [], "failures": [],
+                        "sealed": []}).encode()
+    for _ in range(records):
+        while True:
+            try:
+                producer.produce(LIVE, value=value, partition=partition)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    assert producer.flush(60) == 0
 
 
 # -- cancellation: grace period, re-attach, background ----------------------------
