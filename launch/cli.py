@@ -169,9 +169,11 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--conversation", type=uuid.UUID, metavar="ID",
                        help="the conversation (session) id")
     which.add_argument("--user", metavar="USER",
-                       help="every conversation whose first turn named this user")
+                       help="every conversation whose key or memory names this user")
     er.add_argument("--tenant", default="default",
                     help="the user's tenant (with --user; default: default)")
+    er.add_argument("--projector-group", default="projector",
+                    help="the projector's consumer group, whose store it waits for")
     au = sub.add_parser("audit", help="print a session's event history from the log")
     au.add_argument("session_id", type=uuid.UUID)
     au.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -450,7 +452,7 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
         raise SystemExit("replay needs a target: --schema NAME or --target-url URL "
                          "(the live store is never overwritten)")
     try:
-        with open_keyring(common, "replay"):
+        with open_keyring(common, "replay", read_ahead=True):
             stats = run_replay(common.kafka_bootstrap, url, args.schema, args.until)
     except (ReplayError, ValueError) as exc:
         print(f"replay refused: {exc}", file=sys.stderr)
@@ -531,7 +533,7 @@ def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from pipeline.keystore import open_keyring
     from projections.audit import audit, format_text
 
-    with open_keyring(common, "audit"):
+    with open_keyring(common, "audit", read_ahead=True):
         entries, live = audit(common.kafka_bootstrap, args.session_id)
     if not entries:
         print(f"no events for session {args.session_id}", file=sys.stderr)

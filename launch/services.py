@@ -230,7 +230,7 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     # The store holds conversations' content in the clear, to serve it: opened with
     # their data keys, and dropped when they are deleted or erased (their keys destroyed
     # if their deleter did not).
-    with open_keyring(common, "projector") as keyring:
+    with open_keyring(common, "projector", read_ahead=True) as keyring:
         projector = Projector(settings, common.kafka_bootstrap, common.database_url,
                               registry, keyring=keyring)
         runtime.settle()

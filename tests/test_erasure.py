@@ -5,12 +5,14 @@ runs, on the SIMULATED engine (slow enough to be caught mid-turn)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psycopg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
@@ -18,27 +20,29 @@ from gateway.ids import idempotent_conversation
 from infra.process import free_port
 from pipeline.codec import conversation_key, decode, encode
 from pipeline.kafka.plain import PlainWriter
-from pipeline.keystore import Keyring, load_kek, open_keyring
+from pipeline.kek import KeyRef
+from pipeline.keystore import Keyring, load_kek
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
 from tests.conftest import MODEL, Pipeline, Stack, new_database, start_service, wait_healthy
-from tests.logread import deltas_of, end_offsets, read_events
+from tests.logread import deltas_of, end_offsets, read_events, read_records
 from tests.replaying import cli, differences
 from tests.sse import stream_chat
 
 pytestmark = pytest.mark.integration
 
 
-def every_record(bootstrap: str) -> list[bytes]:
+def every_record(bootstrap: str, only: str | None = None) -> list[bytes]:
     """Every record's key, value and headers, of every topic of the cluster (internal
-    ones too), as bytes: what anyone with read access to the log could see."""
+    ones too; or of ``only``), as bytes: what anyone with read access to the log could
+    see."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4()}",
                          "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
     out = []
     try:
         topics = consumer.list_topics(timeout=10).topics
-        for topic in topics:
+        for topic in [only] if only else topics:
             ends = end_offsets(bootstrap, topic)
             parts = [p for p, end in ends.items() if end > 0]
             if not parts:
@@ -172,11 +176,14 @@ def test_deleting_a_session_destroys_its_keys(pipeline: Pipeline) -> None:
 
 
 def keys_in_log(pipeline: Pipeline, conversation: uuid.UUID) -> bool:
-    """Whether ``chat.keys`` holds a live key of the conversation, read to its end by a
-    keyring of its own."""
-    common = CommonSettings(kafka_bootstrap=pipeline.stack.bootstrap)
-    with open_keyring(common, f"check-{uuid.uuid4().hex[:6]}") as keyring:
-        return keyring.has_key(conversation)
+    """Whether ``chat.keys`` holds a live key of the conversation (a record whose last
+    word is not a tombstone), read raw to its end."""
+    last: dict[bytes, bytes] = {}
+    for raw in every_record(pipeline.stack.bootstrap, KEYS):
+        key, value, _ = raw.split(b"\0", 2)
+        if key.startswith(str(conversation).encode() + b"/"):
+            last[key] = value
+    return any(value for value in last.values())
 
 
 def test_a_deletion_whose_deleter_died_before_the_keys_still_destroys_them(
@@ -206,31 +213,34 @@ def test_a_deletion_whose_deleter_died_before_the_keys_still_destroys_them(
 
 def test_a_key_not_found_yet_for_recent_content_is_looked_for_again(
         pipeline: Pipeline) -> None:
-    """A reader that read ``chat.keys`` to an end without a key (a broker that lost its
-    leadership answers with the end it had: tests/test_network.py isolates one) looks
-    again for the key of recent content, and finds it once it is written; content
-    older than the erasure window whose key is not found reads as erased at once (its
-    key and tombstone may both be compacted away)."""
+    """A reader that finds a key's place past the end of ``chat.keys`` (a broker that lost
+    its leadership answers with the end it had: tests/test_network.py isolates one)
+    looks again for the key of recent content, and finds it once it is written; content
+    older than the erasure window whose key is not where it says reads as erased at
+    once (its key and tombstone may both be compacted away)."""
     common = CommonSettings(kafka_bootstrap=pipeline.stack.bootstrap)
     kek = load_kek(common)
     reader = Keyring(pipeline.stack.bootstrap, kek, "late-reader", missing_wait_s=60)
     writer = Keyring(pipeline.stack.bootstrap, kek, "late-writer")
     with reader, writer:
-        record, value, key = writer.new_key(uuid.uuid4(), "t", None)
+        new = writer.new_key(uuid.uuid4(), "t", None)
+        end = end_offsets(pipeline.stack.bootstrap, KEYS)[new.partition]
+        ref = str(KeyRef(new.short_id, new.partition, end))  # where it will lie
         started = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
-            looking = pool.submit(reader.for_reading, key.key_id, True, time.time())
+            looking = pool.submit(reader.for_reading, ref, True, time.time())
             time.sleep(2)  # it looks, does not find, and looks again
             assert not looking.done()
             out = PlainWriter(pipeline.stack.bootstrap, "late-key")
-            out.send(KEYS, record, value)
+            out.send(KEYS, new.record_key, new.value, new.partition)
             assert out.flush(30) == []
             found = looking.result(60)
-        assert found is not None and found.key_id == key.key_id
+        assert found is not None and found.key_id == ref
+        assert found.conversation_id == new.conversation_id
         assert time.monotonic() - started < 30
-        _, _, never = writer.new_key(uuid.uuid4(), "t", None)
+        never = str(KeyRef(new.short_id, new.partition, end + 10_000))
         started = time.monotonic()
-        assert reader.for_reading(never.key_id, True, time.time() - 2 * 86_400) is None
+        assert reader.for_reading(never, True, time.time() - 2 * 86_400) is None
         assert time.monotonic() - started < 10
 
 
@@ -269,20 +279,23 @@ def test_the_key_topic_is_compacted_within_the_erasure_window(pipeline: Pipeline
 
 
 SLOW_RATE = 10  # simulated tokens/s: a turn of 400 tokens runs 40 s
+SMALL_CACHE = 16  # data keys each of its processes holds at most
 
 
 @pytest.fixture(scope="module")
 def slow(sim_stack: Stack) -> Iterator[Pipeline]:
-    """A gateway, a SIMULATED-engine worker and a projector on the SIMULATED stack."""
+    """A gateway, a SIMULATED-engine worker and a projector on the SIMULATED stack, each
+    holding ``SMALL_CACHE`` data keys at most."""
     stack = Stack(sim_stack.bootstrap, new_database(sim_stack.database_url, "erasure"),
                   sim_stack.logs)
     port = free_port()
+    small = {"PIPELINE_KEY_CACHE": str(SMALL_CACHE)}
     services = {
-        "projector": start_service(stack, "erase-projector", "projector"),
+        "projector": start_service(stack, "erase-projector", "projector", **small),
         "worker": start_service(stack, "erase-worker", "worker", "--engine", "sim",
-                                WORKER_SIM_TOKENS_PER_S=str(SLOW_RATE)),
+                                WORKER_SIM_TOKENS_PER_S=str(SLOW_RATE), **small),
         "gateway": start_service(stack, "erase-gateway", "gateway", "--port", str(port),
-                                 GATEWAY_MODELS="sim"),
+                                 GATEWAY_MODELS="sim", **small),
     }
     p = Pipeline(stack, f"http://127.0.0.1:{port}", services)
     try:
@@ -326,3 +339,84 @@ def test_a_conversation_erased_mid_turn_stops_and_nothing_of_it_reads(slow: Pipe
     ends = [e for e in ours if isinstance(e, (GenerationFinished, GenerationFailed))]
     assert prompts and all(p.erased and p.messages[0].content == "" for p in prompts)
     assert ends and all(not getattr(e, "text", "") for e in ends), ends
+
+
+def sim_chat(pipeline: Pipeline, text: str, session: str | None = None) -> httpx.Response:
+    headers = {"X-Session-Id": session} if session else {}
+    return httpx.post(f"{pipeline.url}/v1/chat/completions", headers=headers, timeout=120,
+                      json={"model": "sim", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": text}]})
+
+
+def test_processes_with_a_bounded_key_cache_serve_conversations_beyond_it(
+        slow: Pipeline) -> None:
+    """Four times as many conversations as the gateway, the worker and the projector hold
+    keys for: each one's next turn is served, sealed with the key it already had (no
+    new key made for it), and stored readable."""
+    sessions = 4 * SMALL_CACHE
+    with ThreadPoolExecutor(8) as pool:
+        firsts = list(pool.map(lambda n: sim_chat(slow, f"first {n}"), range(sessions)))
+    assert all(r.status_code == 200 for r in firsts), [r.text for r in firsts][:3]
+    ids = [r.headers["x-session-id"] for r in firsts]
+    slow.wait_projected()
+    with ThreadPoolExecutor(8) as pool:
+        seconds = list(pool.map(lambda n: sim_chat(slow, f"second {n}", ids[n]),
+                                range(sessions)))
+    assert all(r.status_code == 200 for r in seconds), [r.text for r in seconds][:3]
+    slow.wait_projected()
+    with psycopg.connect(slow.stack.database_url) as conn:
+        keys = dict(conn.execute(
+            "SELECT conversation_id::text, count(*) FROM data_keys"
+            " WHERE conversation_id::text = ANY(%s) GROUP BY 1", (ids,)).fetchall())
+    assert keys == dict.fromkeys(ids, 1)  # one key each: the second turn reused it
+    for n in (0, sessions // 2, sessions - 1):
+        texts = contents(slow, ids[n])
+        assert texts[0] == f"first {n}" and texts[2] == f"second {n}", texts
+    records = every_record(slow.stack.bootstrap, PROMPTS)
+    assert found_in(records, f"second {sessions - 1}") == []
+
+
+def test_a_destroyed_key_is_unreadable_to_every_reader_at_once(slow: Pipeline) -> None:
+    """A session deleted while its key's record is still in chat.keys (the broker
+    compacts it within the erasure window): a keyring that held the key, a keyring
+    that fetches it where its reference says, the audit, a replay and the API all read
+    the session as erased within moments."""
+    r = sim_chat(slow, "read me never again")
+    assert r.status_code == 200, r.text
+    session = r.headers["x-session-id"]
+    slow.wait_projected()
+    prompt_record = next(v for _, v, _ in read_records(slow.stack.bootstrap, PROMPTS)
+                         if v is not None and session.encode() in v)
+    assert prompt_record is not None
+    ref = json.loads(prompt_record)["sealed"]["key"]
+    common = CommonSettings(kafka_bootstrap=slow.stack.bootstrap)
+    holder = Keyring(slow.stack.bootstrap, load_kek(common), "holder").start()
+    try:
+        assert holder.for_reading(ref) is not None  # held from now on
+        deleted = httpx.delete(f"{slow.url}/v1/sessions/{session}", timeout=30)
+        assert deleted.status_code == 200, deleted.text
+        deadline = time.monotonic() + 5
+        while holder.for_reading(ref) is not None:
+            assert time.monotonic() < deadline, "a keyring kept a destroyed key"
+            time.sleep(0.05)
+        assert keys_in_log_at(slow, ref)  # not compacted yet: found only by its place
+        with Keyring(slow.stack.bootstrap, load_kek(common), "fetcher") as fetcher:
+            assert fetcher.for_reading(ref) is None
+            assert fetcher.fetches == 1
+        assert decode(prompt_record).erased
+    finally:
+        holder.close()
+    audit = cli(slow.stack, "audit", session, "--json")
+    assert audit.returncode == 0 and "read me never again" not in audit.stdout, audit.stderr
+    slow.wait_projected()
+    assert httpx.get(f"{slow.url}/v1/sessions/{session}", timeout=30).status_code == 404
+    assert differences(slow.stack) == []
+
+
+def keys_in_log_at(pipeline: Pipeline, ref: str) -> bool:
+    """Whether the record a key reference names is still in ``chat.keys``."""
+    place = KeyRef.parse(ref)
+    assert place is not None
+    return any((position.partition, position.offset) == (place.partition, place.offset)
+               and value is not None
+               for position, value, _ in read_records(pipeline.stack.bootstrap, KEYS))

@@ -51,13 +51,15 @@ from infra.kafka_broker import KafkaBroker, KafkaCluster
 from infra.postgres import PostgresServer
 from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
+from pipeline.kafka.plain import PlainWriter
+from pipeline.kek import KeyRef
 from pipeline.keystore import Keyring, KeyringError, load_kek, open_keyring
 from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import GENERATIONS, KEYS, PROMPTS, TopicPolicy, topic_specs
 from projections.migrate import migrate
 from schemas import GenerationStarted, PromptSubmitted
 from tests.conftest import PARTITIONS, Pipeline, Service, Stack, start_service, wait_healthy
-from tests.logread import read_events
+from tests.logread import end_offsets, read_events
 from tests.replaying import differences
 from workers.sim_engine import sim_token_text
 
@@ -549,26 +551,41 @@ def test_a_paused_broker(fleet: Fleet) -> None:
     fleet.wait_fully_replicated()
 
 
-def test_a_keyring_outlives_a_catch_up_that_kafka_did_not_answer(fleet: Fleet) -> None:
-    """A catch-up (a key looked for, an erasure) while the leader of ``chat.keys`` is
-    paused fails as Kafka away, to be asked again; and once the broker runs again the
-    keyring reads to the end as before (its thread did not stop with that catch-up)."""
+def test_a_keyring_outlives_a_look_up_that_kafka_did_not_answer(fleet: Fleet) -> None:
+    """A key looked up while the leader of its ``chat.keys`` partition is paused fails as
+    Kafka away, to be asked again; once the broker runs again the same keyring finds it
+    (its reader and its erasures' thread did not stop with that look-up)."""
     common = CommonSettings(kafka_bootstrap=fleet.stack.bootstrap)
-    keyring = Keyring(fleet.stack.bootstrap, load_kek(common), "paused-keys", wait_s=3)
+    kek = load_kek(common)
+    with Keyring(fleet.stack.bootstrap, kek, "writes-keys") as writer:
+        new = writer.new_key(uuid.uuid4(), "outages", None)
+        out = PlainWriter(fleet.stack.bootstrap, "paused-keys-writer")
+        out.send(KEYS, new.record_key, new.value, new.partition)
+        assert out.flush(30) == []
+    offset = end_offsets(fleet.stack.bootstrap, KEYS)[new.partition] - 1
+    ref = str(KeyRef(new.short_id, new.partition, offset))
+    keyring = Keyring(fleet.stack.bootstrap, kek, "paused-keys", wait_s=3)
     keyring.start()
     try:
-        node = fleet.node(fleet.leader(KEYS, 0))
+        node = fleet.node(fleet.leader(KEYS, new.partition))
         assert node.pid is not None
         os.kill(node.pid, signal.SIGSTOP)
         try:
             with pytest.raises(KeyringError) as failed:
-                keyring.tombstones(uuid.uuid4())  # reads the topic to its end first
+                keyring.for_reading(ref, True, time.time())
             assert failed.value.unreachable, failed.value
         finally:
             os.kill(node.pid, signal.SIGCONT)
         deadline = time.monotonic() + 60
-        while not keyring.catch_up():
-            assert time.monotonic() < deadline, "the keyring never read to the end again"
+        while True:
+            try:
+                found = keyring.for_reading(ref, True, time.time())
+                break
+            except KeyringError as exc:
+                assert exc.unreachable and time.monotonic() < deadline, exc
+                time.sleep(0.5)
+        assert found is not None and found.conversation_id == new.conversation_id
+        assert keyring.catch_up()
     finally:
         keyring.close()
     fleet.wait_fully_replicated()
