@@ -126,7 +126,10 @@ def key_info(key: bytes | None, value: bytes) -> KeyInfo:
     parsed = parse_record_key(key)
     if parsed is None:
         raise ValueError(f"keyed {key!r}: not a data key's record")
-    data = json.loads(value)
+    try:
+        data = json.loads(value)
+    except RecursionError:  # nested past what a parser takes: not a key's
+        raise ValueError("not a data key's record: nested too deep") from None
     if not isinstance(data, dict):
         raise ValueError("not a data key's record")
     try:
@@ -167,7 +170,7 @@ class Kek:
             data = json.loads(value)
             kek = data["kek"]
             raw = base64.b64decode(data["wrapped"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ValueError(f"not a data key's record: {exc!r}") from None
         if kek != self.fingerprint:
             raise KekError(f"key {short_id} of conversation {conversation} is wrapped by "

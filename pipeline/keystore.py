@@ -237,25 +237,27 @@ class Keyring:
         key = record_key(conversation_id, ref.short_id if ref else key_id)
         return key, ref.partition if ref else partition_for(key, self._partitions or 1)
 
-    def destroy(self, conversation_id: uuid.UUID, tenant: str, key_ids: Iterable[str],
+    def destroy(self, doomed: Iterable[tuple[uuid.UUID, str, Iterable[str]]],
                 timeout: float = 30.0) -> int:
-        """Erase the conversation and write its keys' tombstones, from this thread (the
-        projector, ``pipeline erase``): the number of tombstones. The erasure goes with
-        them, so the newest erasure of a conversation is never older than its keys'
-        tombstones (``pipeline.erasures``)."""
+        """Erase these conversations (id, tenant, key ids) and write their keys'
+        tombstones, from this thread (the projector, ``pipeline erase``), all acknowledged
+        together: the number of tombstones. Each erasure goes with its tombstones, so the
+        newest erasure of a conversation is never older than its keys' tombstones
+        (``pipeline.erasures``)."""
         if self._writer is None:
             self._writer = PlainWriter(self._bootstrap, f"{self._name}-keys")
         writer = self._writer
-        writer.send(ERASURES, *self.erasure(conversation_id, tenant))
-        key_ids = list(key_ids)
-        for key_id in key_ids:
-            key, partition = self.tombstone(conversation_id, key_id)
-            writer.send(KEYS, key, None, partition)
+        written = 0
+        for conversation_id, tenant, key_ids in doomed:
+            writer.send(ERASURES, *self.erasure(conversation_id, tenant))
+            for key_id in key_ids:
+                key, partition = self.tombstone(conversation_id, key_id)
+                writer.send(KEYS, key, None, partition)
+                written += 1
         failed = writer.flush(timeout)
         if failed:
-            raise ProduceError(f"the erasure of {conversation_id} was not acknowledged: "
-                               f"{failed[0]}")
-        return len(key_ids)
+            raise ProduceError(f"erasures not acknowledged: {failed[0]}")
+        return written
 
     def catch_up(self) -> bool:
         """Whether ``chat.erasures`` was read to its end as it is now."""

@@ -390,10 +390,7 @@ class Projector:
         keyring = self.keyring
         assert keyring is not None
 
-        def destroy() -> int:
-            return sum(keyring.destroy(c, tenant, keys) for c, tenant, keys in doomed)
-
-        self.metrics.keys_destroyed.inc(await asyncio.to_thread(destroy))
+        self.metrics.keys_destroyed.inc(await asyncio.to_thread(keyring.destroy, doomed))
 
     async def _commit_for_lag_tools(
         self, consumer: AsyncConsumer, positions: dict[TP, int]

@@ -1,11 +1,13 @@
 """Sealing content with data keys, without Kafka: keys held in memory as a keyring holds
-them (the keyring itself, on a real broker: ``test_erasure.py``)."""
+them, and a key's record as chat.keys keeps it (the keyring itself, on a real broker:
+``test_erasure.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import os
 import time
 import uuid
 import zlib
@@ -15,7 +17,19 @@ from typing import Literal
 import pytest
 
 from pipeline import sealing
-from pipeline.codec import DecodeError, decode, decode_async, decode_live, encode, open_live
+from pipeline.codec import (
+    DecodeError,
+    Position,
+    decode,
+    decode_async,
+    decode_live,
+    encode,
+    open_live,
+)
+from pipeline.kafka import Record
+from pipeline.kek import Kek, KekError, KeyRef, key_info
+from pipeline.topics import KEYS
+from projections.keys import key_writes
 from schemas import (
     ChatMessage,
     GenerationFinished,
@@ -262,3 +276,46 @@ def test_a_key_not_held_yet_is_looked_for_off_the_event_loop() -> None:
     finally:
         sealing.uninstall(slow)
         sealing.uninstall(other)
+
+
+def test_a_key_reference_names_its_place_and_a_short_id_alone_is_a_legacy_one() -> None:
+    ref = KeyRef("0123456789abcdef", 4, 918273)
+    assert KeyRef.parse(str(ref)) == ref
+    for legacy in ("0123456789abcdef", "a.b.c", "x.1", "a.-1.2", "a.1.2.3", ""):
+        assert KeyRef.parse(legacy) is None, legacy
+
+
+def test_a_wrapped_key_opens_only_where_it_was_wrapped_and_with_its_kek() -> None:
+    kek = Kek(os.urandom(32))
+    conversation = uuid.uuid4()
+    key, secret = sealing.new_data_key(conversation)
+    value = kek.wrap(conversation, key.key_id, secret, "t", "alice")
+    record = f"{conversation}/{key.key_id}".encode()
+    opened = kek.unwrap(record, value, "ref")
+    box = sealing.seal(key, b"words")
+    assert sealing.unseal(sealing.DataKey(key.key_id, conversation, opened.aead), box) == \
+        b"words"
+    with pytest.raises(ValueError):  # moved to another conversation: the AAD differs
+        kek.unwrap(f"{uuid.uuid4()}/{key.key_id}".encode(), value, "ref")
+    with pytest.raises(KekError):  # another KEK wrapped it
+        Kek(os.urandom(32)).unwrap(record, value, "ref")
+    info = key_info(record, value)
+    assert (info.conversation_id, info.tenant, info.user, info.placed) == (
+        conversation, "t", "alice", True)
+
+
+@pytest.mark.parametrize("value", [
+    b"[]", b"null", b'"text"', b"{}", b'{"tenant": 5}', b'{"tenant": "t", "user": []}',
+    b'{"tenant": "t", "at": "soon"}', b"\xff\xfe",
+    b'{"tenant": "t", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_a_key_record_that_is_not_one_is_refused_for_the_dead_letters(value: bytes) -> None:
+    record = Record(Position(KEYS, 0, 7), f"{uuid.uuid4()}/abc".encode(), value, 0)
+    with pytest.raises(ValueError):
+        key_writes(record)
+
+
+def test_a_key_made_at_a_time_no_clock_gives_is_refused_not_crashed() -> None:
+    value = json.dumps({"tenant": "t", "at": 10**30}).encode()
+    with pytest.raises(ValueError):
+        key_writes(Record(Position(KEYS, 0, 7), f"{uuid.uuid4()}/abc".encode(), value, 0))
+    assert key_writes(Record(Position(KEYS, 2, 9), f"{uuid.uuid4()}/abc".encode(), None, 0))
