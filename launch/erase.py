@@ -49,14 +49,8 @@ def erase_command(common: CommonSettings, args: argparse.Namespace) -> int:
                 print(f"no {what} is in the store: nothing to erase", file=sys.stderr)
                 return 1
             with open_keyring(common, "erase") as keyring:
-                writer = PlainWriter(common.kafka_bootstrap, "erase")
-                keys = 0
-                for n, (conversation, tenant) in enumerate(targets, 1):
-                    keys += erase(keyring, writer, conversation, tenant,
-                                  key_ids(conn, conversation))
-                    print(f"\r[{n}/{len(targets)}] erased {conversation}", end="",
-                          file=sys.stderr, flush=True)
-                print(file=sys.stderr)
+                keys = erase(keyring, PlainWriter(common.kafka_bootstrap, "erase"),
+                             [(c, tenant, key_ids(conn, c)) for c, tenant in targets])
     except EraseError as exc:
         print(f"pipeline erase: {exc}", file=sys.stderr)
         return 1
@@ -77,12 +71,15 @@ def caught_up(conn: psycopg.Connection, bootstrap: str, group: str,
     finally:
         status.close()
     deadline = time.monotonic() + wait_s
+    said = False
     while True:
         done = {(t, p): o for t, p, o in conn.execute(
             "SELECT topic, partition, next_offset FROM projector_positions"
             " WHERE topic = ANY(%s)", ([KEYS, CONTROL],))}
         behind = sum(max(end - done.get(tp, 0), 0) for tp, end in targets.items())
         if not behind:
+            if said:
+                print(file=sys.stderr)
             return
         if time.monotonic() > deadline:
             raise EraseError(f"the store is {behind:,} records behind {KEYS} and {CONTROL} "
@@ -90,6 +87,7 @@ def caught_up(conn: psycopg.Connection, bootstrap: str, group: str,
                              "needs the store to know every key)")
         print(f"\rwaiting for the projector: {behind:,} records behind", end="",
               file=sys.stderr, flush=True)
+        said = True
         time.sleep(0.2)
 
 
@@ -114,13 +112,24 @@ def key_ids(conn: psycopg.Connection, conversation: uuid.UUID) -> list[str]:
                                      (conversation,))]
 
 
-def erase(keyring: Keyring, writer: PlainWriter, conversation: uuid.UUID, tenant: str,
-          keys: list[str], timeout: float = 30.0) -> int:
-    """Erase one conversation (see the module): the number of data keys destroyed."""
-    deleted = SessionDeleted(conversation_id=conversation, tenant=tenant, reason="erased",
-                             request_id=f"erase-{uuid.uuid4().hex}")
-    writer.send(CONTROL, conversation_key(conversation), encode(deleted))
-    failed = writer.flush(timeout)
-    if failed:
-        raise ProduceError(f"the erasure of {conversation} was not acknowledged: {failed[0]}")
-    return keyring.destroy(conversation, tenant, keys, timeout=timeout)
+def erase(keyring: Keyring, writer: PlainWriter,
+          targets: list[tuple[uuid.UUID, str, list[str]]], timeout: float = 30.0,
+          chunk: int = 500) -> int:
+    """Erase these conversations (id, tenant, key ids; see the module), ``chunk`` at a
+    time, each chunk's deletions acknowledged before its erasures: the number of data
+    keys destroyed."""
+    keys = 0
+    for start in range(0, len(targets), chunk):
+        part = targets[start:start + chunk]
+        for conversation, tenant, _ in part:
+            writer.send(CONTROL, conversation_key(conversation), encode(SessionDeleted(
+                conversation_id=conversation, tenant=tenant, reason="erased",
+                request_id=f"erase-{uuid.uuid4().hex}")))
+        failed = writer.flush(timeout)
+        if failed:
+            raise ProduceError(f"deletions not acknowledged: {failed[0]}")
+        keys += keyring.destroy(part, timeout=timeout)
+        print(f"\r[{start + len(part)}/{len(targets)}] erased", end="", file=sys.stderr,
+              flush=True)
+    print(file=sys.stderr)
+    return keys
