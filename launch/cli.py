@@ -178,6 +178,11 @@ def _parser() -> argparse.ArgumentParser:
     au.add_argument("session_id", type=uuid.UUID)
     au.add_argument("--json", action="store_true", help="one JSON object per line")
     au.add_argument("--deltas", action="store_true", help="list every TokenDelta")
+    au.add_argument("--since", type=_timestamp,
+                    help="read from this ISO-8601 time (default: the session's creation, "
+                    "as the store knows it)")
+    au.add_argument("--from-beginning", action="store_true",
+                    help="read the session's partitions from their start")
     ro = sub.add_parser("rollout", help="send a share of a model alias's new turns to "
                         "another version; promote or roll back on its health")
     ro.add_argument("alias", help="the model name clients ask for (`pipeline rollout "
@@ -205,8 +210,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
                             "(simulated engine), log (bytes), fairness (between tenants), "
-                            "projection, analytics; "
-                            "default: all; or pair, alone (below)")
+                            "projection, analytics, sealing, memory; default: all of "
+                            "those; scale (a year of state, its own stack), when named; "
+                            "or pair, alone (below)")
+    bench.add_argument("--conversations", type=_positive, default=1_000_000,
+                       help="scale: the conversations the history holds (default "
+                            "%(default)s; 10000000 for ten million)")
     bench.add_argument("--before", type=_checkout, metavar="PATH",
                        help="log: a checkout of earlier code, measured beside this one in "
                             "the same run")
@@ -468,10 +477,10 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from infra.process import StartupFailed
     from launch.local import infra_up
 
-    unknown = set(args.part) - {*bench.PARTS, "pair"}
+    unknown = set(args.part) - {*bench.PARTS, *bench.NAMED_ONLY, "pair"}
     if unknown:
-        raise SystemExit(f"unknown bench part(s): {', '.join(sorted(unknown))}; "
-                         f"choose from {', '.join(bench.PARTS)}, or pair")
+        raise SystemExit(f"unknown bench part(s): {', '.join(sorted(unknown))}; choose "
+                         f"from {', '.join((*bench.PARTS, *bench.NAMED_ONLY))}, or pair")
     pairing = (args.a_env or args.b_env or args.a_tree or args.b_tree or args.a_python
                or args.b_python)
     if "pair" in args.part:
@@ -498,7 +507,7 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
             out = args.out or (common.state_dir / "bench" if args.quick
                                else Path("docs/benchmarks"))
             bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
-                      resolve_model, args.before)
+                      resolve_model, args.before, args.conversations)
     except StartupFailed as exc:
         raise SystemExit(f"pipeline bench: {exc}") from None
     return 0
@@ -533,8 +542,13 @@ def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from pipeline.keystore import open_keyring
     from projections.audit import audit, format_text
 
-    with open_keyring(common, "audit", read_ahead=True):
-        entries, live = audit(common.kafka_bootstrap, args.session_id)
+    since = args.since or (None if args.from_beginning else _created(common, args.session_id))
+    if since is None and not args.from_beginning:
+        print("the store does not know when this session began: reading its partitions "
+              "from their start (--since bounds the read)", file=sys.stderr)
+    with open_keyring(common, "audit"):
+        entries, live = audit(common.kafka_bootstrap, args.session_id,
+                              None if since is None else int(since.timestamp() * 1000))
     if not entries:
         print(f"no events for session {args.session_id}", file=sys.stderr)
         return 1
@@ -544,6 +558,22 @@ def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     else:
         print(format_text(entries, live, deltas=args.deltas))
     return 0
+
+
+def _created(common: CommonSettings, conversation: uuid.UUID) -> datetime | None:
+    """When the store says the conversation began (its first event, or its first key);
+    None if it does not know, or does not answer."""
+    import psycopg
+
+    try:
+        with psycopg.connect(common.database_url, connect_timeout=5) as conn:
+            row = conn.execute(
+                "SELECT least((SELECT created_at FROM conversations WHERE id = %(c)s),"
+                " (SELECT min(created_at) FROM data_keys WHERE conversation_id = %(c)s))",
+                {"c": conversation}).fetchone()
+    except psycopg.Error:
+        return None
+    return row[0] if row else None
 
 
 def _overrides(args: argparse.Namespace, *names: str) -> dict[str, Any]:

@@ -233,5 +233,6 @@ def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:
     with open_keyring(common, "projector", read_ahead=True) as keyring:
         projector = Projector(settings, common.kafka_bootstrap, common.database_url,
                               registry, keyring=keyring)
+        log.info("projector ready: group %s", settings.group)
         runtime.settle()
         _run_until_signalled(projector.run)

@@ -7,14 +7,29 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.codec import DecodeError, Position, conversation_key, decode, decode_live
-from pipeline.kafka import AsyncConsumer
+from pipeline.codec import (
+    DecodeError,
+    Position,
+    conversation_key,
+    decode,
+    decode_live,
+    open_live,
+)
+from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
-from pipeline.topics import CONVERSATION_TOPICS, LIVE, PROMPTS
-from schemas import Event, GenerationFailed, GenerationFinished, PromptSubmitted, TokenDelta
+from pipeline.topics import CLOCK_SKEW_MS, CONVERSATION_TOPICS, LIVE, PROMPTS
+from schemas import (
+    Event,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    PromptSubmitted,
+    TokenDelta,
+)
 from schemas.history import History, digest, session_inputs
 from schemas.live import Delta, StreamItem, entries
 
@@ -65,34 +80,46 @@ def _digest_matches(prompt: PromptSubmitted, model_input: History | None) -> boo
     return digest(model_input[:prompt.history_len]) == prompt.history_digest
 
 
-def _read(consumer: AsyncConsumer, topics: list[tuple[str, int]]) -> list[Any]:
-    """Every committed record of these partitions, up to the end each has now."""
-    ends = consumer.assign_partitions_sync(topics)
-    records = []
-    remaining = dict(ends)
+def _scan(consumer: AsyncConsumer, starts: dict[tuple[str, int], int],
+          keep: Callable[[Record], bool], ends: dict[tuple[str, int], int] | None = None
+          ) -> list[Record]:
+    """The committed records ``keep`` takes, of these partitions from these offsets up to
+    the end each has now (or ``ends``): only those are held, whatever else is read."""
+    if ends is None:
+        ends = {tp: consumer.watermarks_sync(*tp)[1] for tp in starts}
+    todo = {tp: start for tp, start in starts.items() if start < ends[tp]}
+    if not todo:
+        return []
+    consumer.assign_at_sync(todo)
+    kept = []
+    remaining = dict(todo)
     while remaining:
         batch = consumer.poll_batch_sync(5000, 0.2)
+        kept += [r for r in batch if r.position.offset < ends[(r.position.topic,
+                                                               r.position.partition)]
+                 and keep(r)]
         # Transaction markers are never delivered: the position says when a topic is done.
         for tp, position in consumer.positions_sync(list(remaining)).items():
-            if position >= remaining[tp]:
+            if position >= ends[tp]:
                 del remaining[tp]
-        records += [r for r in batch if r.position.offset < ends[(r.position.topic,
-                                                                   r.position.partition)]]
-    return records
+    return kept
 
 
-def read_history(consumer: AsyncConsumer,
-                 conversation_id: uuid.UUID) -> tuple[list[Entry], list[LiveEntry]]:
-    """Every record keyed by the conversation, from every topic of the durable record,
-    and its turns' entries in the live stream (runs on the consumer thread). A
-    conversation lives in one partition of each topic, so only those are read."""
+def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID,
+                 since_ms: int | None = None) -> tuple[list[Entry], list[LiveEntry]]:
+    """Every record keyed by the conversation, from every topic of the durable record
+    (from ``since_ms`` on, if given: its first event's time), and its turns' entries in
+    the live stream, read from shortly before each turn started to shortly after it
+    ended (runs on the consumer thread). A conversation lives in one partition of each
+    topic, so only those are read; and only its records are decoded and held."""
     key = conversation_key(conversation_id)
     partitions = len(consumer.partitions_sync(PROMPTS))
     p = partition_for(key, partitions)
+    starts = {(t, p): consumer.offset_for_time_sync(t, p, since_ms - CLOCK_SKEW_MS)
+              if since_ms is not None else consumer.watermarks_sync(t, p)[0]
+              for t in CONVERSATION_TOPICS}
     entries_: list[Entry] = []
-    for record in _read(consumer, [(t, p) for t in CONVERSATION_TOPICS]):
-        if record.key != key:
-            continue
+    for record in _scan(consumer, starts, lambda r: r.key == key):
         try:
             entries_.append(Entry(record.position, decode(record.value)))
         except DecodeError as exc:
@@ -108,10 +135,15 @@ def read_history(consumer: AsyncConsumer,
                 if isinstance(e.event, PromptSubmitted) else e for e in entries_]
     refs = {offset: prompt.request_id for offset, prompt in prompts}
     live: list[LiveEntry] = []
-    if refs:
-        for record in _read(consumer, [(LIVE, p)]):
+    span = _live_span(consumer, p, entries_)
+    if refs and span is not None:
+        for record in _scan(consumer, {(LIVE, p): span[0]}, lambda _r: True,
+                            {(LIVE, p): span[1]}):
             try:
-                batch = decode_live(record.value)
+                batch = decode_live(record.value, open_sealed=False)
+                if not any(ref in refs for _, ref, _ in entries(batch)):
+                    continue  # other conversations' turns: their keys are not fetched
+                batch = open_live(batch, refs)
             except DecodeError:
                 continue
             live += [LiveEntry(record.position, index, refs[ref], item)
@@ -119,6 +151,29 @@ def read_history(consumer: AsyncConsumer,
     entries_.sort(key=lambda e: (e.event.occurred_at.timestamp() if e.event else 0.0,
                                  e.position.topic != PROMPTS, e.position.offset))
     return entries_, live
+
+
+def _live_span(consumer: AsyncConsumer, partition: int,
+               entries_: list[Entry]) -> tuple[int, int] | None:
+    """Where the conversation's turns lie in the live stream: from shortly before the
+    first started (by its worker's clock) to shortly after the last ended, or to the
+    end if one runs still."""
+    starts = [e.event.occurred_at for e in entries_ if isinstance(e.event, GenerationStarted)]
+    if not starts:
+        return None
+    ended = {e.event.request_id for e in entries_
+             if isinstance(e.event, (GenerationFinished, GenerationFailed))}
+    running = any(isinstance(e.event, GenerationStarted) and e.event.request_id not in ended
+                  for e in entries_)
+    low, high = consumer.watermarks_sync(LIVE, partition)
+    first = int(min(starts).timestamp() * 1000) - CLOCK_SKEW_MS
+    start = max(consumer.offset_for_time_sync(LIVE, partition, first), low)
+    if running:
+        return start, high
+    last = max(e.event.occurred_at for e in entries_ if e.event is not None)
+    end = consumer.offset_for_time_sync(LIVE, partition,
+                                        int(last.timestamp() * 1000) + CLOCK_SKEW_MS)
+    return start, max(start, end)
 
 
 def format_text(entries_: list[Entry], live: list[LiveEntry] | None = None,
@@ -208,13 +263,14 @@ def _summary(event: Event) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def audit(bootstrap: str, conversation_id: uuid.UUID) -> tuple[list[Entry], list[LiveEntry]]:
+def audit(bootstrap: str, conversation_id: uuid.UUID, since_ms: int | None = None
+          ) -> tuple[list[Entry], list[LiveEntry]]:
     import asyncio
 
     async def run() -> tuple[list[Entry], list[LiveEntry]]:
         consumer = AsyncConsumer(bootstrap, f"audit-{uuid.uuid4().hex[:12]}")
         try:
-            return await consumer.call(read_history, consumer, conversation_id)
+            return await consumer.call(read_history, consumer, conversation_id, since_ms)
         finally:
             await consumer.close()
 

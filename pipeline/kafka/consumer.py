@@ -220,6 +220,10 @@ class AsyncConsumer:
         self._consumer.assign(starts)
         return ends
 
+    def assign_at_sync(self, starts: dict[TP, int]) -> None:
+        """Read these partitions (only) from these offsets."""
+        self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in starts.items()])
+
     def assign_from_start_sync(self, topics: list[str]) -> dict[TP, int]:
         """Every partition of ``topics``, as ``assign_partitions_sync``."""
         return self.assign_partitions_sync(
