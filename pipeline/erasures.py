@@ -15,6 +15,7 @@ of a conversation is never older than its keys' tombstones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -25,7 +26,7 @@ from typing import TypeVar
 
 from pipeline.kafka import KafkaException, Record, unreachable
 from pipeline.kafka.plain import PlainReader
-from pipeline.retry import QuietLog
+from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import ERASURES
 
 log = logging.getLogger(__name__)
@@ -116,19 +117,25 @@ class Erasures:
         could not within the wait (``unavailable`` says why)."""
         if not self._thread.is_alive():
             return False
-        try:
-            with self._asking:
-                asker = self._asker_()
-                ends = {p: asker.end(ERASURES, p, self._wait_s) for p in self._partitions}
-        except KafkaException as exc:
-            self._unreachable = True
-            self._quiet.warning("Kafka does not answer for %s: %s", ERASURES, exc)
-            return False
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            try:
+                with self._asking:
+                    asker = self._asker_()
+                    ends = {p: asker.end(ERASURES, p, self._wait_s) for p in self._partitions}
+                break
+            except KafkaException as exc:  # a leader moving, or Kafka away: asked again
+                if time.monotonic() > deadline or self._stop.is_set():
+                    self._unreachable = True
+                    self._quiet.warning("Kafka does not answer for %s: %s", ERASURES, exc)
+                    return False
+                time.sleep(0.2)
+        self._unreachable = False
         with self._lock:
             return self._read_to.wait_for(
                 lambda: self._failure is not None or all(
                     self._positions.get(p, 0) >= end for p, end in ends.items()),
-                self._wait_s) and self._failure is None
+                max(deadline - time.monotonic(), 0.0)) and self._failure is None
 
     def unavailable(self) -> ErasuresUnavailable:
         if self._failure is not None:
@@ -147,31 +154,50 @@ class Erasures:
 
     # -- the thread ---------------------------------------------------------------
     def _follow(self) -> None:
-        reader = PlainReader(self._bootstrap, f"{self._name}-erasures")
+        """Follow the topic until ``close``. Kafka away, or a client that failed, is waited
+        out (a reader made anew carries on where the last one was): the thread never
+        stops for it, or every later look-up would fail as if for good."""
+        reader: PlainReader | None = None
+        backoff = Backoff(0.2, 5.0)
         try:
-            with self._asking:
-                asker = self._asker_()
-                starts = {(ERASURES, p): self._retrying(
-                    lambda p=p: asker.bounds(ERASURES, p, self._wait_s)[0])  # type: ignore[misc]
-                    for p in self._partitions}
-            reader.start(starts)
             while not self._stop.is_set():
-                self._apply(reader.read(1000, timeout=POLL_S))
-                moved = {p: reader.position(ERASURES, p) for p in self._partitions}
-                with self._lock:
-                    self._positions.update({p: o for p, o in moved.items() if o >= 0})
-                    self._read_to.notify_all()
+                try:
+                    if reader is None:
+                        reader = self._reader()
+                    self._apply(reader.read(1000, timeout=POLL_S))
+                    moved = {p: reader.position(ERASURES, p) for p in self._partitions}
+                    with self._lock:
+                        self._positions.update({p: o for p, o in moved.items() if o >= 0})
+                        self._read_to.notify_all()
+                    backoff.reset()
+                except KafkaException as exc:
+                    self._quiet.warning("following %s: %s (reading on)", ERASURES, exc)
+                    if reader is not None:
+                        with contextlib.suppress(KafkaException):
+                            reader.close()
+                        reader = None
+                    self._stop.wait(backoff.next())
                 if time.monotonic() - self._pruned > PRUNE_EVERY_S:
                     self._prune()
-        except Exception as exc:  # the waiters learn it from the failure
-            self._unreachable = unreachable(exc)
-            if not self._unreachable:
-                log.exception("stopped following %s", ERASURES)
+        except Exception as exc:  # a bug: the waiters learn it from the failure
+            log.exception("stopped following %s", ERASURES)
             with self._lock:
                 self._failure = f"reading {ERASURES} failed: {exc}"
                 self._read_to.notify_all()
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
+
+    def _reader(self) -> PlainReader:
+        """A reader from where the thread has read to (the partitions' starts at first)."""
+        with self._asking:
+            asker = self._asker_()
+            starts = {(ERASURES, p): max(self._positions.get(p, 0),
+                                         asker.bounds(ERASURES, p, self._wait_s)[0])
+                      for p in self._partitions}
+        reader = PlainReader(self._bootstrap, f"{self._name}-erasures")
+        reader.start(starts)
+        return reader
 
     def _retrying(self, call: Callable[[], T]) -> T:
         deadline = time.monotonic() + self._wait_s

@@ -23,9 +23,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -42,6 +42,7 @@ from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # The keys a process holds at most (``PIPELINE_KEY_CACHE``), least recently used first out.
 KEY_CACHE = 16_384
 # A key not found where its reference says, for content written less than the erasure
@@ -113,7 +114,7 @@ class Keyring:
             raise KeyringError(str(exc), unreachable=exc.unreachable) from None
         self._reader = PositionReader(self._bootstrap, KEYS, f"{self._name}-keys")
         try:
-            partitions = self._reader.partitions(self._wait_s)
+            partitions = self._retrying(lambda: self._reader_().partitions(self._wait_s))
             if not partitions:
                 raise KeyringError(f"the topic {KEYS} does not exist: `pipeline topics` "
                                    "makes it")
@@ -132,7 +133,8 @@ class Keyring:
     def _check_kek(self, partitions: list[int]) -> None:
         newest = []
         for partition in partitions:
-            low, high = self._reader_().bounds(partition, self._wait_s)
+            low, high = self._retrying(
+                lambda p=partition: self._reader_().bounds(p, self._wait_s))  # type: ignore[misc]
             if high > low:
                 newest.append((partition, high - 1))
         for record in self._read(newest).found.values():
@@ -144,6 +146,18 @@ class Keyring:
                 except ValueError:
                     continue  # not a key: a reader of it says so
                 return
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        """``call``, asked again while Kafka says a leader is moving (a topic just made,
+        a broker restarted), for up to the wait."""
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            try:
+                return call()
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def close(self) -> None:
         sealing.uninstall(self)
@@ -327,8 +341,12 @@ class Keyring:
                     exc = self._erasures.unavailable()
                     raise KeyringError(str(exc), unreachable=exc.unreachable)
             found = self._taken(lookup, ref, key_id)
-            if found is not None or (ref.partition, ref.offset) not in lookup.beyond:
-                return found if found is not None else self._destroyed(key_id)
+            if found is not None:
+                return found
+            if (ref.partition, ref.offset) in lookup.found:  # there, but refused
+                return self._destroyed(key_id, "refused")
+            if (ref.partition, ref.offset) not in lookup.beyond:
+                return self._destroyed(key_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 return self._destroyed(key_id)
@@ -394,10 +412,15 @@ class Keyring:
                       record.position, exc)
             return None
 
-    def _destroyed(self, key_id: str) -> sealing.DataKey | None:
-        """None: the key is not where it was (what it sealed reads as erased)."""
-        log.warning("data key %s is not in %s where it was: what it sealed reads as erased",
-                    key_id, KEYS)
+    def _destroyed(self, key_id: str, why: str = "") -> sealing.DataKey | None:
+        """None: the key is not where it was, or its conversation is erased (``why``):
+        what it sealed reads as erased."""
+        if why:
+            log.info("data key %s is refused (its conversation is in %s, or its place holds "
+                     "another record): what it sealed reads as erased", key_id, ERASURES)
+        else:
+            self._quiet.warning("data key %s is not in %s where it was: what it sealed "
+                                "reads as erased", key_id, KEYS)
         with self._lock:
             self._forget(key_id)
         return None

@@ -93,7 +93,13 @@ class PositionReader:
                     if offsets is not None and not offsets:
                         del todo[tp.partition]
                 for partition in list(todo):
-                    low, high = self.bounds(partition, max(deadline - time.monotonic(), 0.5))
+                    try:
+                        low, high = self.bounds(partition,
+                                                max(deadline - time.monotonic(), 0.5))
+                    except KafkaException:  # a leader moving: asked again, in time
+                        if time.monotonic() > deadline:
+                            raise
+                        continue
                     offsets = todo[partition]
                     while offsets and offsets[0] < low:
                         out.missing.add((partition, offsets.pop(0)))
