@@ -311,6 +311,12 @@ class AsyncConsumer:
                 for (t, p), o in list(todo.items()):
                     low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p),
                                                                       cached=True)
+                    if 0 <= high <= o or 0 <= o < low:
+                        # Not written yet, or gone, as the last fetch said: asked anew
+                        # before it counts (a record committed since is there).
+                        low, high = self._consumer.get_watermark_offsets(
+                            TopicPartition(t, p), timeout=max(deadline - time.monotonic(),
+                                                              1.0), cached=False)
                     if 0 <= high <= o or 0 <= o < low:  # not written yet, or gone
                         del todo[(t, p)]
                 if todo and time.monotonic() > deadline:
