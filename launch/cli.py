@@ -543,10 +543,10 @@ def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from projections.audit import audit, format_text
 
     since = args.since or (None if args.from_beginning else _created(common, args.session_id))
-    if since is None and not args.from_beginning:
-        print("the store does not know when this session began: reading its partitions "
-              "from their start (--since bounds the read)", file=sys.stderr)
     with open_keyring(common, "audit"):
+        if since is None and not args.from_beginning:
+            print("the store does not know when this session began: reading its "
+                  "partitions from their start (--since bounds the read)", file=sys.stderr)
         entries, live = audit(common.kafka_bootstrap, args.session_id,
                               None if since is None else int(since.timestamp() * 1000))
     if not entries:

@@ -98,8 +98,9 @@ def test_live_records_the_worker_writes_validate_against_the_live_schema() -> No
         output.end(1, 7, GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop",
                                             text="x", usage=Usage(prompt_tokens=3,
                                                                   completion_tokens=2),
-                                            deltas=1, duration_ms=2.0), b"k")
-        output.end(2, 8, GenerationFailed(**ids, code="engine_dead", message="gone"), b"k")
+                                            deltas=1, duration_ms=2.0), b"k", None)
+        output.end(2, 8, GenerationFailed(**ids, code="engine_dead", message="gone"), b"k",
+                   None)
         output.flush(0)
         return recorder.values
 

@@ -771,3 +771,46 @@ def test_models_are_those_live_workers_serve(gw: Gateways) -> None:
         assert stream_chat(url, chat("served", 2)).text == expected(2)
     finally:
         other.stop()
+
+
+def test_a_long_session_is_rebuilt_from_a_bounded_number_of_turns(gw: Gateways) -> None:
+    """A worker that keeps no history rebuilds each turn's from the log: since every
+    ``INLINE``-th prompt carries its history whole, it follows fewer than ``INLINE``
+    turns back however long the session grows."""
+    inline, turns = 4, 11
+    port, metrics_port = free_port(), free_port()
+    services = [
+        start_service(gw.stack, "long-worker", "worker", "--engine", "sim",
+                      "--served-model-name", "sim-long", "--metrics-port", str(metrics_port),
+                      WORKER_HISTORY_CACHE_CHARS="0", WORKER_SIM_TOKENS_PER_S="200"),
+        start_service(gw.stack, "long-gateway", "gateway", "--port", str(port),
+                      GATEWAY_MODELS="sim-long",
+                      GATEWAY_HISTORY_INLINE_EVERY=str(inline)),
+    ]
+    url = f"http://127.0.0.1:{port}"
+    worker_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        wait_healthy(url, services, timeout=60)
+        session, reads = None, []
+        for n in range(turns):
+            before = scrape(worker_metrics).get("worker_history_reads_total", 0) \
+                if n else 0.0
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                           headers={"X-Session-Id": session} if session else {},
+                           json={"model": "sim-long", "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": f"turn {n}"}]})
+            assert r.status_code == 200, r.text
+            session = r.headers["x-session-id"]
+            reads.append(scrape(worker_metrics).get("worker_history_reads_total", 0) - before)
+        rebuilt = scrape(worker_metrics).get("worker_histories_rebuilt_total", 0)
+        messages = httpx.get(f"{url}/v1/sessions/{session}/messages", timeout=30).json()
+    finally:
+        for s in services:
+            s.stop()
+    # Every turn after the first is rebuilt but those that carry their history whole.
+    inlined = len([n for n in range(1, turns) if n % inline == 0])
+    assert rebuilt == turns - 1 - inlined
+    # Two records (a prompt and its end) per turn followed back, fewer than INLINE turns.
+    assert max(reads) <= 2 * (inline - 1) and sum(reads) < (turns - 1) * turns, reads
+    assert [m["content"] for m in messages["data"] if m["role"] == "user"] == [
+        f"turn {n}" for n in range(turns)]

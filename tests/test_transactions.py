@@ -249,7 +249,8 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         output = Output(writer, worker)
         key = str(conversation).encode()
         output.start(0, 7, GenerationStarted(**ids, ref=7, model="m", worker=worker,
-                                             reply_seq=1, prompt_tokens=3), key, writer.epoch)
+                                             reply_seq=1, prompt_tokens=3), key, writer.epoch,
+                     None)
         output.delta(0, 7, 0, "before ", (1,), writer.epoch)
         output.delta(1, 9, 0, "another turn ", (2,), writer.epoch)  # another partition
         output.flush(writer.epoch)
@@ -259,7 +260,8 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         output.delta(0, 7, 1, "after", (3,), writer.epoch)
         ended = output.end(0, 7, GenerationFinished(
             **ids, ref=7, model="m", reply_seq=1, finish_reason="stop", text="before after",
-            usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1), key)
+            usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1), key,
+            None)
         output.flush(writer.epoch)
         try:
             await ended
