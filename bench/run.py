@@ -18,6 +18,9 @@ from workers.settings import WorkerSettings
 
 PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics", "sealing",
          "memory")
+# Parts run only when named: a year of state takes its own stack and the better part of
+# an hour.
+NAMED_ONLY = ("scale",)
 # The capacity figures of the code before the work on plumbing cost, kept to set beside
 # every later run's.
 CAPACITY_BEFORE = Path("docs/benchmarks/capacity-before.json")
@@ -170,6 +173,31 @@ def memory(common: CommonSettings, quick: bool, out: Path) -> str:
     return table
 
 
+def scale(common: CommonSettings, quick: bool, out: Path, conversations: int) -> str:
+    from bench import scale as bench
+
+    if quick:
+        conversations = min(conversations, 20_000)
+    figures = bench.run(conversations, common.state_dir / "bench-scale",
+                        common.state_dir / "bench-logs", rounds=30 if quick else 100)
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.table(figures)
+    _save(out, "scale", f"A year of state: {conversations:,} conversations", figures, table,
+          f"A broker and a PostgreSQL of the bench's own (replication 1, "
+          f"{figures['partitions']} partitions), on {figures['machine']}: the bench, the "
+          "broker, PostgreSQL and the services share these cores. Empty log first, then "
+          "the same measures with the history written through the project's writers "
+          "(`bench/history.py`: per conversation its data key, a titled session, a turn's "
+          "prompt, start, end and live record, all sealed) and caught up by the projector. "
+          "Start-up: from the process's start to its ready line (the gateway: /health "
+          "answering; a command: its exit), RSS of its process tree then (a command's "
+          "peak). Requests: a gateway, a SIMULATED worker and the projector running, "
+          "one client, one request at a time, except beside the resumes. Measured with "
+          f"`pipeline bench scale{' --quick' if quick else ''}"
+          f"{f' --conversations {conversations}' if conversations != 1_000_000 else ''}`.")
+    return table
+
+
 def pair(common: CommonSettings, out: Path, label: str, sides: tuple[Any, Any], *,
          rate: float, pairs: int, rounds: int) -> str:
     from bench import pair as bench
@@ -191,7 +219,7 @@ def _now() -> str:
 
 def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
         resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
-        before: Path | None = None) -> None:
+        before: Path | None = None, conversations: int = 1_000_000) -> None:
     started = time.monotonic()
     for part in parts:
         print(f"\n== {part} ==", flush=True)
@@ -210,6 +238,8 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = sealing(common, quick, out)
         elif part == "memory":
             table = memory(common, quick, out)
+        elif part == "scale":
+            table = scale(common, quick, out, conversations)
         else:
             table = analytics(common, quick, out)
         print(f"{table}\n\n({part}: {time.monotonic() - part_started:.0f} s)", flush=True)
