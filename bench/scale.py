@@ -321,11 +321,13 @@ def _settled(stack: Stack, groups: list[str]) -> None:
             asyncio.run(consumer.close())
 
 
-def _projected(stack: Stack, records: int) -> float:
-    """Start the projector and wait until it has caught up: its rate (records/s)."""
+def _projected(stack: Stack, records: int) -> tuple[float, float]:
+    """Start the projector and wait until it has caught up: its rate (records/s), and
+    its largest RSS meanwhile (MB)."""
     status = GroupStatus(stack.broker.bootstrap, "projector")
     proc, _, _ = _ready(stack, "projector", free_port())
     started = time.monotonic()
+    peak = 0.0
     bar = tqdm(total=records, unit="rec", desc="projector catching up")
     try:
         while True:
@@ -340,37 +342,23 @@ def _projected(stack: Stack, records: int) -> float:
                 break
             if proc.poll() is not None:
                 raise RuntimeError("the projector exited while catching up")
+            peak = max(peak, _tree_rss_mb(proc.pid))
             time.sleep(2)
     finally:
         bar.close()
         status.close()
         _stop(proc)
-    return records / (time.monotonic() - started)
+    return records / (time.monotonic() - started), peak
 
 
 def run(conversations: int, home: Path, logs: Path, rounds: int = 100) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     stack = Stack(home, logs)
     stack.start()
+    figures: dict[str, Any] = {"conversations": conversations, "partitions": PARTITIONS}
     try:
-        figures: dict[str, Any] = {"conversations": conversations, "partitions": PARTITIONS}
         print("== the empty log ==", flush=True)
-        figures["empty"] = {"startup": startups(stack)}
-        url, procs = _running(stack)
-        try:
-            figures["empty"]["latency"] = latencies(url, [], rounds)
-            made = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-                "model": "sim", "max_tokens": 4,
-                "messages": [{"role": "user", "content": "audit me"}]})
-            mine = uuid.UUID(made.headers["x-session-id"])
-            other = uuid.UUID(httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-                "model": "sim", "max_tokens": 4, "messages": [
-                    {"role": "user", "content": "erase me"}]}).headers["x-session-id"])
-            time.sleep(2)
-            figures["empty"]["startup"] |= commands(stack, mine, other)
-        finally:
-            for proc in procs:
-                _stop(proc)
+        figures["empty"] = _phase(stack, [], rounds)
         print(f"== writing {conversations:,} conversations ==", flush=True)
         bar = tqdm(total=conversations, unit="conv", desc="history")
         started = time.monotonic()
@@ -382,21 +370,49 @@ def run(conversations: int, home: Path, logs: Path, rounds: int = 100) -> dict[s
         records = sum(GroupStatus(stack.broker.bootstrap, "projector").per_partition(t)[p][1]
                       for t in STORE_TOPICS for p in range(PARTITIONS))
         print(f"== the projector reads {records:,} records ==", flush=True)
-        figures["replay_records_per_s"] = _projected(stack, records)
+        figures["replay_records_per_s"], figures["projector_peak_rss_mb"] = _projected(
+            stack, records)
         figures["log_bytes"] = _log_bytes(stack.broker.home)
         print("== the full log ==", flush=True)
-        figures["full"] = {"startup": startups(stack)}
-        url, procs = _running(stack)
-        try:
-            figures["full"]["latency"] = latencies(url, sample, rounds)
-        finally:
-            for proc in procs:
-                _stop(proc)
-        figures["full"]["startup"] |= commands(stack, sample[1].conversation_id,
-                                               sample[2].conversation_id)
+        figures["full"] = _phase(stack, sample, rounds)
         return figures
+    except BaseException:
+        partial = logs / "scale-partial.json"
+        partial.write_text(json.dumps(figures, indent=2, default=str))
+        print(f"the bench stopped; what it measured is in {partial}", file=sys.stderr)
+        raise
     finally:
         stack.stop()
+
+
+def _phase(stack: Stack, old: list[Written], rounds: int) -> dict[str, Any]:
+    """Each service started alone; then, with a gateway, a worker and the projector
+    running, the requests, and the commands on a session of the moment (and on one from
+    the history's start, if there is a history)."""
+    figures: dict[str, Any] = {"startup": startups(stack)}
+    url, procs = _running(stack)
+    try:
+        figures["latency"] = latencies(url, old, rounds)
+        for name, got in figures["latency"].items():
+            print(f"  {name}: p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms",
+                  flush=True)
+        now = [uuid.UUID(httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": what}]
+        }).headers["x-session-id"]) for what in ("audit me", "erase me")]
+        time.sleep(2)  # projected
+        figures["startup"] |= commands(stack, now[0], now[1])
+        if old:
+            seconds, rss, status = _command(stack, "audit", str(old[0].conversation_id),
+                                            "--json")
+            if status != 0:
+                raise RuntimeError(f"the audit of {old[0].conversation_id} failed")
+            figures["audit_old"] = {"start_s": seconds, "rss_mb": rss}
+            print(f"  audit of a session from the history's start: {seconds:.2f} s, "
+                  f"peak {rss:.0f} MB", flush=True)
+    finally:
+        for proc in procs:
+            _stop(proc)
+    return figures
 
 
 def _log_bytes(kafka_home: Path) -> dict[str, int]:
@@ -426,10 +442,16 @@ def table(figures: dict[str, Any]) -> str:
         e, f = empty["latency"][key], full["latency"][key]
         rows.append(f"| {label} | {e['p50_ms']:.1f} / {e['p99_ms']:.1f} ms | "
                     f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} ms |")
-    logged = ", ".join(f"{t} {b / 2**20:,.0f} MiB" for t, b in sorted(
-        figures["log_bytes"].items()))
+    logged = ", ".join(f"{t} {b / 2**20:,.1f} MiB" for t, b in sorted(
+        figures["log_bytes"].items()) if b)
+    if "audit_old" in full:
+        rows.append(f"\nAn audit of a session from the history's start reads its partitions "
+                    f"from then on: {full['audit_old']['start_s']:.2f} s, peak "
+                    f"{full['audit_old']['rss_mb']:.0f} MB (here the whole history was "
+                    "written within a minute, so that is every record of its partitions).")
     rows += ["", f"History: {figures['conversations']:,} conversations written in "
              f"{figures['build_s']:.0f} s; the projector read the log at "
-             f"{figures['replay_records_per_s']:,.0f} records/s. The log: {logged}."]
+             f"{figures['replay_records_per_s']:,.0f} records/s (its RSS at most "
+             f"{figures['projector_peak_rss_mb']:.0f} MB meanwhile). The log: {logged}."]
     return "\n".join(rows)
 

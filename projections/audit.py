@@ -268,7 +268,9 @@ def audit(bootstrap: str, conversation_id: uuid.UUID, since_ms: int | None = Non
     import asyncio
 
     async def run() -> tuple[list[Entry], list[LiveEntry]]:
-        consumer = AsyncConsumer(bootstrap, f"audit-{uuid.uuid4().hex[:12]}")
+        # Only the session's records are kept: a small prefetch keeps the rest brief.
+        consumer = AsyncConsumer(bootstrap, f"audit-{uuid.uuid4().hex[:12]}",
+                                 **{"queued.max.messages.kbytes": 8192})
         try:
             return await consumer.call(read_history, consumer, conversation_id, since_ms)
         finally:
