@@ -58,7 +58,7 @@ def encode(event: Event, key: SealWith | _Held = HELD) -> bytes:
     conversation, else none), and dropped if that conversation's keys were destroyed.
     A writer that knows its conversation's key names it: a keyring holds a bounded
     number."""
-    if sealing.active() and event.sealed is None:
+    if event.sealed is None and (sealing.active() or not isinstance(key, _Held)):
         content = content_of(event)
         if content is not None:
             if isinstance(key, _Held):

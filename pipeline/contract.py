@@ -27,6 +27,7 @@ from pipeline.topics import (
     topic_specs,
 )
 from schemas import EVENT_ADAPTER
+from schemas.content import FIELD_CLASSES
 from schemas.live import LIVE_ADAPTER
 from schemas.rollout import Rollout
 
@@ -94,12 +95,29 @@ def live_schema() -> dict[str, Any]:
                    "Readers must ignore fields they do not know.")
 
 
+def _classified(schema: dict[str, Any]) -> dict[str, Any]:
+    """Each event's properties with their class (``x-class``: ``schemas.content``): what
+    a field may tell of what a client said, and how the log keeps it."""
+    for name, definition in schema.get("$defs", {}).items():
+        classes = FIELD_CLASSES.get(name)
+        if classes is None:
+            continue
+        for field, prop in definition.get("properties", {}).items():
+            prop["x-class"] = classes[field]
+    return schema
+
+
 def event_schema() -> dict[str, Any]:
-    return _schema(EVENT_ADAPTER, "events", "Chat pipeline event",
+    return _classified(_schema(EVENT_ADAPTER, "events", "Chat pipeline event",
                    "Every record value on chat.prompts, chat.control and "
                    "chat.generations: UTF-8 JSON, one event, told apart by "
                    "`type`. Readers must ignore fields they do not know (a newer "
-                   "writer may add some; `v` counts each event type's versions).")
+                   "writer may add some; `v` counts each event type's versions). Each "
+                   "property's x-class says what it may tell of what a client said: "
+                   "sealed (in the record's box, with the conversation's data key), "
+                   "digest (a keyed digest), choice (a number, flag or configured name "
+                   "the client chose), server (made by the pipeline), legacy (written in "
+                   "the clear by code from before the live stream)."))
 
 
 def asyncapi() -> dict[str, Any]:

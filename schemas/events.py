@@ -250,7 +250,8 @@ class PromptSubmitted(EventBase):
 
     @model_validator(mode="after")
     def _memory_has_a_user(self) -> PromptSubmitted:
-        if (self.memory or self.recalled) and self.user is None:
+        # (Sealed, its user is in the box: ``schemas.content``.)
+        if (self.memory or self.recalled) and self.user is None and self.sealed is None:
             raise ValueError("a turn with memory names its user")
         return self
 

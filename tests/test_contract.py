@@ -3,30 +3,41 @@ and real events validate against it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+import typing
 import uuid
 from typing import Any
 
 import jsonschema
 import yaml
 
-from pipeline import contract
-from pipeline.codec import encode
+from pipeline import contract, sealing
+from pipeline.codec import decode, encode
+from pipeline.contract import event_schema
 from pipeline.settings import REPO_ROOT
 from pipeline.topics import CONVERSATION_TOPICS, LIVE
 from schemas import (
     ChatMessage,
     ClientDetached,
+    Event,
     GenerationFailed,
     GenerationFinished,
     GenerationStarted,
     PromptSubmitted,
+    Recalled,
+    SamplingParams,
+    SessionCreated,
     TokenDelta,
     TurnRef,
     Usage,
 )
+from schemas.content import FIELD_CLASSES
+
+# Every event type the log may hold.
+EVENT_TYPES = typing.get_args(typing.get_args(Event)[0])
 
 
 def test_checked_in_contract_matches_the_code() -> None:
@@ -151,3 +162,59 @@ def test_asyncapi_document_is_complete_and_its_references_resolve() -> None:
         for part in ref.removeprefix("#/").split("/"):
             assert isinstance(node, dict) and part in node, f"unresolved {ref}"
             node = node[part]
+
+
+def test_every_field_of_every_event_has_a_class() -> None:
+    """The contract's classes (schemas.content.FIELD_CLASSES) name each field the code
+    has, and no other: a new field is classified before it ships."""
+    models = {m.__name__: m for m in (*EVENT_TYPES, SamplingParams)}
+    assert set(FIELD_CLASSES) == set(models)
+    for name, model in models.items():
+        assert set(FIELD_CLASSES[name]) == set(model.model_fields), name
+    schema = event_schema()["$defs"]
+    for name in models:
+        assert all("x-class" in p for p in schema[name]["properties"].values()), name
+
+
+def test_every_sealed_field_is_in_the_box() -> None:
+    """A marker in every field classed sealed is nowhere in the encoded record, and
+    comes back when the box opens."""
+    marker = "MARKER-7c1e"
+    conversation = uuid.uuid4()
+    key, _ = sealing.new_data_key(conversation)
+    ids: dict[str, Any] = {"conversation_id": conversation, "request_id": "r1", "tenant": "t"}
+    events = [
+        PromptSubmitted(**ids, model="m", messages=(ChatMessage(role="user", content=marker),),
+                        history_len=1, history=(ChatMessage(role="user", content=marker),),
+                        history_digest=hashlib.sha256(marker.encode()).hexdigest(),
+                        sampling=SamplingParams(stop=(marker,)), memory=True, user=marker,
+                        recalled=(Recalled(id="chatcmpl-x", text=marker),)),
+        SessionCreated(**ids, title=marker, memory_user=marker),
+        GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop", text=marker,
+                           usage=Usage(prompt_tokens=1, completion_tokens=1), deltas=1,
+                           duration_ms=1.0)]
+    digest = hashlib.sha256(marker.encode()).hexdigest().encode()
+    ring = _OneKey(key)
+    sealing.install(ring)
+    try:
+        for event in events:
+            raw = encode(event, key)
+            assert marker.encode() not in raw and digest not in raw, event.type
+            assert decode(raw) == event
+    finally:
+        sealing.uninstall(ring)
+
+
+class _OneKey:
+    def __init__(self, key: sealing.DataKey) -> None:
+        self.key = key
+
+    def for_writing(self, conversation_id: uuid.UUID) -> sealing.DataKey | None:
+        return None
+
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> sealing.DataKey | None:
+        return self.key if key_id == self.key.key_id else None
+
+    def revoked(self, conversation_id: uuid.UUID) -> bool:
+        return False
