@@ -178,11 +178,14 @@ class ChatService:
         deadline = time.monotonic() + self.settings.accept_timeout_s
         tenant = caller.tenant
         key = idempotency_key
-        conversation = session or (idempotent_conversation(tenant, key) if key else uuid.uuid4())
+        # The key is kept as its keyed digest only (``pipeline.digests``).
+        key_digest = self.keyring.digests.raw("idempotency", tenant, key) if key else None
+        conversation = session or (idempotent_conversation(key_digest) if key_digest
+                                   else uuid.uuid4())
         # An alias's turn goes to the version its rollout record picks (schemas.rollout).
         version, routed_by = self.fleet.route(request.model, conversation)
         self.check_model(version)
-        request_id = completion_id(conversation, tenant, key)
+        request_id = completion_id(conversation, key_digest)
         bind_turn(request_id=request_id, conversation_id=conversation, tenant=tenant)
         history = []
         view: ConversationView | None = None
@@ -231,9 +234,11 @@ class ChatService:
             history_len=len(history), previous=previous,
             history=tuple(history) if history and previous is None else None,
             history_digest=digest(history) if history else None,
-            sampling=request.sampling(), idempotency_key=key, background=request.background,
+            sampling=request.sampling(),
+            idempotency_key=key_digest.hex()[:32] if key_digest else None,
+            background=request.background,
             history_end=view.prompts_end if view is not None else None, charge=charge,
-            memory=memory, user=user if memory else None,
+            memory=memory, user=user,
             recalled=recalled,
         )
         # Text past a MiB is sealed as it is (``pipeline.sealing``): a record at least
@@ -293,7 +298,15 @@ class ChatService:
         started = time.perf_counter()
         recalled = await self.memory.recall(tenant, user, query, session)
         self.metrics.memory_recall.observe(time.perf_counter() - started)
-        return recalled
+        # A memory of a conversation erased a moment ago (before the memory service read
+        # its deletion) is not carried into another.
+        return tuple(r for r in recalled if not self._erased(r.id))
+
+    def _erased(self, completion: str) -> bool:
+        try:
+            return self.keyring.revoked(conversation_of(completion))
+        except Problem:
+            return False
 
     def check_context(self, model: str, history: list[ChatMessage],
                       new: tuple[ChatMessage, ...], max_tokens: int | None) -> None:

@@ -3,7 +3,8 @@
 * A completion id is ``chatcmpl-<conversation hex><16 hex>``: it names its conversation,
   so any gateway knows which partition holds the turn without asking anyone.
 * With an ``Idempotency-Key`` the id (and, for a new session, the conversation) is
-  derived from the tenant and the key, so a retry names the same turn.
+  derived from the key's keyed digest (``pipeline.digests``: the tenant and the key,
+  keyed by the KEK), so a retry names the same turn and no id tells the key.
 * An SSE event id is ``<partition>-<offset>-<index>``: the entry's position in
   ``chat.live`` (its record's offset, its index in the record), which a client sends
   back as ``Last-Event-ID`` to resume. ``<partition>-<offset>`` is a position in
@@ -13,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 import uuid
@@ -28,17 +28,14 @@ _EVENT_ID = re.compile(r"(\d{1,9})-(\d{1,18})(?:-(\d{1,6}))?")
 EventPosition = tuple[int, int, int | None]
 
 
-def _digest(tenant: str, key: str) -> bytes:
-    return hashlib.sha256(f"{tenant}\0{key}".encode()).digest()
+def idempotent_conversation(key_digest: bytes) -> uuid.UUID:
+    """The conversation a keyed request without a session starts (the same on every
+    retry): from its idempotency key's digest (``Digester.raw("idempotency", ...)``)."""
+    return uuid.UUID(bytes=key_digest[:16], version=4)
 
 
-def idempotent_conversation(tenant: str, key: str) -> uuid.UUID:
-    """The conversation a keyed request without a session starts (the same on every retry)."""
-    return uuid.UUID(bytes=_digest(tenant, key)[:16], version=4)
-
-
-def completion_id(conversation_id: uuid.UUID, tenant: str = "", key: str | None = None) -> str:
-    suffix = _digest(tenant, key)[16:24].hex() if key is not None else secrets.token_hex(8)
+def completion_id(conversation_id: uuid.UUID, key_digest: bytes | None = None) -> str:
+    suffix = key_digest[16:24].hex() if key_digest is not None else secrets.token_hex(8)
     return f"{PREFIX}{conversation_id.hex}{suffix}"
 
 

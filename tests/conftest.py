@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,16 @@ def wait_healthy(url: str, services: list[Service], timeout: float) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy\n" + "\n".join(s.tail() for s in services))
+
+
+def idempotent_conversation(key: str, tenant: str = "default") -> uuid.UUID:
+    """The conversation a request with this Idempotency-Key starts, as the test stack's
+    gateways derive it (keyed by the stack's KEK: ``pipeline.digests``)."""
+    from gateway.ids import idempotent_conversation as derived
+    from pipeline.digests import Digester
+    from pipeline.kek import load_kek
+
+    return derived(Digester(load_kek(CommonSettings())).raw("idempotency", tenant, key))
 
 
 def new_database(database_url: str, name: str) -> str:

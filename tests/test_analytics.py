@@ -25,7 +25,6 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
-from gateway.ids import idempotent_conversation
 from infra.process import free_port
 from pipeline.codec import conversation_key, encode, key_of
 from pipeline.partitioning import partition_for
@@ -45,6 +44,7 @@ from tests.conftest import (
     Pipeline,
     Service,
     Stack,
+    idempotent_conversation,
     new_database,
     start_service,
     wait_healthy,
@@ -132,7 +132,7 @@ def keys_in_every_partition() -> list[str]:
     found: dict[int, str] = {}
     while len(found) < PARTITIONS:
         key = uuid.uuid4().hex
-        conversation = idempotent_conversation("default", key)
+        conversation = idempotent_conversation(key)
         found.setdefault(partition_for(conversation_key(conversation), PARTITIONS), key)
     return list(found.values())
 

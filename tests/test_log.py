@@ -27,7 +27,6 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
-from gateway.ids import idempotent_conversation
 from infra.process import free_port
 from pipeline.codec import Position, conversation_key
 from pipeline.partitioning import partition_for
@@ -38,6 +37,7 @@ from tests.conftest import (
     PARTITIONS,
     Pipeline,
     Stack,
+    idempotent_conversation,
     new_database,
     start_service,
     wait_healthy,
@@ -325,7 +325,7 @@ def test_live_records_hold_many_turns_and_the_durable_record_no_delta(logged: Lo
     conversations = []
     while len(conversations) < 16:
         key = uuid.uuid4().hex
-        conversation = idempotent_conversation("default", key)
+        conversation = idempotent_conversation(key)
         if partition_for(conversation_key(conversation), PARTITIONS) == 0:
             conversations.append(key)
     with ThreadPoolExecutor(16) as pool:
