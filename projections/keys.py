@@ -16,7 +16,7 @@ from pipeline.kek import KeyRef, key_info, parse_record_key
 from projections.projection import Write, write
 
 _ADD = """
-INSERT INTO data_keys (key_id, short_id, conversation_id, tenant, "user", created_at)
+INSERT INTO data_keys (key_id, short_id, conversation_id, tenant, user_digest, created_at)
 VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (key_id) DO NOTHING
 """
 _DESTROYED = "DELETE FROM data_keys WHERE conversation_id = %s AND short_id = %s"
@@ -44,5 +44,8 @@ def key_writes(record: Record) -> list[Write]:
         made = datetime.fromtimestamp((info.at_ms or record.timestamp_ms) / 1000, UTC)
     except (OverflowError, OSError, ValueError):  # a time no clock gives
         raise ValueError(f"made at {info.at_ms} ms: not a time") from None
-    return [write(_ADD, (ref, info.short_id, info.conversation_id, info.tenant, info.user,
-                         made))]
+    added = write(_ADD, (ref, info.short_id, info.conversation_id, info.tenant,
+                         info.user_digest, made))
+    if info.orig is not None:  # wrapped anew by a rotation: its row names this record now
+        return [write(_DESTROYED, (info.conversation_id, info.short_id)), added]
+    return [added]

@@ -59,7 +59,8 @@ VALUES (%s, %s, %s, %s, %s, %s)
 ON CONFLICT (id) DO UPDATE SET
     title = CASE WHEN conversations.deleted THEN NULL
                  ELSE COALESCE(conversations.title, EXCLUDED.title) END,
-    memory_user = COALESCE(conversations.memory_user, EXCLUDED.memory_user),
+    memory_user = CASE WHEN conversations.deleted THEN NULL
+                       ELSE COALESCE(conversations.memory_user, EXCLUDED.memory_user) END,
     created_at = LEAST(conversations.created_at, EXCLUDED.created_at),
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
 WHERE conversations.tenant = EXCLUDED.tenant
@@ -80,6 +81,7 @@ VALUES (%s, %s, NULL, %s, %s, true)
 ON CONFLICT (id) DO UPDATE SET
     deleted = true,
     title = NULL,
+    memory_user = NULL,
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
 WHERE conversations.tenant = EXCLUDED.tenant
 """
@@ -89,11 +91,36 @@ DELETE FROM messages WHERE conversation_id = %s
     AND EXISTS (SELECT 1 FROM conversations WHERE id = %s AND deleted)
 """
 
+# What else of a deleted conversation's turns a client said: the end users they named,
+# their sampling (stop strings) and idempotency keys' digests.
+_DELETE_USERS = """
+DELETE FROM conversation_users WHERE conversation_id = %s
+    AND EXISTS (SELECT 1 FROM conversations WHERE id = %s AND deleted)
+"""
+_FORGET_TURNS = """
+UPDATE generations SET sampling = NULL, idempotency_key = NULL WHERE conversation_id = %s
+    AND (sampling IS NOT NULL OR idempotency_key IS NOT NULL)
+    AND EXISTS (SELECT 1 FROM conversations WHERE id = %s AND deleted)
+"""
+
+# An end user a turn named, unless its conversation is deleted already.
+_NAMED_USER = """
+INSERT INTO conversation_users (conversation_id, tenant, "user")
+SELECT %(conv)s, %(tenant)s, %(user)s
+WHERE EXISTS (SELECT 1 FROM conversations WHERE id = %(conv)s AND NOT deleted
+              AND tenant = %(tenant)s)
+ON CONFLICT DO NOTHING
+"""
+
 # A duplicate prompt (an idempotent retry) keeps the first one's position.
 _PROMPT_GENERATION = """
 INSERT INTO generations (request_id, conversation_id, tenant, model, sampling, status,
     submitted_at, idempotency_key, background, prompt_offset, charge_key, charge_tokens)
-VALUES (%s, %s, %s, %s, %s, 'pending', %s, %s, %s, %s, %s, %s)
+SELECT %(rid)s, %(conv)s, %(tenant)s, %(model)s, CASE WHEN deleted THEN NULL ELSE
+       %(sampling)s END, 'pending', %(at)s, CASE WHEN deleted THEN NULL ELSE %(key)s END,
+       %(background)s, %(offset)s, %(charge_key)s, %(charge_tokens)s
+  FROM (SELECT EXISTS (SELECT 1 FROM conversations WHERE id = %(conv)s AND deleted)
+        AS deleted) AS conversation
 ON CONFLICT (request_id) DO UPDATE SET
     charge_key = COALESCE(generations.charge_key, EXCLUDED.charge_key),
     charge_tokens = CASE WHEN generations.charge_key IS NULL THEN EXCLUDED.charge_tokens
@@ -197,23 +224,31 @@ def project(event: Event, offset: int | None = None,
     conv = event.conversation_id
     if isinstance(event, SessionDeleted):
         return [write(_DELETE_CONVERSATION, (conv, event.tenant, at, at)),
-                write(_DELETE_MESSAGES, (conv, conv))]
+                write(_DELETE_MESSAGES, (conv, conv)), write(_DELETE_USERS, (conv, conv)),
+                write(_FORGET_TURNS, (conv, conv))]
     memory_user = event.memory_user if isinstance(event, SessionCreated) else None
     writes = [write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at,
                                            memory_user))]
+    if memory_user is not None:
+        writes.append(write(_NAMED_USER, {"conv": conv, "tenant": event.tenant,
+                                          "user": memory_user}))
     if isinstance(event, PromptSubmitted):
         for seq, msg in enumerate(event.messages, start=event.history_len):
             writes.append(_message(event, seq, msg.role, msg.content))
         writes.append(
             write(
                 _PROMPT_GENERATION,
-                (event.request_id, conv, event.tenant, event.model,
-                 Jsonb(event.sampling.model_dump(mode="json")), at, event.idempotency_key,
-                 event.background, offset,
-                 event.charge.key_id if event.charge else None,
-                 event.charge.tokens if event.charge else None),
+                {"rid": event.request_id, "conv": conv, "tenant": event.tenant,
+                 "model": event.model, "sampling": Jsonb(event.sampling.model_dump(
+                     mode="json")), "at": at, "key": event.idempotency_key,
+                 "background": event.background, "offset": offset,
+                 "charge_key": event.charge.key_id if event.charge else None,
+                 "charge_tokens": event.charge.tokens if event.charge else None},
             )
         )
+        if event.user is not None:
+            writes.append(write(_NAMED_USER, {"conv": conv, "tenant": event.tenant,
+                                              "user": event.user}))
         if event.charge is not None:
             writes.append(write(_TRUE_UP, (event.request_id,)))
     elif isinstance(event, GenerationStarted):

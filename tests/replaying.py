@@ -19,13 +19,17 @@ TABLES = {
     "conversations": "id",
     "messages": "conversation_id, seq",
     "generations": "request_id",
+    "conversation_users": "conversation_id, \"user\"",
+    "data_keys": "key_id",
     "projector_positions": "topic, partition",
 }
 
 
 # The column naming each table's conversation, for leaving contested ones out.
 CONVERSATION_COLUMN = {"conversations": "id", "messages": "conversation_id",
-                       "generations": "conversation_id"}
+                       "generations": "conversation_id",
+                       "conversation_users": "conversation_id",
+                       "data_keys": "conversation_id"}
 
 
 def snapshot(database_url: str, schema: str,
