@@ -15,7 +15,8 @@ from gateway.settings import GatewaySettings
 from memory.embedder import Embedder
 from memory.settings import MemorySettings
 from pipeline import runtime
-from pipeline.keystore import open_keyring
+from pipeline.digests import Digester
+from pipeline.keystore import load_kek, open_keyring
 from pipeline.logs import log_format
 from pipeline.settings import CommonSettings
 from pipeline.tracing import setup_tracing
@@ -152,7 +153,8 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
     store.migrate(url)
     embedder = open_embedder(common, settings)
     registry = CollectorRegistry()
-    service = MemoryService(settings, common.kafka_bootstrap, url, embedder, registry)
+    service = MemoryService(settings, common.kafka_bootstrap, url, embedder, registry,
+                            Digester(load_kek(common)))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:

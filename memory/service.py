@@ -37,6 +37,7 @@ from memory.settings import MemorySettings
 from memory.store import Remembered
 from pipeline.codec import DecodeError, decode, decode_async
 from pipeline.deadletter import dead_letter
+from pipeline.digests import Digester
 from pipeline.kafka import AsyncConsumer, EventProducer, Record
 from pipeline.metrics import LATENCY_BUCKETS
 from pipeline.retry import Backoff, QuietLog
@@ -92,8 +93,10 @@ def remembered(event: PromptSubmitted, max_chars: int) -> Remembered | None:
 
 class MemoryService:
     def __init__(self, settings: MemorySettings, bootstrap: str, database_url: str,
-                 embedder: Embedder, registry: CollectorRegistry) -> None:
+                 embedder: Embedder, registry: CollectorRegistry,
+                 digests: Digester) -> None:
         self.settings = settings
+        self.digests = digests  # a forgetting names its user by digest in the log
         self.bootstrap = bootstrap
         self.embedder = embedder
         self.registry = registry
@@ -186,7 +189,7 @@ class MemoryService:
                     if isinstance(e, SessionDeleted):
                         await store.conversation_deleted(conn, e.conversation_id)
                     elif isinstance(e, MemoryForgotten):
-                        await store.forget(conn, e.tenant, e.user, e.request_id)
+                        await store.forget(conn, e.tenant, e.request_id)
                 new = await store.remember(conn, list(zip(remember, vectors, strict=True)),
                                            self.embedder.name)
                 evicted = await store.evict(conn, sorted({(r.tenant, r.user) for r in remember}),
@@ -274,11 +277,12 @@ class MemoryService:
                 return problem(404, "memory_not_found", "No such memory of this user.")
             # Durable in the log first: a rebuild, and this store if it fails now, forget
             # it too.
+            user_digest = self.digests.digest("user", tenant, user)
             await asyncio.gather(*(self.producer.send(CONTROL, MemoryForgotten(
                 conversation_id=m.conversation_id, request_id=m.id, tenant=tenant,
-                user=user)) for m in found))
+                user=user_digest)) for m in found))
             for m in found:
-                await store.forget(conn, tenant, user, m.id)
+                await store.forget(conn, tenant, m.id)
         self.metrics.forgotten.inc(len(found))
         if memory_id is not None:
             return JSONResponse({"id": memory_id, "object": "memory", "deleted": True})

@@ -104,12 +104,11 @@ async def remember(conn: Conn, items: Sequence[tuple[Remembered, Vector]], model
             "INSERT INTO memories (tenant, user_id, id, conversation_id, text, model, "
             "embedding, created_at) SELECT %s, %s, %s, %s, %s, %s, %s::vector, %s "
             "WHERE NOT EXISTS (SELECT 1 FROM memory_forgotten WHERE tenant = %s AND "
-            "user_id = %s AND id = %s) AND NOT EXISTS (SELECT 1 FROM "
+            "id = %s) AND NOT EXISTS (SELECT 1 FROM "
             "memory_deleted_conversations WHERE conversation_id = %s) "
             "ON CONFLICT DO NOTHING",
             (item.tenant, item.user, item.id, item.conversation_id, item.text, model,
-             vector_text(vector), item.at, item.tenant, item.user, item.id,
-             item.conversation_id))
+             vector_text(vector), item.at, item.tenant, item.id, item.conversation_id))
         new += cur.rowcount
     return new
 
@@ -136,11 +135,13 @@ async def finished(conn: Conn, request_ids: Sequence[str]) -> None:
             [(r,) for r in request_ids])
 
 
-async def forget(conn: Conn, tenant: str, user: str, memory_id: str) -> bool:
+async def forget(conn: Conn, tenant: str, memory_id: str) -> bool:
+    """Forget a memory (a turn's request id, one user's in its tenant): the log's
+    ``MemoryForgotten`` names its user by digest only."""
     await conn.execute("INSERT INTO memory_forgotten (tenant, user_id, id) VALUES "
-                       "(%s, %s, %s) ON CONFLICT DO NOTHING", (tenant, user, memory_id))
-    cur = await conn.execute("DELETE FROM memories WHERE tenant = %s AND user_id = %s AND "
-                             "id = %s", (tenant, user, memory_id))
+                       "(%s, '', %s) ON CONFLICT DO NOTHING", (tenant, memory_id))
+    cur = await conn.execute("DELETE FROM memories WHERE tenant = %s AND id = %s",
+                             (tenant, memory_id))
     return cur.rowcount > 0
 
 
