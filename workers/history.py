@@ -182,6 +182,10 @@ class Histories:
         while self._chars > self._max_chars:
             self._drop(next(iter(self._kept)))
 
+    def forget(self, conversation: uuid.UUID) -> None:
+        """Let the conversation's history go (its session was deleted)."""
+        self._drop(conversation)
+
     def _drop(self, conversation: uuid.UUID) -> None:
         kept = self._kept.pop(conversation, None)
         if kept is not None:

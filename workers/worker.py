@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
+from pipeline import sealing
 from pipeline.codec import TP, DecodeError, SealWith, conversation_key, decode_keyed_async
 from pipeline.kafka import (
     AsyncConsumer,
@@ -56,6 +57,7 @@ from schemas import (
     GenerationFailed,
     GenerationFinished,
     PromptSubmitted,
+    SessionDeleted,
 )
 from schemas.conversation import Verdict
 from schemas.history import turn_messages
@@ -261,6 +263,8 @@ class Worker:
         if not isinstance(event, PromptSubmitted):
             # Control events; also found in chat.prompts when written by gateways from
             # before chat.control existed.
+            if isinstance(event, SessionDeleted):  # no plaintext of it stays here
+                self.histories.forget(event.conversation_id)
             await self.flights.control(event, logged_at(record))
             self._done((topic, partition), offset)
             return
@@ -362,7 +366,8 @@ class Worker:
         self._done(tp, offset)
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
-        if turn.history is not None:
+        if turn.history is not None and not self.flights.book.deleted(
+                prompt.conversation_id) and not sealing.revoked(prompt.conversation_id):
             self.histories.remember(prompt.conversation_id, offset,
                                     turn.history + turn_messages(prompt, final))
         self._forget(prompt.request_id, ended=True)
