@@ -30,6 +30,7 @@ import msgspec
 
 from pipeline import sealing
 from pipeline.codec import conversation_key, encode
+from pipeline.digests import Digester
 from pipeline.kafka import ProduceError
 from pipeline.kafka.plain import PlainWriter
 from pipeline.kek import Kek, KeyRef
@@ -110,7 +111,7 @@ def _write_share(bootstrap: str, kek_bytes: bytes, owned: list[int], count: int,
 
 def _write(bootstrap: str, kek_bytes: bytes, owned: list[int], count: int,
            partitions: int, sample: int, counter: Any) -> list[Written]:
-    kek = Kek(kek_bytes)
+    kek, digests = Kek(kek_bytes), Digester(kek_bytes)
     producer = PlainWriter(bootstrap, "history", linger_ms=50, compression="zstd")
     offsets = {(t, p): 0 for t in (KEYS, CONTROL, PROMPTS, GENERATIONS, LIVE) for p in owned}
     kept: list[Written] = []
@@ -122,7 +123,7 @@ def _write(bootstrap: str, kek_bytes: bytes, owned: list[int], count: int,
         if partition not in owned:
             continue
         n = done
-        written = _one(producer, kek, conversation, partition, n, offsets)
+        written = _one(producer, kek, digests, conversation, partition, n, offsets)
         if n % every == 0:
             kept.append(written)
         done += 1
@@ -151,14 +152,16 @@ def _produce(producer: PlainWriter, topic: str, partition: int, key: bytes | Non
     return offset
 
 
-def _one(producer: PlainWriter, kek: Kek, conversation: uuid.UUID, partition: int, n: int,
+def _one(producer: PlainWriter, kek: Kek, digests: Digester, conversation: uuid.UUID,
+         partition: int, n: int,
          offsets: dict[tuple[str, int], int]) -> Written:
     tenant = "default"
     data_key, secret = sealing.new_data_key(conversation)
     record_key = f"{conversation}/{data_key.key_id}".encode()
     at = offsets[(KEYS, partition)]
     _produce(producer, KEYS, partition, record_key,
-             kek.wrap(conversation, data_key.key_id, secret, tenant, f"user-{n % USERS}"),
+             kek.wrap(conversation, data_key.key_id, secret, tenant,
+                       digests.digest("user", tenant, f"user-{n % USERS}")),
              offsets)
     key = sealing.DataKey(str(KeyRef(data_key.key_id, partition, at)), conversation,
                           data_key.aead)

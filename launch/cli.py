@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     kl.add_argument("--json", action="store_true", help="one JSON object per line")
     kr = keys_sub.add_parser("revoke", help="revoke a key: refused from then on")
     kr.add_argument("key_id", help="the id shown by create and list (sk-<id>.…)")
+    kek = sub.add_parser("kek", help="the key-encryption key of the data keys")
+    kek_sub = kek.add_subparsers(dest="kek", required=True)
+    kek_sub.add_parser("rotate", help="wrap every data key anew with PIPELINE_KEK, replacing "
+                       "PIPELINE_KEK_PREVIOUS, while the service runs")
     wk = sub.add_parser("worker", help="run a generation worker")
     wk.add_argument("--engine", choices=["vllm", "sim"],
                     help="vllm (default), or sim: a SIMULATED engine for load/fault tests")
@@ -170,8 +174,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="the conversation (session) id")
     which.add_argument("--user", metavar="USER",
                        help="every conversation whose key or memory names this user")
-    er.add_argument("--tenant", default="default",
-                    help="the user's tenant (with --user; default: default)")
+    er.add_argument("--tenant", help="the user's tenant (with --user; default: default); "
+                    "with --conversation, refused unless the conversation's own")
     er.add_argument("--projector-group", default="projector",
                     help="the projector's consumer group, whose store it waits for")
     au = sub.add_parser("audit", help="print a session's event history from the log")
@@ -532,6 +536,16 @@ def run_usage_command(common: CommonSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_kek_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from launch.rotate import RotationError, rotate_command
+
+    try:
+        return rotate_command(common, args)
+    except RotationError as exc:
+        print(f"pipeline kek rotate: {exc}", file=sys.stderr)
+        return 1
+
+
 def run_erase_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from launch.erase import erase_command
 
@@ -611,10 +625,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout", "erase"}
+ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout", "erase",
+            "kek"}
 # What talks to Kafka: it is refused at once if the cluster will not let it in.
 KAFKA_COMMANDS = {"gateway", "worker", "projector", "analytics", "memory", "topics", "keys",
-                  "replay", "audit", "rollout", "erase"}
+                  "replay", "audit", "rollout", "erase", "kek"}
 
 
 def _check_kafka_access(common: CommonSettings) -> None:
@@ -731,6 +746,7 @@ COMMANDS: dict[str, Command] = {
     "topics": lambda args, common, _: run_topics_command(common),
     "gateway": _gateway,
     "keys": lambda args, common, _: run_keys_command(common, args),
+    "kek": lambda args, common, _: run_kek_command(common, args),
     "worker": _worker,
     "projector": _projector,
     "analytics": _analytics,

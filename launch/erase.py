@@ -23,6 +23,7 @@ import uuid
 import psycopg
 
 from pipeline.codec import conversation_key, encode
+from pipeline.digests import Digester
 from pipeline.kafka import GroupStatus, ProduceError
 from pipeline.kafka.plain import PlainWriter
 from pipeline.keystore import Keyring, open_keyring
@@ -42,15 +43,17 @@ def erase_command(common: CommonSettings, args: argparse.Namespace) -> int:
     try:
         with psycopg.connect(common.database_url, connect_timeout=10) as conn:
             caught_up(conn, common.kafka_bootstrap, args.projector_group)
-            targets = _targets(conn, args)
+            with open_keyring(common, "erase") as keyring:
+                targets = _targets(conn, args, keyring.digests)
+                if targets:
+                    keys = erase(keyring, PlainWriter(common.kafka_bootstrap, "erase"),
+                                 [(c, tenant, key_ids(conn, c)) for c, tenant in targets])
             if not targets:
                 what = (f"conversation {args.conversation}" if args.conversation
-                        else f"conversation of user {args.user!r} in tenant {args.tenant!r}")
+                        else f"conversation of user {args.user!r} in tenant "
+                             f"{args.tenant or 'default'!r}")
                 print(f"no {what} is in the store: nothing to erase", file=sys.stderr)
                 return 1
-            with open_keyring(common, "erase") as keyring:
-                keys = erase(keyring, PlainWriter(common.kafka_bootstrap, "erase"),
-                             [(c, tenant, key_ids(conn, c)) for c, tenant in targets])
     except EraseError as exc:
         print(f"pipeline erase: {exc}", file=sys.stderr)
         return 1
@@ -91,20 +94,33 @@ def caught_up(conn: psycopg.Connection, bootstrap: str, group: str,
         time.sleep(0.2)
 
 
-def _targets(conn: psycopg.Connection, args: argparse.Namespace
+def _targets(conn: psycopg.Connection, args: argparse.Namespace, digests: Digester
              ) -> list[tuple[uuid.UUID, str]]:
+    """The conversation and its tenant (the store's: ``--tenant`` names a user's), or
+    every conversation of the user: any of whose turns named them, whose session has
+    memory for them, or whose key's turn named them (by digest: chat.keys names no one)."""
     if args.conversation is not None:
         row = conn.execute("SELECT tenant FROM conversations WHERE id = %s",
                            (args.conversation,)).fetchone()
         if row is None:
             row = conn.execute("SELECT tenant FROM data_keys WHERE conversation_id = %s"
                                " LIMIT 1", (args.conversation,)).fetchone()
+        if row is not None and args.tenant is not None and row[0] != args.tenant:
+            raise EraseError(f"conversation {args.conversation} is not tenant "
+                             f"{args.tenant!r}'s: nothing erased (leave --tenant out, or "
+                             "name its own)")
         return [(args.conversation, row[0])] if row is not None else []
+    tenant = args.tenant or "default"
     rows = conn.execute(
-        "SELECT conversation_id FROM data_keys WHERE tenant = %(t)s AND \"user\" = %(u)s"
+        "SELECT conversation_id FROM conversation_users WHERE tenant = %(t)s"
+        " AND \"user\" = %(u)s"
+        " UNION SELECT conversation_id FROM data_keys WHERE tenant = %(t)s"
+        " AND user_digest = ANY(%(d)s)"
         " UNION SELECT id FROM conversations WHERE tenant = %(t)s AND memory_user = %(u)s"
-        " AND NOT deleted", {"t": args.tenant, "u": args.user}).fetchall()
-    return sorted((c, args.tenant) for c, in rows)
+        " AND NOT deleted",
+        {"t": tenant, "u": args.user,
+         "d": digests.every("user", tenant, args.user)}).fetchall()
+    return sorted((c, tenant) for c, in rows)
 
 
 def key_ids(conn: psycopg.Connection, conversation: uuid.UUID) -> list[str]:

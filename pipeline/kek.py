@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,18 @@ def load_kek(common: CommonSettings) -> bytes:
             _make_kek_file(path)
         text = path.read_text().strip()
         source = str(path)
+    return _kek_of(text, source)
+
+
+def load_previous_keks(common: CommonSettings) -> list[bytes]:
+    """The KEKs a rotation replaces (``PIPELINE_KEK_PREVIOUS``, comma-separated)."""
+    if common.kek_previous is None:
+        return []
+    return [_kek_of(text.strip(), "PIPELINE_KEK_PREVIOUS")
+            for text in common.kek_previous.get_secret_value().split(",") if text.strip()]
+
+
+def _kek_of(text: str, source: str) -> bytes:
     try:
         kek = base64.b64decode(text, validate=True)
     except ValueError:
@@ -116,9 +129,12 @@ class KeyInfo:
     conversation_id: uuid.UUID
     short_id: str
     tenant: str
-    user: str | None
+    user_digest: str | None  # its end user's digest (None: none, or a record of before)
     at_ms: int
     placed: bool  # written with its place named (references), or before
+    # A key wrapped anew by a rotation: the offset of its first record (None: this is it).
+    orig: int | None = None
+    kek: str | None = None  # the fingerprint of the KEK that wrapped it
 
 
 def key_info(key: bytes | None, value: bytes) -> KeyInfo:
@@ -133,52 +149,95 @@ def key_info(key: bytes | None, value: bytes) -> KeyInfo:
     if not isinstance(data, dict):
         raise ValueError("not a data key's record")
     try:
-        tenant, user = data["tenant"], data.get("user")
+        tenant, user = data["tenant"], data.get("user_digest")
         at = int(data.get("at", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a data key's record: {exc!r}") from None
     if not isinstance(tenant, str) or not (user is None or isinstance(user, str)):
         raise ValueError("not a data key's record: tenant and user are text")
-    return KeyInfo(parsed[0], parsed[1], tenant, user, at, data.get("v") == RECORD_V)
+    orig = data.get("orig")
+    if orig is not None and (not isinstance(orig, int) or orig < 0):
+        raise ValueError("not a data key's record: orig is an offset")
+    kek = data.get("kek")
+    return KeyInfo(parsed[0], parsed[1], tenant, user, at, data.get("v") == RECORD_V, orig,
+                   kek if isinstance(kek, str) else None)
 
 
 class Kek:
-    """Wraps data keys into their records, and unwraps them."""
+    """Wraps data keys into their records with the current KEK, and unwraps them with
+    the KEK each names: the current one, or one it replaced (during a rotation)."""
 
-    def __init__(self, kek: bytes) -> None:
+    def __init__(self, kek: bytes, previous: Sequence[bytes] = ()) -> None:
         self._aead = AESGCM(kek)
         self.fingerprint = fingerprint(kek)
+        self._by_fingerprint = {fingerprint(k): AESGCM(k) for k in previous}
+        self._by_fingerprint[self.fingerprint] = self._aead
+
+    def knows(self, kek_fingerprint: str) -> bool:
+        return kek_fingerprint in self._by_fingerprint
 
     def wrap(self, conversation_id: uuid.UUID, short_id: str, secret: bytes, tenant: str,
-             user: str | None) -> bytes:
+             user_digest: str | None, *, at: int | None = None,
+             orig: int | None = None) -> bytes:
+        """The record of a data key: its end user named by digest only
+        (``pipeline.digests``: a key record outlives the conversation's deletion until
+        compaction). ``orig``: a key wrapped anew by a rotation names the offset its
+        first record had, which the boxes that name it say."""
         nonce = os.urandom(sealing.NONCE_BYTES)
         wrapped = self._aead.encrypt(nonce, secret, record_key(conversation_id, short_id))
-        return json.dumps({
+        record = {
             "v": RECORD_V, "conversation_id": str(conversation_id), "key_id": short_id,
-            "tenant": tenant, "user": user, "kek": self.fingerprint,
+            "tenant": tenant, "user_digest": user_digest, "kek": self.fingerprint,
             "wrapped": base64.b64encode(nonce + wrapped).decode(),
-            "at": int(time.time() * 1000)}).encode()
+            "at": int(time.time() * 1000) if at is None else at}
+        if orig is not None:
+            record["orig"] = orig
+        return json.dumps(record).encode()
+
+    def rewrap(self, key: bytes | None, value: bytes, offset: int) -> bytes:
+        """A key's record wrapped anew with the current KEK (by a rotation), naming the
+        offset of its first record (``offset`` if this is it)."""
+        data = json.loads(value)
+        secret = self._secret(key, data)
+        parsed = parse_record_key(key)
+        assert parsed is not None  # _secret checked it
+        return self.wrap(parsed[0], parsed[1], secret, data["tenant"],
+                         data.get("user_digest"), at=int(data.get("at", 0)),
+                         orig=int(data.get("orig", offset)))
 
     def unwrap(self, key: bytes | None, value: bytes, key_id: str) -> sealing.DataKey:
-        """The data key in a record, named ``key_id`` (``KekError`` if another KEK wrapped
-        it; ``ValueError`` if the record is not a data key, or was tampered with)."""
+        """The data key in a record, named ``key_id`` (``KekError`` if a KEK this process
+        does not have wrapped it; ``ValueError`` if the record is not a data key, or was
+        tampered with)."""
+        parsed = parse_record_key(key)
+        if parsed is None:
+            raise ValueError(f"keyed {key!r}: not a data key's record")
+        try:
+            data = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"not a data key's record: {exc!r}") from None
+        return sealing.DataKey(key_id, parsed[0], AESGCM(self._secret(key, data)))
+
+    def _secret(self, key: bytes | None, data: object) -> bytes:
         parsed = parse_record_key(key)
         if parsed is None:
             raise ValueError(f"keyed {key!r}: not a data key's record")
         conversation, short_id = parsed
         try:
-            data = json.loads(value)
+            assert isinstance(data, dict)
             kek = data["kek"]
             raw = base64.b64decode(data["wrapped"])
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        except (AssertionError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not a data key's record: {exc!r}") from None
-        if kek != self.fingerprint:
+        aead = self._by_fingerprint.get(kek) if isinstance(kek, str) else None
+        if aead is None:
             raise KekError(f"key {short_id} of conversation {conversation} is wrapped by "
                            f"key-encryption key {kek}, and this process has "
-                           f"{self.fingerprint}: give every process the same PIPELINE_KEK")
+                           f"{self.fingerprint}: give every process the same PIPELINE_KEK "
+                           "(and, during a rotation, the one it replaces as "
+                           "PIPELINE_KEK_PREVIOUS)")
         try:
-            secret = self._aead.decrypt(raw[:sealing.NONCE_BYTES], raw[sealing.NONCE_BYTES:],
-                                        record_key(conversation, short_id))
+            return aead.decrypt(raw[:sealing.NONCE_BYTES], raw[sealing.NONCE_BYTES:],
+                                record_key(conversation, short_id))
         except (InvalidTag, ValueError) as exc:
             raise ValueError(f"key {short_id} does not unwrap: {exc!r}") from None
-        return sealing.DataKey(key_id, conversation, AESGCM(secret))

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -31,13 +31,25 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pipeline import sealing
 from pipeline.codec import conversation_key
+from pipeline.digests import Digester
 from pipeline.erasures import Erasures, ErasuresUnavailable, erasure_record
 from pipeline.kafka import KafkaException, ProduceError, Record
 from pipeline.kafka.lookup import Lookup, PositionReader
 from pipeline.kafka.plain import PlainWriter
-from pipeline.kek import Kek, KekError, KeyRef, load_kek, parse_record_key, record_key
+from pipeline.kek import (
+    Kek,
+    KekError,
+    KeyInfo,
+    KeyRef,
+    key_info,
+    load_kek,
+    load_previous_keks,
+    parse_record_key,
+    record_key,
+)
 from pipeline.partitioning import partition_for
 from pipeline.retry import QuietLog
+from pipeline.rotations import Rotation, find_moved, read_rotations
 from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS
 
@@ -53,6 +65,11 @@ KEY_CACHE = 16_384
 # means destroyed.
 MISSING_WAIT_S = 120.0
 _GONE = object()
+_REFUSED = object()  # its conversation is erased
+_FOREIGN = object()  # wrapped by a KEK this process does not have
+# How long a keyring goes on with the rotations it read before a key not where its
+# reference says has it read them again.
+ROTATIONS_FRESH_S = 10.0
 
 
 class KeyringError(sealing.RingUnavailable):
@@ -79,9 +96,14 @@ class Keyring:
 
     def __init__(self, bootstrap: str, kek: bytes, name: str, *, wait_s: float = 15.0,
                  erasure_window_s: float = 86_400.0, missing_wait_s: float = MISSING_WAIT_S,
-                 cache: int = KEY_CACHE, read_ahead: bool = False) -> None:
-        self._kek = Kek(kek)
+                 cache: int = KEY_CACHE, read_ahead: bool = False,
+                 previous: Sequence[bytes] = ()) -> None:
+        # ``previous``: the KEKs a rotation replaces, accepted to unwrap meanwhile.
+        self._kek = Kek(kek, previous)
         self.fingerprint = self._kek.fingerprint
+        self.digests = Digester(kek, previous)  # what the log keeps of a client's words
+        self._rotations: list[Rotation] = []
+        self._rotations_read = 0.0  # when (monotonic)
         self._bootstrap, self._name = bootstrap, name
         self._wait_s = wait_s
         self._erasure_window_s = erasure_window_s
@@ -119,6 +141,9 @@ class Keyring:
                 raise KeyringError(f"the topic {KEYS} does not exist: `pipeline topics` "
                                    "makes it")
             self._partitions = len(partitions)
+            self._rotations = self._retrying(
+                lambda: read_rotations(self._bootstrap, self._name, self._wait_s))
+            self._rotations_read = time.monotonic()
             self._check_kek(partitions)
         except KafkaException as exc:
             self.close()
@@ -137,11 +162,15 @@ class Keyring:
                 lambda p=partition: self._reader_().bounds(p, self._wait_s))  # type: ignore[misc]
             if high > low:
                 newest.append((partition, high - 1))
+        replaced = {f for r in self._rotations for f in r.replaced}
         for record in self._read(newest).found.values():
             if record.value is not None:
                 try:
                     self._kek.unwrap(record.key, record.value, "check")
                 except KekError as exc:
+                    info = _info(record)
+                    if info is not None and info.kek in replaced:
+                        continue  # a rotation wrote it anew: found in its window
                     raise KeyringError(str(exc)) from None
                 except ValueError:
                     continue  # not a key: a reader of it says so
@@ -217,9 +246,10 @@ class Keyring:
         """A new data key for the conversation, to write before anything is sealed with
         it, then ``placed``."""
         key, secret = sealing.new_data_key(conversation_id)
+        user_digest = self.digests.digest("user", tenant, user) if user is not None else None
         return NewKey(conversation_id, key.key_id, key.aead,
                       record_key(conversation_id, key.key_id),
-                      self._kek.wrap(conversation_id, key.key_id, secret, tenant, user),
+                      self._kek.wrap(conversation_id, key.key_id, secret, tenant, user_digest),
                       self.partition_of(conversation_id))
 
     def partition_of(self, conversation_id: uuid.UUID) -> int:
@@ -341,11 +371,20 @@ class Keyring:
                     exc = self._erasures.unavailable()
                     raise KeyringError(str(exc), unreachable=exc.unreachable)
             found = self._taken(lookup, ref, key_id)
-            if found is not None:
+            if isinstance(found, sealing.DataKey):
                 return found
-            if (ref.partition, ref.offset) in lookup.found:  # there, but refused
+            if found is _REFUSED:
                 return self._destroyed(key_id, "refused")
             if (ref.partition, ref.offset) not in lookup.beyond:
+                # Not there, or wrapped by a KEK this process no longer has: a rotation
+                # may have written it anew.
+                moved = self._moved(ref, key_id)
+                if moved is not None:
+                    return moved
+                if found is _FOREIGN:
+                    raise KeyringError(f"key {key_id} is wrapped by a key-encryption key "
+                                       "this process does not have, and no rotation wrote "
+                                       "it anew: give every process the same PIPELINE_KEK")
                 return self._destroyed(key_id)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -369,23 +408,56 @@ class Keyring:
             raise KeyringError("the keyring is closed")
         return self._reader
 
-    def _taken(self, lookup: Lookup, ref: KeyRef, key_id: str) -> sealing.DataKey | None:
-        """The key the look-up found at ``ref`` (held from now on), and, reading ahead,
-        the keys found on the way."""
+    def _taken(self, lookup: Lookup, ref: KeyRef, key_id: str) -> sealing.DataKey | object:
+        """The key the look-up found at ``ref`` (held from now on), else why not:
+        ``_REFUSED`` (its conversation erased), ``_FOREIGN`` (wrapped by a KEK this
+        process does not have), None (not there); and, reading ahead, the keys found on
+        the way."""
         record = lookup.found.get((ref.partition, ref.offset))
         key = self._unwrapped(record, ref.short_id, key_id) if record is not None else None
+        return self._held_now(key, lookup.nearby)
+
+    def _held_now(self, key: sealing.DataKey | object, nearby: list[Record]
+                  ) -> sealing.DataKey | object:
         with self._lock:
-            if key is not None:
+            if isinstance(key, sealing.DataKey):
                 if self._erasures.revoked(key.conversation_id):
-                    key = None
+                    key = _REFUSED
                 else:
                     self._hold(key)
                     self._current.setdefault(key.conversation_id, key.key_id)
             if self._read_ahead:
-                for other in lookup.nearby:
+                for other in nearby:
                     self._hold_nearby(other)
             self._trim()
         return key
+
+    def _moved(self, ref: KeyRef, key_id: str) -> sealing.DataKey | None:
+        """The key a rotation wrote anew (``pipeline.rotations``), looked for in the window
+        of each rotation since it was made, newest first; None if none did."""
+        if time.monotonic() - self._rotations_read > ROTATIONS_FRESH_S:
+            try:
+                self._rotations = read_rotations(self._bootstrap, self._name, self._wait_s)
+            except (KafkaException, TimeoutError) as exc:
+                raise KeyringError(f"could not read the rotations: {exc}",
+                                   unreachable=True) from None
+            self._rotations_read = time.monotonic()
+        for rotation in self._rotations:
+            window = rotation.windows.get(ref.partition)
+            if window is None or window[0] <= ref.offset:
+                continue  # made after the rotation began: never moved by it
+            end = window[1] if window[1] is not None else self._reader_().bounds(
+                ref.partition, self._wait_s)[1]
+            with self._fetching:
+                record = find_moved(self._read, ref.partition, (window[0], end), ref.offset,
+                                    ref.short_id)
+            if record is None:
+                continue
+            key = self._unwrapped(record, ref.short_id, key_id)
+            held = self._held_now(key, [])
+            if isinstance(held, sealing.DataKey):
+                return held
+        return None
 
     def _hold_nearby(self, record: Record) -> None:
         parsed = parse_record_key(record.key)
@@ -399,14 +471,15 @@ class Keyring:
         except ValueError:
             return
 
-    def _unwrapped(self, record: Record, short_id: str, key_id: str) -> sealing.DataKey | None:
+    def _unwrapped(self, record: Record, short_id: str, key_id: str
+                   ) -> sealing.DataKey | object | None:
         parsed = parse_record_key(record.key)
         if record.value is None or parsed is None or parsed[1] != short_id:
             return None  # a tombstone, or another record: not the key it names
         try:
             return self._kek.unwrap(record.key, record.value, key_id)
-        except KekError as exc:
-            raise KeyringError(str(exc)) from None
+        except KekError:
+            return _FOREIGN
         except ValueError as exc:
             log.error("%s record %s is not a data key this process can unwrap: %s", KEYS,
                       record.position, exc)
@@ -457,13 +530,21 @@ class Keyring:
         return index
 
 
+def _info(record: Record) -> KeyInfo | None:
+    try:
+        return key_info(record.key, record.value or b"")
+    except ValueError:
+        return None
+
+
 def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) -> Keyring:
     """This process's keyring, started and installed (see ``Keyring.start``)."""
     try:
         kek = load_kek(common)
+        previous = load_previous_keks(common)
     except KekError as exc:
         raise KeyringError(str(exc)) from None
-    return Keyring(common.kafka_bootstrap, kek, name,
+    return Keyring(common.kafka_bootstrap, kek, name, previous=previous,
                    erasure_window_s=common.erasure_window_ms / 1000, cache=common.key_cache,
                    read_ahead=read_ahead).start()
 

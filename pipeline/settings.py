@@ -54,6 +54,9 @@ class CommonSettings(BaseSettings):
     # ``kek_file``, made there on first use (a local stack's processes share it).
     kek: SecretStr | None = None
     kek_file: Path | None = None  # None: <state_dir>/kek
+    # During a KEK rotation (``pipeline keys rotate-kek``): the KEKs that wrapped keys
+    # before, comma-separated base64, still accepted to unwrap (never to wrap).
+    kek_previous: SecretStr | None = None
     # How long a destroyed data key may stay in chat.keys before compaction deletes it.
     erasure_window_ms: int = Field(default=24 * 3600 * 1000, ge=60_000)
     # The data keys a process holds at most (least recently used first out); any other

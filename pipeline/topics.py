@@ -21,6 +21,7 @@ of ``chat.control`` (range assignment).
   key's tombstone makes the broker delete its record within ``erasure_window_ms``.
 * ``chat.erasures``: the conversations whose keys were destroyed, kept twice the erasure
   window (``pipeline.erasures``): every keyring reads it whole and refuses their keys.
+* ``chat.rotations``: where each KEK rotation wrote the keys anew (``pipeline.rotations``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ KEYS = "chat.keys"
 STORE_TOPICS = (*CONVERSATION_TOPICS, KEYS)
 # The conversations whose data keys were destroyed lately (``pipeline.erasures``).
 ERASURES = "chat.erasures"
+# KEK rotations: where each wrote the keys anew (``pipeline.rotations``).
+ROTATIONS = "chat.rotations"
 # The name workers give themselves in dead letters; also the consumer group every worker
 # shared before groups were per model (``workers_group``), whose offsets a model's group
 # starts from the first time.
@@ -143,4 +146,6 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
         TopicSpec(ERASURES, 1, {**base, "cleanup.policy": "delete",
                                 "retention.ms": str(2 * policy.erasure_window_ms),
                                 "retention.bytes": "-1"}, replication),
+        # A record per KEK rotation, kept while chat.keys is (forever).
+        TopicSpec(ROTATIONS, 1, {**base, "cleanup.policy": "compact"}, replication),
     ]

@@ -1,0 +1,180 @@
+"""Rotating the key-encryption key while the service runs (``pipeline kek rotate``), on a
+broker and a database of its own (a rotation rewrites every key of its cluster) with the
+SIMULATED engine: turns go on through it and none is lost, and afterwards a process that
+has only the new KEK opens every box the log holds, the ones sealed before included."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from infra.kafka_broker import KafkaBroker
+from infra.process import free_port
+from pipeline.kafka import ensure_topics, wait_for_broker
+from pipeline.keystore import Keyring
+from pipeline.settings import REPO_ROOT
+from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, TopicPolicy, topic_specs
+from projections.migrate import migrate
+from tests.conftest import (
+    PARTITIONS,
+    Service,
+    Stack,
+    new_database,
+    start_service,
+    wait_healthy,
+)
+from tests.logread import read_records
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Cluster:
+    stack: Stack
+    old: str  # base64 of each KEK
+    new: str
+    services: dict[str, Service]
+    url: str = ""
+
+    def start(self, **kek: str) -> None:
+        """Projector, SIMULATED worker and gateway, with these KEK settings."""
+        self.stop()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.services = {
+            "projector": start_service(self.stack, "rot-projector", "projector", **kek),
+            "worker": start_service(self.stack, "rot-worker", "worker", "--engine", "sim",
+                                    WORKER_SIM_TOKENS_PER_S="200", **kek),
+            "gateway": start_service(self.stack, "rot-gateway", "gateway", "--port",
+                                     str(port), GATEWAY_MODELS="sim", **kek),
+        }
+        wait_healthy(self.url, list(self.services.values()), timeout=90)
+
+    def stop(self) -> None:
+        for service in self.services.values():
+            service.stop()
+        self.services = {}
+
+
+@pytest.fixture(scope="module")
+def cluster(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-rotation"),
+                         libs=REPO_ROOT / ".state" / "kafka-libs",
+                         port=free_port(), controller_port=free_port())
+    broker.start()
+    c = Cluster(Stack(broker.bootstrap, new_database(stack.database_url, "rotation"),
+                      stack.logs), *(base64.b64encode(os.urandom(32)).decode()
+                                     for _ in range(2)), {})
+    try:
+        wait_for_broker(broker.bootstrap)
+        ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
+        migrate(c.stack.database_url)
+        yield c
+    finally:
+        c.stop()
+        broker.stop()
+
+
+def turn(url: str, text: str, session: str | None = None, stream: bool = False
+         ) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                      headers={"X-Session-Id": session} if session else {},
+                      json={"model": "sim", "max_tokens": 4, "stream": stream,
+                            "messages": [{"role": "user", "content": text}]})
+
+
+def boxes(bootstrap: str) -> list[str]:
+    """The key reference of every box the log holds: events' and live batches'."""
+    refs = []
+    for topic in (PROMPTS, CONTROL, GENERATIONS, LIVE):
+        for _, value, _ in read_records(bootstrap, topic):
+            data = json.loads(value or b"{}")
+            if data.get("sealed") and topic != LIVE:
+                refs.append(data["sealed"]["key"])
+            elif topic == LIVE:
+                refs += [key for _, key, _ in data.get("sealed", ())]
+    return refs
+
+
+def test_a_kek_rotation_under_load_loses_no_turn_and_leaves_every_box_open(
+        cluster: Cluster) -> None:
+    old_only = {"PIPELINE_KEK": cluster.old}
+    both = {"PIPELINE_KEK": cluster.new, "PIPELINE_KEK_PREVIOUS": cluster.old}
+    cluster.start(**old_only)
+    sessions, streamed = [], []
+    for n in range(12):
+        r = turn(cluster.url, f"before the rotation {n}", stream=n % 3 == 0)
+        assert r.status_code == 200, r.text
+        sessions.append(r.headers["x-session-id"])
+        if n % 3 == 0:
+            streamed.append((r.headers["x-request-id"], r.text))
+    # A rolling restart onto the new KEK (the old one still read), then load through the
+    # rotation: new sessions and the old ones' next turns.
+    cluster.start(**both)
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        n = 0
+        while not stop.is_set():
+            session = sessions[n % len(sessions)] if n % 2 else None
+            answers.append(turn(cluster.url, f"during {n}", session).status_code)
+            n += 1
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        time.sleep(1)
+        rotated = subprocess_cli(cluster.stack, "kek", "rotate", **both)
+        time.sleep(1)
+    finally:
+        stop.set()
+        loader.join(60)
+    assert rotated.returncode == 0, rotated.stderr
+    assert "wrapped 12 data key(s) anew" in rotated.stdout, rotated.stdout
+    assert answers and set(answers) == {200}, answers
+    # The old KEK retired: every box of the log opens with the new one alone, those
+    # sealed before the rotation through its windows.
+    only_new = Keyring(cluster.stack.bootstrap, base64.b64decode(cluster.new), "only-new")
+    with only_new:
+        refs = sorted(set(boxes(cluster.stack.bootstrap)))
+        unopened = [ref for ref in refs if only_new.for_reading(ref) is None]
+    assert refs and unopened == [], unopened
+    cluster.start(PIPELINE_KEK=cluster.new)
+    for session in (sessions[0], sessions[-1]):
+        r = httpx.get(f"{cluster.url}/v1/sessions/{session}/messages", timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["data"][0]["content"].startswith("before the rotation"), r.json()
+    # A stream of before, resumed: its live text opens through the gateway's keyring.
+    completion, first = streamed[0]
+    again = httpx.get(f"{cluster.url}/v1/chat/completions/{completion}/stream", timeout=30)
+    assert again.status_code == 200 and text_of(again.text) == text_of(first), again.text
+    after = turn(cluster.url, "after", sessions[1])
+    assert after.status_code == 200, after.text
+
+
+def text_of(sse: str) -> str:
+    """The content of an SSE stream's chunks."""
+    parts = []
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[len("data: "):]).get("choices", ()):
+                parts.append(choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
+
+
+def subprocess_cli(stack: Stack, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True,
+                          text=True, env=stack.env(**env), timeout=300)
+
+
