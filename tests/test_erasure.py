@@ -16,7 +16,6 @@ import psycopg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from gateway.ids import idempotent_conversation
 from infra.process import free_port
 from pipeline.codec import conversation_key, decode, encode
 from pipeline.kafka.plain import PlainWriter
@@ -25,7 +24,15 @@ from pipeline.keystore import Keyring, load_kek
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
-from tests.conftest import MODEL, Pipeline, Stack, new_database, start_service, wait_healthy
+from tests.conftest import (
+    MODEL,
+    Pipeline,
+    Stack,
+    idempotent_conversation,
+    new_database,
+    start_service,
+    wait_healthy,
+)
 from tests.logread import deltas_of, end_offsets, read_events, read_records
 from tests.replaying import cli, differences
 from tests.sse import stream_chat
@@ -311,7 +318,7 @@ def test_a_conversation_erased_mid_turn_stops_and_nothing_of_it_reads(slow: Pipe
     tokens), and every text it wrote, before the erasure and after, reads as erased to a
     reader holding every live key."""
     key = uuid.uuid4().hex
-    conversation = idempotent_conversation("default", key)
+    conversation = idempotent_conversation(key)
     body = {"model": "sim", "max_tokens": 400, "ignore_eos": True,
             "messages": [{"role": "user", "content": f"talk a long time {key}"}]}
     with ThreadPoolExecutor(1) as pool:

@@ -40,6 +40,7 @@ from tests.conftest import (
     wait_healthy,
 )
 from tests.logread import read_events, read_records
+from tests.replaying import cli
 
 MEMORY_START_S = 600  # vLLM's engine on a loaded CI host
 
@@ -440,3 +441,90 @@ def test_a_killed_memory_service_loses_nothing_it_was_told(mem: Memory) -> None:
     assert memory["id"] == told["id"]
     asked = turn(mem.url, "What is my sister called?", hugo)
     assert [r.id for r in prompt_of(mem, asked["id"]).recalled] == [told["id"]]
+
+
+def _every_table(database_url: str) -> list[str]:
+    """Every row of every table of the store's database, as text."""
+    rows = []
+    with psycopg.connect(database_url) as conn:
+        tables = [t for t, in conn.execute(
+            "SELECT format('%I.%I', table_schema, table_name) FROM information_schema.tables"
+            " WHERE table_type = 'BASE TABLE' AND table_schema NOT IN "
+            "('pg_catalog', 'information_schema')")]
+        for table in tables:
+            rows += [f"{table}: {row}" for row in conn.execute(
+                f"SELECT t::text FROM {table} AS t")]
+    return rows
+
+
+def test_nothing_a_user_said_survives_their_conversations_deletion(mem: Memory) -> None:
+    """Every field of every route carries a marker: a session's title and user, a turn's
+    messages, stop strings, user and Idempotency-Key, a streamed turn, a memory made and
+    one forgotten. One conversation is deleted, one erased by id, one (whose first turn
+    named no one) erased by user. Then no topic, table, log or metrics page holds the
+    marker, and the deleted conversation takes nothing more."""
+    from tests.sse import stream_chat
+    from tests.test_erasure import every_record
+
+    marker = f"MK{uuid.uuid4().hex[:12]}"
+    user = f"{marker}-user"
+    stack = mem.pipeline.stack
+
+    def ask(body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+        return httpx.post(f"{mem.url}/v1/chat/completions", timeout=120,
+                          headers=headers or {}, json={"model": MODEL, "max_tokens": 2,
+                                                       **body})
+
+    created = httpx.post(f"{mem.url}/v1/sessions", timeout=30, json={
+        "title": f"{marker} title", "user": user, "memory": True})
+    assert created.status_code == 201, created.text
+    deleted = created.json()["id"]
+    first = ask({"messages": [{"role": "user", "content": f"{marker} one"}],
+                 "stop": [f"{marker} stop"], "user": user},
+                {"X-Session-Id": deleted, "Idempotency-Key": f"{marker}-key"})
+    assert first.status_code == 200, first.text
+    streamed = stream_chat(mem.url, {"model": MODEL, "max_tokens": 4, "user": user,
+                                     "messages": [{"role": "user",
+                                                   "content": f"{marker} streamed"}]})
+    assert streamed.done, streamed
+    by_id = streamed.headers["x-session-id"]
+    late = ask({"messages": [{"role": "user", "content": f"{marker} nobody yet"}]})
+    assert late.status_code == 200, late.text
+    by_user = late.headers["x-session-id"]
+    named = ask({"messages": [{"role": "user", "content": f"{marker} now me"}],
+                 "user": user, "memory": True}, {"X-Session-Id": by_user})
+    assert named.status_code == 200, named.text
+    made = remembered(mem.url, user, 2)
+    forgot = httpx.delete(f"{mem.url}/v1/memories/{made[0]['id']}", timeout=30,
+                          params={"user": user})
+    assert forgot.status_code == 200, forgot.text
+    mem.pipeline.wait_projected()
+
+    gone = httpx.delete(f"{mem.url}/v1/sessions/{deleted}", timeout=30)
+    assert gone.status_code == 200, gone.text
+    erased = cli(stack, "erase", "--conversation", by_id)
+    assert erased.returncode == 0, erased.stderr
+    erased = cli(stack, "erase", "--user", user)
+    assert erased.returncode == 0 and "erased 2 conversation(s)" in erased.stdout, (
+        erased.stdout, erased.stderr)
+    # The deleted conversation takes nothing more, on any route, with the same key too.
+    again = ask({"messages": [{"role": "user", "content": "after"}]},
+                {"X-Session-Id": deleted})
+    replay = ask({"messages": [{"role": "user", "content": "after"}]},
+                 {"Idempotency-Key": f"{marker}-key"})
+    assert (again.status_code, replay.status_code) == (404, 404), (again.text, replay.text)
+    mem.pipeline.wait_projected()
+    deadline = time.monotonic() + 30
+    while memories(mem.url, user):
+        assert time.monotonic() < deadline, "the user's memories outlived the erasure"
+        time.sleep(0.5)
+
+    found = {"log": [r[:200] for r in every_record(stack.bootstrap) if marker.encode() in r],
+             "store": [r[:200] for r in _every_table(stack.database_url) if marker in r]}
+    found["service logs"] = [f"{path.name}: {line[:200]}" for path in stack.logs.glob("*.log")
+                             for line in path.read_text(errors="replace").splitlines()
+                             if marker in line]
+    pages = [mem.service_url + "/metrics", mem.url + "/metrics",
+             mem.pipeline.worker_metrics]
+    found["metrics"] = [page for page in pages if marker in httpx.get(page, timeout=10).text]
+    assert found == {"log": [], "store": [], "service logs": [], "metrics": []}, found
