@@ -12,7 +12,7 @@ must not open what it sealed meanwhile. Past the horizon its record is gone, and
 finds nothing at its offset.
 
 Start-up, memory and each look-up cost the same whatever number of conversations the
-log has held: ``KEY_CACHE`` keys at most (about 400 bytes each), and the erasures of two
+log has held: ``KEY_CACHE`` keys at most (about 2.7 KB each), and the erasures of two
 windows.
 """
 

@@ -60,7 +60,7 @@ class CommonSettings(BaseSettings):
     # How long a destroyed data key may stay in chat.keys before compaction deletes it.
     erasure_window_ms: int = Field(default=24 * 3600 * 1000, ge=60_000)
     # The data keys a process holds at most (least recently used first out); any other
-    # is one fetch away (pipeline.keystore). About 400 bytes each.
+    # is one fetch away (pipeline.keystore). About 2.7 KB each (an AES-GCM context).
     key_cache: int = Field(default=16_384, ge=16, le=10_000_000)
 
     def topic_policy(self) -> TopicPolicy:
