@@ -300,12 +300,12 @@ def test_a_wrapped_key_opens_only_where_it_was_wrapped_and_with_its_kek() -> Non
     with pytest.raises(KekError):  # another KEK wrapped it
         Kek(os.urandom(32)).unwrap(record, value, "ref")
     info = key_info(record, value)
-    assert (info.conversation_id, info.tenant, info.user, info.placed) == (
+    assert (info.conversation_id, info.tenant, info.user_digest, info.placed) == (
         conversation, "t", "alice", True)
 
 
 @pytest.mark.parametrize("value", [
-    b"[]", b"null", b'"text"', b"{}", b'{"tenant": 5}', b'{"tenant": "t", "user": []}',
+    b"[]", b"null", b'"text"', b"{}", b'{"tenant": 5}', b'{"tenant": "t", "user_digest": []}',
     b'{"tenant": "t", "at": "soon"}', b"\xff\xfe",
     b'{"tenant": "t", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_a_key_record_that_is_not_one_is_refused_for_the_dead_letters(value: bytes) -> None:
