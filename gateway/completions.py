@@ -62,7 +62,6 @@ async def respond(request: Request, chat_request: ChatRequest,
     span = TRACER.start_span("chat.request", context=from_http(request.headers),
                              kind=SpanKind.SERVER, attributes={
                                  "http.route": "/v1/chat/completions",
-                                 "chat.model": chat_request.model,
                                  "chat.stream": bool(chat_request.stream)})
     try:
         with trace.use_span(span, end_on_exit=False):
@@ -75,7 +74,10 @@ async def respond(request: Request, chat_request: ChatRequest,
         span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
         span.end()
         raise
-    span.set_attribute("chat.request_id", following.completion_id)
+    # The model that serves it, not the name the client sent (a span names nothing a
+    # client wrote: docs/erasure.md).
+    span.set_attributes({"chat.request_id": following.completion_id,
+                         "chat.model": following.model})
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
         events = sse_stream(res.chat, following, chat_request.include_usage())
         return sse_response(request, traced(events, span, following),

@@ -72,6 +72,9 @@ def _setup_logging() -> None:
     # The connection pool logs each failed attempt to reach a database that is away:
     # once per 30 s per kind of failure is enough.
     logging.getLogger("psycopg.pool").addFilter(RepeatFilter(every_s=30.0))
+    # httpx logs every request at INFO with its whole URL: a gateway's call to the memory
+    # service names its end user in the query (the marker test found it in the log).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # -- argument parsing -----------------------------------------------------------

@@ -27,6 +27,9 @@ import pytest
 from infra.process import free_port
 from memory import store
 from memory.embedder import Turns
+from pipeline.digests import Digester
+from pipeline.kek import load_kek
+from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, PROMPTS
 from schemas import MemoryForgotten, PromptSubmitted
 from schemas.history import RECALL_PREAMBLE
@@ -259,8 +262,10 @@ def test_a_forgotten_memory_is_never_recalled_again_even_from_the_log(mem: Memor
     again = turn(mem.url, "When was I born?", carol)
     assert [r.id for r in prompt_of(mem, again["id"]).recalled] == [kept["id"]]
     # The forgetting is in the log, so a store rebuilt from it forgets it too.
+    # It names carol by digest only.
+    digest = Digester(load_kek(CommonSettings())).digest("user", "default", carol)
     forgotten = [e for _, e in read_events(mem.pipeline.stack.bootstrap, CONTROL)
-                 if isinstance(e, MemoryForgotten) and e.user == carol]
+                 if isinstance(e, MemoryForgotten) and e.user == digest]
     assert [e.request_id for e in forgotten] == [gone["id"]]
     # Unknown, or another user's: 404, and nothing is written.
     for memory_id, user in (("chatcmpl-nope", carol), (kept["id"], user_name())):
@@ -494,25 +499,33 @@ def test_nothing_a_user_said_survives_their_conversations_deletion(mem: Memory) 
     named = ask({"messages": [{"role": "user", "content": f"{marker} now me"}],
                  "user": user, "memory": True}, {"X-Session-Id": by_user})
     assert named.status_code == 200, named.text
+    keyed = ask({"messages": [{"role": "user", "content": f"{marker} keyed"}]},
+                {"Idempotency-Key": f"{marker}-own-key"})
+    assert keyed.status_code == 200, keyed.text
     made = remembered(mem.url, user, 2)
     forgot = httpx.delete(f"{mem.url}/v1/memories/{made[0]['id']}", timeout=30,
                           params={"user": user})
     assert forgot.status_code == 200, forgot.text
     mem.pipeline.wait_projected()
 
-    gone = httpx.delete(f"{mem.url}/v1/sessions/{deleted}", timeout=30)
-    assert gone.status_code == 200, gone.text
+    for session in (deleted, keyed.headers["x-session-id"]):
+        gone = httpx.delete(f"{mem.url}/v1/sessions/{session}", timeout=30)
+        assert gone.status_code == 200, gone.text
     erased = cli(stack, "erase", "--conversation", by_id)
     assert erased.returncode == 0, erased.stderr
     erased = cli(stack, "erase", "--user", user)
-    assert erased.returncode == 0 and "erased 2 conversation(s)" in erased.stdout, (
+    assert erased.returncode == 0 and "erased 1 conversation(s)" in erased.stdout, (
         erased.stdout, erased.stderr)
-    # The deleted conversation takes nothing more, on any route, with the same key too.
-    again = ask({"messages": [{"role": "user", "content": "after"}]},
-                {"X-Session-Id": deleted})
-    replay = ask({"messages": [{"role": "user", "content": "after"}]},
-                 {"Idempotency-Key": f"{marker}-key"})
-    assert (again.status_code, replay.status_code) == (404, 404), (again.text, replay.text)
+    # A deleted conversation takes nothing more: a turn, or a retry of a turn of it with
+    # its Idempotency-Key (in its session, or the one the key made), with new content.
+    prompts_before = len(read_records(stack.bootstrap, PROMPTS))
+    refused = [ask({"messages": [{"role": "user", "content": f"{marker} after"}]},
+                   headers) for headers in (
+        {"X-Session-Id": deleted}, {"X-Session-Id": deleted,
+                                    "Idempotency-Key": f"{marker}-key"},
+        {"Idempotency-Key": f"{marker}-own-key"})]
+    assert [r.status_code for r in refused] == [404, 404, 404], [r.text for r in refused]
+    assert len(read_records(stack.bootstrap, PROMPTS)) == prompts_before
     mem.pipeline.wait_projected()
     deadline = time.monotonic() + 30
     while memories(mem.url, user):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -216,3 +217,26 @@ def test_vllms_own_request_span_is_in_the_turns_trace(traced: Traced) -> None:
     spans = _trace_of(traced, trace_id, frozenset(SPANS | {"llm_request"}))
     assert spans["llm_request"].parent_id == spans["chat.engine"].span_id
     assert spans["chat.engine"].start_ns <= spans["llm_request"].start_ns
+
+
+def test_no_span_holds_what_a_client_wrote(traced: Traced) -> None:
+    """A marker in a turn's messages, stop strings, user and Idempotency-Key, and in the
+    model name of a refused request, is in no attribute of any span either sends."""
+    marker = f"MK{uuid.uuid4().hex[:12]}"
+    served, refused = uuid.uuid4().hex, uuid.uuid4().hex
+    done = stream_chat(traced.url, {
+        "model": VLLM_MODEL, "max_tokens": 4, "user": f"{marker}-user",
+        "stop": [f"{marker} stop"], "messages": [{"role": "user", "content": f"{marker}"}]},
+        headers={"traceparent": f"00-{served}-{uuid.uuid4().hex[:16]}-01",
+                 "Idempotency-Key": f"{marker}-key"})
+    assert done.done, done.error
+    r = httpx.post(f"{traced.url}/v1/chat/completions", timeout=30,
+                   headers={"traceparent": f"00-{refused}-{uuid.uuid4().hex[:16]}-01"},
+                   json={"model": f"{marker}-model",
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404, r.text
+    spans = [*_trace_of(traced, served).values(),
+             *_trace_of(traced, refused, frozenset({"chat.request"})).values()]
+    leaks = [(s.name, k, v) for s in spans for k, v in s.attributes.items()
+             if marker in str(v)]
+    assert spans and leaks == [], leaks
