@@ -23,7 +23,13 @@ from pipeline.kek import KeyRef
 from pipeline.keystore import Keyring, load_kek
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
-from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
+from schemas import (
+    GenerationFailed,
+    GenerationFinished,
+    PromptSubmitted,
+    SessionCreated,
+    SessionDeleted,
+)
 from tests.conftest import (
     MODEL,
     Pipeline,
@@ -35,7 +41,7 @@ from tests.conftest import (
 )
 from tests.logread import deltas_of, end_offsets, read_events, read_records
 from tests.replaying import cli, differences
-from tests.sse import stream_chat
+from tests.sse import scrape, stream_chat
 
 pytestmark = pytest.mark.integration
 
@@ -428,3 +434,47 @@ def keys_in_log_at(pipeline: Pipeline, ref: str) -> bool:
     return any((position.partition, position.offset) == (place.partition, place.offset)
                and value is not None
                for position, value, _ in read_records(pipeline.stack.bootstrap, KEYS))
+
+
+def test_a_deleted_sessions_history_leaves_the_workers_memory(pipeline: Pipeline) -> None:
+    """The worker keeps a session's history between its turns; the session's deletion
+    drops it from the worker's cache (its characters leave the gauge)."""
+
+    def kept() -> float:
+        return scrape(pipeline.worker_metrics)["worker_history_cache_chars"]
+
+    before = kept()
+    session, _ = chat(pipeline, "keep my history " + "hello " * 100)
+    deadline = time.monotonic() + 30
+    while kept() < before + 600:
+        assert time.monotonic() < deadline, "the worker kept no history"
+        time.sleep(0.2)
+    held = kept()  # other turns' histories may come and go meanwhile, none this long
+    deleted = httpx.delete(f"{pipeline.url}/v1/sessions/{session}", timeout=30)
+    assert deleted.status_code == 200, deleted.text
+    deadline = time.monotonic() + 30
+    while kept() > held - 600:
+        assert time.monotonic() < deadline, "the deleted session's history stayed"
+        time.sleep(0.2)
+
+
+def test_erasing_a_conversation_takes_its_tenant_from_the_store(pipeline: Pipeline) -> None:
+    """`erase --conversation` erases another tenant's conversation as that tenant's (the
+    projector drops it), and refuses a --tenant that is not its own."""
+    conversation = uuid.uuid4()
+    writer = PlainWriter(pipeline.stack.bootstrap, "other-tenant")
+    writer.send(CONTROL, conversation_key(conversation), encode(SessionCreated(
+        conversation_id=conversation, request_id=f"session-{uuid.uuid4().hex}",
+        tenant="acme")))
+    assert writer.flush(30) == []
+    pipeline.wait_projected()
+    wrong = cli(pipeline.stack, "erase", "--conversation", str(conversation),
+                "--tenant", "default")
+    assert wrong.returncode == 1 and "is not tenant 'default'" in wrong.stderr, wrong.stderr
+    erased = cli(pipeline.stack, "erase", "--conversation", str(conversation))
+    assert erased.returncode == 0, erased.stderr
+    pipeline.wait_projected()
+    with psycopg.connect(pipeline.stack.database_url) as conn:
+        row = conn.execute("SELECT tenant, deleted FROM conversations WHERE id = %s",
+                           (conversation,)).fetchone()
+    assert row == ("acme", True)
