@@ -60,6 +60,7 @@ from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.logs import log_format, setup_logging
 from pipeline.retry import RepeatFilter
 from pipeline.settings import CommonSettings
+from projections.migrate import MigrationError
 from projections.settings import AnalyticsSettings, ProjectorSettings
 from schemas.rollout import HealthPolicy
 from workers.settings import WorkerSettings
@@ -617,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline {args.command}: {exc.strerror} (address in use: is another "
               "one running?)", file=sys.stderr)
         return 2
-    except (AccessRefused, ClientConfigError) as exc:
+    except (AccessRefused, ClientConfigError, MigrationError) as exc:
         print(f"pipeline {args.command}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

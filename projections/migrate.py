@@ -18,6 +18,10 @@ MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 _LOCK_KEY = 0x63686174  # "chat"
 
 
+class MigrationError(RuntimeError):
+    pass
+
+
 def in_schema(database_url: str, schema: str | None) -> str:
     """``database_url`` with ``schema`` first on the search path."""
     if schema is None:
@@ -36,6 +40,15 @@ def migrate(database_url: str, schema: str | None = None) -> list[str]:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SHOW server_encoding").fetchone()
+        encoding = row[0] if row else None
+        if isinstance(encoding, bytes):  # how psycopg reads text from SQL_ASCII
+            encoding = encoding.decode("ascii", "replace")
+        if encoding != "UTF8":
+            # Another encoding (SQL_ASCII: a cluster made without a locale) stores no text
+            # the pipeline can read back as text.
+            raise MigrationError(f"the database's encoding is {encoding!r}, not UTF8: "
+                                 "create it with ENCODING 'UTF8' (initdb --encoding=UTF8)")
         conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
         try:
             conn.execute(

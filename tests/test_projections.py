@@ -4,6 +4,8 @@ killed mid-load and sharing a group, and events the store refuses (real Kafka, P
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -11,6 +13,7 @@ from datetime import UTC, datetime
 
 import httpx
 import psycopg
+import psycopg.conninfo
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from psycopg import sql
@@ -343,3 +346,25 @@ def test_lag_tools_see_a_restarted_projector_at_the_logs_end(pipeline: Pipeline)
             time.sleep(0.5)
     finally:
         status.close()
+
+
+def test_a_database_not_in_utf8_is_refused_with_its_reason(stack: Stack) -> None:
+    """A store the pipeline cannot read text back from (SQL_ASCII: a cluster made without a
+    locale, whose text psycopg returns as bytes) is refused before any migration."""
+    name = f"ascii_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} ENCODING 'SQL_ASCII' LC_COLLATE 'C' "
+                             "LC_CTYPE 'C' TEMPLATE template0").format(sql.Identifier(name)))
+    try:
+        url = psycopg.conninfo.make_conninfo(stack.database_url, dbname=name)
+        done = subprocess.run([sys.executable, "-m", "launch", "migrate"], text=True,
+                              capture_output=True, env=stack.env(DATABASE_URL=url),
+                              timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "encoding is 'SQL_ASCII', not UTF8" in done.stderr, done.stderr
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'"
+                                ).fetchone() == (0,)
+    finally:
+        with psycopg.connect(stack.database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(name)))
