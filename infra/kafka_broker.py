@@ -20,8 +20,9 @@ from infra.tls import Authority
 POM_DIR = Path(__file__).resolve().parent / "kafka"
 
 
-def gather_jars(libs: Path) -> Path:
-    """Download the broker's classpath into ``libs`` once (Maven caches in ~/.m2)."""
+def gather_jars(libs: Path, pom: Path = POM_DIR / "pom.xml") -> Path:
+    """Download ``pom``'s classpath (the broker's) into ``libs`` once (Maven caches in
+    ~/.m2)."""
     marker = libs / ".complete"
     if marker.exists():
         return libs
@@ -30,7 +31,7 @@ def gather_jars(libs: Path) -> Path:
     libs.mkdir(parents=True, exist_ok=True)
     print(f"gathering the Kafka broker from Maven Central into {libs} ...", flush=True)
     subprocess.run(
-        ["mvn", "-q", "-B", "-Dstyle.color=never", "-f", str(POM_DIR / "pom.xml"),
+        ["mvn", "-q", "-B", "-Dstyle.color=never", "-f", str(pom),
          "dependency:copy-dependencies", f"-DoutputDirectory={libs}"],
         check=True,
     )
