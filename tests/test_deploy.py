@@ -192,3 +192,83 @@ def test_the_compose_file_runs_the_pipelines_commands_with_known_settings() -> N
         assert services[name]["command"] == [name]
         assert services[name]["depends_on"]["setup"]["condition"] == \
             "service_completed_successfully"
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod the chart makes, by its component label."""
+    pods = {}
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "Job"):
+            template = doc["spec"]["template"]
+            pods[template["metadata"]["labels"]["app.kubernetes.io/component"]] = template
+    return pods
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_every_pod_runs_unprivileged_on_a_read_only_root(values: str) -> None:
+    pods = pod_templates(render(values, "memory.enabled=true"))
+    assert {"gateway", "projector", "analytics", "memory", "setup"} <= set(pods)
+    assert any(name.startswith("worker-") for name in pods)
+    for name, pod in pods.items():
+        spec = pod["spec"]
+        security = spec.get("securityContext", {})
+        assert security.get("runAsNonRoot") is True and security.get("runAsUser"), name
+        assert security.get("seccompProfile") == {"type": "RuntimeDefault"}, name
+        writable = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        for container in spec["containers"]:
+            context = container.get("securityContext", {})
+            assert context.get("readOnlyRootFilesystem") is True, name
+            assert context.get("allowPrivilegeEscalation") is False, name
+            assert context.get("capabilities") == {"drop": ["ALL"]}, name
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert mounts.get("/tmp") in writable, f"{name} has no /tmp to write to"
+            assert env_of(container)["PIPELINE_STATE_DIR"].startswith("/tmp/"), name
+
+
+def secrets_of(container: dict[str, Any]) -> set[str]:
+    return {e["name"] for e in container.get("env", []) if "secretKeyRef" in e.get(
+        "valueFrom", {})}
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_each_component_holds_only_the_secrets_it_uses(values: str) -> None:
+    pods = pod_templates(render(values, "memory.enabled=true"))
+    held = {name: secrets_of(pod["spec"]["containers"][0]) for name, pod in pods.items()}
+    kafka_password = {"PIPELINE_KAFKA_PASSWORD"} & held["gateway"]
+    assert held["analytics"] == {"DATABASE_URL"} | kafka_password  # no KEK
+    assert held["setup"] == {"DATABASE_URL"} | kafka_password  # topics, migrations
+    assert held["projector"] == held["gateway"] == {"DATABASE_URL", "PIPELINE_KEK"} | \
+        kafka_password
+    workers = [held[name] for name in held if name.startswith("worker-")]
+    assert workers and all(w == {"PIPELINE_KEK"} | kafka_password for w in workers)
+    # The memory service's Kafka password is its own, named by its own client file.
+    memory = pods["memory"]["spec"]["containers"][0]
+    gateway = pods["gateway"]["spec"]["containers"][0]
+    if kafka_password:
+        mine = env_of(memory)["PIPELINE_KAFKA_PASSWORD"]["secretKeyRef"]["name"]
+        theirs = env_of(gateway)["PIPELINE_KAFKA_PASSWORD"]["secretKeyRef"]["name"]
+        assert mine != theirs
+    assert env_of(memory)["PIPELINE_KAFKA_CONFIG"].endswith("/memory.properties")
+
+
+def test_the_gateway_serves_metrics_and_hosts_apart_from_its_api() -> None:
+    docs = render("values.yaml")
+    gateway = next(d for d in docs if d["kind"] == "Deployment"
+                   and d["metadata"]["name"].endswith("-gateway"))
+    container = containers(gateway)[0]
+    env = env_of(container)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert env["GATEWAY_METRICS_PORT"] == str(ports["metrics"]) != str(ports["http"])
+    service = next(d for d in docs if d["kind"] == "Service"
+                   and d["metadata"]["name"].endswith("-gateway"))
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    hosts = env["GATEWAY_ALLOWED_HOSTS"].split(",")
+    assert "*" not in hosts and service["metadata"]["name"] in hosts
+    # The kubelet's probes name a host the gateway answers.
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        headers = container[probe]["httpGet"]["httpHeaders"]
+        assert {"name": "Host", "value": "localhost"} in headers
+    added = render("values.yaml", "gateway.allowedHosts={chat.example.com}")
+    gateway = next(d for d in added if d["kind"] == "Deployment"
+                   and d["metadata"]["name"].endswith("-gateway"))
+    assert "chat.example.com" in env_of(containers(gateway)[0])["GATEWAY_ALLOWED_HOSTS"]

@@ -20,44 +20,56 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* What every service reads: the cluster, its client file, the store. */}}
+{{/* What a service reads: the cluster and its client file always; the store, the KEK
+and a Kafka password only where it needs them, so that a component holds no secret it
+does not use. Called with (dict "root" $ "db" bool "kek" bool "kafka" <a kafka block of
+the values: username, passwordSecret>). */}}
 {{- define "chat-pipeline.env" -}}
+{{- $values := .root.Values -}}
+{{- $kafka := .kafka | default $values.kafka -}}
 - name: PIPELINE_KAFKA_BOOTSTRAP
-  value: {{ .Values.kafka.bootstrap | quote }}
+  value: {{ $values.kafka.bootstrap | quote }}
 - name: PIPELINE_KAFKA_CONFIG
-  value: /etc/pipeline/kafka/client.properties
+  value: /etc/pipeline/kafka/{{ if .kafka }}memory{{ else }}client{{ end }}.properties
 - name: PIPELINE_PARTITIONS
-  value: {{ .Values.kafka.partitions | quote }}
+  value: {{ $values.kafka.partitions | quote }}
 - name: PIPELINE_REPLICATION_FACTOR
-  value: {{ .Values.kafka.replicationFactor | quote }}
+  value: {{ $values.kafka.replicationFactor | quote }}
 - name: PIPELINE_MIN_INSYNC_REPLICAS
-  value: {{ .Values.kafka.minInsyncReplicas | quote }}
+  value: {{ $values.kafka.minInsyncReplicas | quote }}
 - name: PIPELINE_STATE_DIR
   value: /tmp/pipeline
 - name: PIPELINE_METRICS_HOST
   value: 0.0.0.0
+{{- if .db }}
 - name: DATABASE_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.postgres.urlSecret.name }}
-      key: {{ .Values.postgres.urlSecret.key }}
+      name: {{ $values.postgres.urlSecret.name }}
+      key: {{ $values.postgres.urlSecret.key }}
+{{- end }}
+{{- if .kek }}
 - name: PIPELINE_KEK
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.sealing.kekSecret.name }}
-      key: {{ .Values.sealing.kekSecret.key }}
+      name: {{ $values.sealing.kekSecret.name }}
+      key: {{ $values.sealing.kekSecret.key }}
 - name: PIPELINE_ERASURE_WINDOW_MS
-  value: {{ .Values.sealing.erasureWindowMs | quote }}
-{{- if .Values.kafka.passwordSecret.name }}
+  value: {{ $values.sealing.erasureWindowMs | quote }}
+{{- end }}
+{{- if $kafka.passwordSecret.name }}
 - name: PIPELINE_KAFKA_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.kafka.passwordSecret.name }}
-      key: {{ .Values.kafka.passwordSecret.key }}
+      name: {{ $kafka.passwordSecret.name }}
+      key: {{ $kafka.passwordSecret.key }}
 {{- end }}
 {{- end -}}
 
+{{/* Every container's root is read-only: what it writes goes to /tmp, a volume. */}}
 {{- define "chat-pipeline.mounts" -}}
+- name: tmp
+  mountPath: /tmp
 - name: kafka-client
   mountPath: /etc/pipeline/kafka
   readOnly: true
@@ -74,6 +86,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "chat-pipeline.volumes" -}}
+- name: tmp
+  emptyDir: {}
 - name: kafka-client
   configMap:
     name: {{ include "chat-pipeline.fullname" . }}-kafka-client
@@ -104,4 +118,13 @@ app.kubernetes.io/component: {{ .component }}
 helm.sh/hook: pre-install,pre-upgrade
 helm.sh/hook-weight: "0"
 helm.sh/hook-delete-policy: before-hook-creation
+{{- end -}}
+
+{{/* The Host names a gateway answers: its Service's names in the cluster, and those the
+values add (the public names an ingress sends); never any name ("*") unless asked. */}}
+{{- define "chat-pipeline.gateway-hosts" -}}
+{{- $service := printf "%s-gateway" (include "chat-pipeline.fullname" .) -}}
+{{- $namespace := .Release.Namespace -}}
+{{- $hosts := list $service (printf "%s.%s" $service $namespace) (printf "%s.%s.svc" $service $namespace) (printf "%s.%s.svc.cluster.local" $service $namespace) -}}
+{{- join "," (concat $hosts .Values.gateway.allowedHosts) -}}
 {{- end -}}
