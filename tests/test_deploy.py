@@ -9,6 +9,7 @@ builds helm and fetches KEDA's CRDs (pinned, from the Go module proxy)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -272,3 +273,32 @@ def test_the_gateway_serves_metrics_and_hosts_apart_from_its_api() -> None:
     gateway = next(d for d in added if d["kind"] == "Deployment"
                    and d["metadata"]["name"].endswith("-gateway"))
     assert "chat.example.com" in env_of(containers(gateway)[0])["GATEWAY_ALLOWED_HOSTS"]
+
+
+SETTINGS_OF = {"gateway": [GatewaySettings], "projector": [ProjectorSettings],
+               "analytics": [AnalyticsSettings], "memory": [MemorySettings],
+               "setup": [], "worker": [WorkerSettings]}
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_every_value_the_chart_sets_is_one_its_service_parses(
+        values: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each container's environment, as its service reads it at start: a value Helm
+    renders in a form no setting parses (86400000 as "8.64e+07") would crash-loop the
+    pod. Values from Secrets stand in as valid ones."""
+    stand_ins = {"PIPELINE_KEK": "A" * 43 + "=", "DATABASE_URL": "postgresql://x@db/x",
+                 "PIPELINE_KAFKA_PASSWORD": "secret"}
+    for name, pod in pod_templates(render(values, "memory.enabled=true")).items():
+        for container in pod["spec"]["containers"]:
+            with monkeypatch.context() as env:
+                for variable in list(os.environ):
+                    if variable.startswith(("PIPELINE_", "GATEWAY_", "WORKER_", "PROJECTOR_",
+                                            "ANALYTICS_", "MEMORY_")):
+                        env.delenv(variable)
+                for entry in container.get("env", []):
+                    value = entry.get("value", stand_ins.get(entry["name"]))
+                    if value is not None:
+                        env.setenv(entry["name"], value)
+                CommonSettings()
+                for settings in SETTINGS_OF[name.split("-")[0]]:
+                    settings()

@@ -20,6 +20,8 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* Integers go through int64 before quote: Helm reads numbers as floats, and quotes
+86400000 as "8.64e+07", which no service parses. */}}
 {{/* What a service reads: the cluster and its client file always; the store, the KEK
 and a Kafka password only where it needs them, so that a component holds no secret it
 does not use. Called with (dict "root" $ "db" bool "kek" bool "kafka" <a kafka block of
@@ -32,11 +34,11 @@ the values: username, passwordSecret>). */}}
 - name: PIPELINE_KAFKA_CONFIG
   value: /etc/pipeline/kafka/{{ if .kafka }}memory{{ else }}client{{ end }}.properties
 - name: PIPELINE_PARTITIONS
-  value: {{ $values.kafka.partitions | quote }}
+  value: {{ $values.kafka.partitions | int64 | quote }}
 - name: PIPELINE_REPLICATION_FACTOR
-  value: {{ $values.kafka.replicationFactor | quote }}
+  value: {{ $values.kafka.replicationFactor | int64 | quote }}
 - name: PIPELINE_MIN_INSYNC_REPLICAS
-  value: {{ $values.kafka.minInsyncReplicas | quote }}
+  value: {{ $values.kafka.minInsyncReplicas | int64 | quote }}
 - name: PIPELINE_STATE_DIR
   value: /tmp/pipeline
 - name: PIPELINE_METRICS_HOST
@@ -55,7 +57,7 @@ the values: username, passwordSecret>). */}}
       name: {{ $values.sealing.kekSecret.name }}
       key: {{ $values.sealing.kekSecret.key }}
 - name: PIPELINE_ERASURE_WINDOW_MS
-  value: {{ $values.sealing.erasureWindowMs | quote }}
+  value: {{ $values.sealing.erasureWindowMs | int64 | quote }}
 {{- end }}
 {{- if $kafka.passwordSecret.name }}
 - name: PIPELINE_KAFKA_PASSWORD
@@ -127,4 +129,14 @@ values add (the public names an ingress sends); never any name ("*") unless aske
 {{- $namespace := .Release.Namespace -}}
 {{- $hosts := list $service (printf "%s.%s" $service $namespace) (printf "%s.%s.svc" $service $namespace) (printf "%s.%s.svc.cluster.local" $service $namespace) -}}
 {{- join "," (concat $hosts .Values.gateway.allowedHosts) -}}
+{{- end -}}
+
+{{/* A value of the values' env maps, quoted as the service reads it: a whole number
+as digits (not Helm's float, "8.64e+07"), anything else as written. */}}
+{{- define "chat-pipeline.scalar" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) -}}
+{{- int64 . | toString | quote -}}
+{{- else -}}
+{{- toString . | quote -}}
+{{- end -}}
 {{- end -}}
