@@ -23,7 +23,7 @@ from gateway import completions, memories, page, sessions, usage
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
 from gateway.dependencies import Health
-from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, JsonOnly
+from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, ClientAddress, JsonOnly, networks
 from gateway.errors import (
     APIError,
     api_error_handler,
@@ -171,6 +171,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
     app.add_middleware(JsonOnly)
     app.add_middleware(AllowedHosts, allowed=served_hosts(settings))
     app.add_middleware(RequestIds)
+    app.add_middleware(ClientAddress, trusted=networks(settings.trusted_proxies))
     app.add_middleware(RequestMetrics, metrics=gateway_metrics)
     return app
 

@@ -8,8 +8,10 @@
   ``cache_s``, so a revocation takes effect within that time on every gateway.
 * A key that failed is remembered as failed for ``cache_s`` too, and each client
   address may fail ``failed_lookups`` lookups per ``FAILED_WINDOW_S``: past that it gets
-  429 before any query, so keys made up at random cost the store nothing. (Behind a
-  proxy the address is the proxy's: the limit then holds for all its clients together.)
+  429 before any query, so keys made up at random cost the store nothing. A key that
+  was valid on this gateway in the last day is still looked up: wrong keys never lock
+  out a known valid one. Behind a proxy the address is the client's that a trusted
+  proxy names (``GATEWAY_TRUSTED_PROXIES``), else the proxy's.
 * Limits are per key, requests and tokens per minute, as token buckets kept in
   Postgres (``take_from_buckets``, one atomic call per charge), so they hold across
   any number of gateway processes. A turn is charged its prompt (characters / 4)
@@ -38,6 +40,8 @@ T = TypeVar("T")
 DEFAULT_TENANT = "default"
 DEFAULT_COMPLETION_TOKENS = 512
 UNLIMITED = math.inf
+# How long a key found valid passes an address's wrong-key lockout (still looked up).
+GOOD_KEY_S = 24 * 3600.0
 # The window over which a client address's failed key lookups are counted.
 FAILED_WINDOW_S = 10.0
 
@@ -77,6 +81,7 @@ class Guard:
         self._enabled: tuple[float, bool] = (0.0, require)
         self._known: dict[bytes, tuple[float, Caller]] = {}
         self._refused: dict[bytes, float] = {}  # keys that failed, when
+        self._good: dict[bytes, float] = {}  # keys found valid, when (past the lockout)
         self._failures: dict[str, tuple[float, int]] = {}  # per address: window, failures
         # Reads of the store under way, shared by every request that needs the same one:
         # when a cached answer expires under load, one query goes out, not one per request
@@ -129,7 +134,8 @@ class Guard:
             return cached[1]
         if now - self._refused.get(fingerprint, -math.inf) < self.cache_s:
             raise _unauthorized("Incorrect API key provided.")
-        self._check_failures(address, now)
+        if now - self._good.get(fingerprint, -math.inf) >= GOOD_KEY_S:
+            self._check_failures(address, now)
         key_id, secret = parts
         caller = await self._once(fingerprint, lambda: self._lookup(key_id, secret))
         if caller is None:
@@ -138,6 +144,11 @@ class Guard:
         if len(self._known) > 10_000:
             self._known.clear()
         self._known[fingerprint] = (time.monotonic(), caller)
+        if len(self._good) > 100_000:
+            self._good = {f: at for f, at in self._good.items() if now - at < GOOD_KEY_S}
+            if len(self._good) > 100_000:
+                self._good.clear()
+        self._good[fingerprint] = time.monotonic()
         return caller
 
     def _check_failures(self, address: str, now: float) -> None:

@@ -16,9 +16,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -108,6 +109,75 @@ def host_allowed(host: str, allowed: Iterable[str]) -> bool:
         if pattern.startswith("*.") and host.endswith(pattern[1:]):
             return True
     return False
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def networks(entries: Iterable[str]) -> list[Network]:
+    """``GATEWAY_TRUSTED_PROXIES``' entries: addresses or networks (ValueError if not)."""
+    return [ipaddress.ip_network(entry.strip(), strict=False) for entry in entries
+            if entry.strip()]
+
+
+def _address(token: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address in one hop of Forwarded's ``for=`` or X-Forwarded-For ("1.2.3.4",
+    "1.2.3.4:80", "[2001:db8::1]:80", "2001:db8::1"); None if it holds none."""
+    token = token.strip().strip('"')
+    if token.startswith("["):
+        token = token[1:token.find("]")] if "]" in token else ""
+    elif token.count(":") == 1:
+        token = token.split(":", 1)[0]
+    try:
+        return ipaddress.ip_address(token)
+    except ValueError:
+        return None
+
+
+def forwarded_client(peer: str, headers: Sequence[tuple[bytes, bytes]],
+                     trusted: Sequence[Network]) -> str:
+    """The client a request comes from: ``peer``, unless ``peer`` is a trusted proxy;
+    then the nearest hop of its ``Forwarded`` (or else ``X-Forwarded-For``) chain that
+    is not a trusted proxy itself. A chain that names no address leaves ``peer``."""
+    def is_trusted(address: object) -> bool:
+        return address is not None and any(address in net for net in trusted)
+
+    if not trusted or not is_trusted(_address(peer)):
+        return peer
+    forwarded = [v.decode("latin-1") for k, v in headers if k == b"forwarded"]
+    if forwarded:
+        hops = [param.split("=", 1)[1] for element in ",".join(forwarded).split(",")
+                for param in element.split(";")
+                if param.strip().lower().startswith("for=")]
+    else:
+        hops = [hop for k, v in headers if k == b"x-forwarded-for"
+                for hop in v.decode("latin-1").split(",")]
+    for hop in reversed(hops):
+        address = _address(hop)
+        if address is None:
+            return peer  # an unknown or obfuscated hop: nothing further is believed
+        if not is_trusted(address):
+            return str(address)
+    return peer
+
+
+class ClientAddress:
+    """ASGI middleware: ``scope["client"]`` becomes the client a trusted proxy names
+    (``forwarded_client``)."""
+
+    START_ONLY = True
+
+    def __init__(self, app: ASGIApp, trusted: Sequence[Network]) -> None:
+        self.app = app
+        self.trusted = list(trusted)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope.get("client")
+        if self.trusted and scope["type"] == "http" and client:
+            named = forwarded_client(client[0], scope["headers"], self.trusted)
+            if named != client[0]:
+                scope = {**scope, "client": (named, 0)}
+        await self.app(scope, receive, send)
 
 
 async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import ipaddress
+
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.settings import CommaList
@@ -90,3 +92,19 @@ class GatewaySettings(BaseSettings):
     # Host names (the Host header) answered besides the loopback names and ``host``:
     # comma-separated; "*.example.com" matches its subdomains, "*" any name.
     allowed_hosts: CommaList = Field(default_factory=list)
+    # Proxies (addresses or networks, comma-separated: "10.0.0.0/8,127.0.0.1") whose
+    # Forwarded or X-Forwarded-For header names the client. A request from any other
+    # address is its own client, whatever it sends: per-address limits (wrong keys) then
+    # hold per client behind an ingress, and no client can pick its address.
+    trusted_proxies: CommaList = Field(default_factory=list)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an address or a network (10.0.0.0/8, "
+                                 "127.0.0.1, fd00::/8)") from None
+        return entries

@@ -61,7 +61,11 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=LOGGING_CONFIG if log_format() == "text" else None,
                             access_log=False, timeout_graceful_shutdown=settings.drain_s,
-                            loop="uvloop", http="httptools")
+                            loop="uvloop", http="httptools",
+                            # The client's address is the gateway's to tell, from its
+                            # GATEWAY_TRUSTED_PROXIES only (uvicorn's own would believe
+                            # any caller on 127.0.0.1).
+                            proxy_headers=False)
     server = uvicorn.Server(config)
     if reuse_port:
         server.run(sockets=[reuse_port_socket(settings.host, settings.port)])

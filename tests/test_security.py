@@ -22,6 +22,7 @@ import httpx
 import psycopg
 import pytest
 
+from gateway.edge import forwarded_client, networks
 from infra.process import free_port
 from pipeline.topics import PROMPTS
 from projections.migrate import migrate
@@ -213,8 +214,12 @@ def test_keys_made_up_at_random_are_refused_without_a_lookup_past_a_bound(
         def made_up() -> str:
             return f"sk-{uuid.uuid4().hex[:12]}.{uuid.uuid4().hex}{uuid.uuid4().hex}"
 
+        def spoofed(key: str) -> dict[str, str]:
+            # Not a trusted proxy: what it says of its address counts for nothing.
+            return {**bearer(key), "X-Forwarded-For": f"203.0.113.{uuid.uuid4().int % 250}"}
+
         first = made_up()
-        codes = [httpx.get(f"{url}/v1/models", headers=bearer(key), timeout=30)
+        codes = [httpx.get(f"{url}/v1/models", headers=spoofed(key), timeout=30)
                  for key in [first] + [made_up() for _ in range(18)]]
         # Looked up (19 failures so far), so remembered good for the next 2 s.
         assert httpx.get(f"{url}/v1/models", headers=bearer(erin), timeout=30).status_code == 200
@@ -230,11 +235,66 @@ def test_keys_made_up_at_random_are_refused_without_a_lookup_past_a_bound(
         assert time.monotonic() - started < 1
         known = httpx.get(f"{url}/v1/models", headers=bearer(erin), timeout=30)
         assert known.status_code == 200  # cached good: the bound is on unknown keys
+        time.sleep(2.2)  # past the cache: a key once valid is looked up, never locked out
+        looked_up = httpx.get(f"{url}/v1/models", headers=bearer(erin), timeout=30)
+        assert looked_up.status_code == 200, looked_up.text
+        still = httpx.get(f"{url}/v1/models", headers=spoofed(made_up()), timeout=30)
+        assert still.status_code == 429, still.text  # the address is still locked out
         time.sleep(int(refused.headers["retry-after"]) + 0.5)
         later = httpx.get(f"{url}/v1/models", headers=bearer(made_up()), timeout=30)
         assert later.status_code == 401, later.text  # a new window
     finally:
         gateway.stop()
+
+
+def test_behind_a_trusted_proxy_wrong_keys_lock_out_their_client_alone(
+        secured: Secured) -> None:
+    """Behind an ingress every request came from the ingress's address: one client's
+    made-up keys locked out every user. A proxy in GATEWAY_TRUSTED_PROXIES names the
+    client (Forwarded, or X-Forwarded-For), and the lockout holds for that client."""
+    port = free_port()
+    gateway = start_service(secured.stack, "secure-gateway-proxied", "gateway",
+                            "--port", str(port), GATEWAY_MODELS="sim",
+                            GATEWAY_TRUSTED_PROXIES="127.0.0.1,10.0.0.0/8")
+    url = f"http://127.0.0.1:{port}"
+
+    def made_up() -> dict[str, str]:
+        return bearer(f"sk-{uuid.uuid4().hex[:12]}.{uuid.uuid4().hex}{uuid.uuid4().hex}")
+
+    def models(**via: str) -> int:
+        headers = {**made_up(), **{k.replace("_", "-"): v for k, v in via.items()}}
+        return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).status_code
+
+    try:
+        wait_healthy(url, [gateway], timeout=60)
+        # One client, through two proxy hops and both headers' forms.
+        codes = [models(X_Forwarded_For="203.0.113.5, 10.1.2.3") for _ in range(10)]
+        codes += [models(Forwarded='for="203.0.113.5:4711";proto=https, for=10.1.2.3')
+                  for _ in range(10)]
+        assert codes == [401] * 20
+        assert models(X_Forwarded_For="203.0.113.5") == 429
+        # Another client behind the same proxy is not locked out.
+        assert models(X_Forwarded_For="203.0.113.6") == 401
+        assert models(Forwarded='for="[2001:db8::6]"') == 401
+        # A hop the client wrote itself, left of the one the proxy added, changes nothing.
+        assert models(X_Forwarded_For="198.51.100.1, 203.0.113.5") == 429
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize(("peer", "headers", "client"), [
+    ("10.0.0.9", [(b"x-forwarded-for", b"203.0.113.5")], "203.0.113.5"),
+    ("192.0.2.1", [(b"x-forwarded-for", b"203.0.113.5")], "192.0.2.1"),  # not trusted
+    ("10.0.0.9", [(b"x-forwarded-for", b"1.1.1.1, 203.0.113.5, 10.0.0.8")], "203.0.113.5"),
+    ("10.0.0.9", [(b"forwarded", b'for="[2001:db8::1]:80", for=10.0.0.8')], "2001:db8::1"),
+    ("10.0.0.9", [(b"forwarded", b"for=_hidden")], "10.0.0.9"),  # obfuscated: the peer
+    ("10.0.0.9", [(b"x-forwarded-for", b"not an address")], "10.0.0.9"),
+    ("10.0.0.9", [(b"x-forwarded-for", b"10.0.0.7")], "10.0.0.9"),  # only proxies named
+    ("10.0.0.9", [], "10.0.0.9"),
+])
+def test_the_client_address_is_the_nearest_hop_no_trusted_proxy_wrote(
+        peer: str, headers: list[tuple[bytes, bytes]], client: str) -> None:
+    assert forwarded_client(peer, headers, networks(["10.0.0.0/8"])) == client
 
 
 def test_revoking_a_key_stops_its_running_turns_and_their_streams(secured: Secured) -> None:
