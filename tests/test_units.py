@@ -667,7 +667,7 @@ def test_event_streams_refuse_a_middleware_that_could_touch_their_bodies() -> No
     from gateway.settings import GatewaySettings
 
     app = create_app(GatewaySettings(), CommonSettings())
-    assert len(app.user_middleware) == 5  # the gateway's own: each says START_ONLY
+    assert len(app.user_middleware) == 6  # the gateway's own: each says START_ONLY
     with pytest.raises(TypeError, match="START_ONLY"):
         app.add_middleware(GZipMiddleware)
 
