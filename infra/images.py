@@ -37,6 +37,7 @@ STATE = ROOT / ".state"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 INPUTS_LABEL = "chat-pipeline.inputs"
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 
 BASE = "localhost/chat-pipeline-debian:bookworm"
 VLLM_CPU = "localhost/vllm-cpu:0.32.0"
@@ -108,7 +109,7 @@ def _say(message: str) -> None:
 def build_base() -> None:
     """Debian bookworm's minimal system and Python, from Debian's packages; /usr/local is a
     virtual environment, so ``pip install`` works as on the official ``python`` image."""
-    inputs = digest("bookworm minbase python3 python3-venv ca-certificates venv /usr/local")
+    inputs = digest(f"bookworm minbase {' '.join(BASE_PACKAGES)} venv /usr/local")
     if label_of(BASE) == inputs:
         return
     if shutil.which("debootstrap") is None:
@@ -117,7 +118,7 @@ def build_base() -> None:
     with tempfile.TemporaryDirectory(dir=STATE) as tmp:
         root = Path(tmp) / "root"
         subprocess.run(["debootstrap", "--variant=minbase",
-                        "--include=python3,python3-venv,ca-certificates", "bookworm",
+                        f"--include={','.join(BASE_PACKAGES)}", "bookworm",
                         str(root), DEBIAN_MIRROR], check=True, capture_output=True)
         subprocess.run(["chroot", str(root), "python3", "-m", "venv", "/usr/local"],
                        check=True)
@@ -196,7 +197,7 @@ def builds(only: set[str] | None = None) -> list[Build]:
                           inputs=digest(IMAGES / "postgres.Containerfile",
                                         IMAGES / "postgres", label_of(BASE) or "")),
     }
-    order = ["vllm-cpu", "service", "worker", "kafka", "postgres"]
+    order = list(all_builds)  # a base before what is built on it
     if only:
         needed = set(only) | ({"vllm-cpu"} if "worker" in only else set())
         order = [name for name in order if name in needed]
