@@ -118,11 +118,15 @@ def fairness(common: CommonSettings, quick: bool, out: Path) -> str:
     _save(out, "fairness", "How a worker shares its engine between tenants", figures, table,
           f"SIMULATED worker, {figures['slots']} slots, {figures['tokens_per_s']} tokens/s "
           "per turn, prompts written straight to chat.prompts. Beta's first token: from "
-          "its prompt's write to its GenerationStarted, 10 turns of 16 tokens, alone on "
-          f"an idle worker, then right after alpha's {figures['backlog']} turns of 64. Two "
-          f"backlogs: alpha's {figures['both']} turns of 32 tokens, then beta's as many; "
-          "tokens served while both had turns waiting, and Jain's index over them (1: "
-          f"equal). On {figures['machine']}. Measured with `pipeline bench fairness"
+          "its prompt's write to its GenerationStarted, 5 turns of 16 tokens, alone on "
+          f"an idle worker, then once alpha's {figures['backlog']} turns of "
+          f"{figures['long_tokens']:,} hold every slot (≥: none within "
+          f"{figures['window_s']:.0f} s). Two backlogs: alpha's {figures['both']} turns of "
+          "32 tokens, then beta's as many; tokens served while both had turns waiting, "
+          "Jain's index over them (1: equal), and both tenants' tokens/s together. One "
+          f"tenant: alpha's {figures['one_tenant_turns']} turns of 64 alone, tokens/s from "
+          "the first start to the last end. Each side's worker is new, serving a model "
+          f"of its own. On {figures['machine']}. Measured with `pipeline bench fairness"
           f"{' --quick' if quick else ''}`.")
     return table
 

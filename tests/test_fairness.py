@@ -15,20 +15,34 @@ def queue(**kwargs: object) -> FairQueue[tuple[str, int]]:
 
 
 def serve(q: FairQueue[tuple[str, int]], slots: int, steps: int, tokens_per_turn: int,
-          arrivals: dict[int, list[tuple[str, int]]] | None = None
-          ) -> tuple[dict[str, int], dict[tuple[str, int], int]]:
+          arrivals: dict[int, list[tuple[str, int]]] | None = None, preempt: bool = False
+          ) -> tuple[dict[str, int], dict[tuple[str, int], int], int]:
     """Run ``q`` as a worker of ``slots`` slots would, one token per running turn per
-    step: the tokens each tenant got, and the step each item started at."""
-    running: dict[tuple[str, int], int] = {}
+    step: the tokens each tenant got, the step each item first started at, and how many
+    turns were stopped. With ``preempt``, slots are taken back as the worker does: when
+    every slot is taken and ``victim()`` names a tenant, its newest turn is stopped and
+    waits again, keeping the tokens it had."""
+    running: dict[tuple[str, int], int] = {}  # in start order: tokens left
+    left: dict[tuple[str, int], int] = {}  # of the turns stopped
     tokens: dict[str, int] = {}
     started: dict[tuple[str, int], int] = {}
+    stopped = 0
     for step in range(steps):
-        for item in (arrivals or {}).get(step, []):
-            q.push(item)
-        while len(running) < slots and (item := q.pop()) is not None:
-            running[item] = tokens_per_turn
-            started[item] = step
-            q.served(item[0], prompt_tokens=10)
+        for arrived in (arrivals or {}).get(step, []):
+            q.push(arrived)
+        while True:
+            while len(running) < slots and (popped := q.pop()) is not None:
+                running[popped] = left.pop(popped, tokens_per_turn)
+                started.setdefault(popped, step)
+                q.served(popped[0], prompt_tokens=10)
+            tenant = q.victim() if preempt and len(running) >= slots and q else None
+            if tenant is None:
+                break
+            newest = next(i for i in reversed(running) if i[0] == tenant)
+            left[newest] = running.pop(newest)
+            q.ended(tenant)
+            q.requeue(newest)
+            stopped += 1
         for item in list(running):
             tokens[item[0]] = tokens.get(item[0], 0) + 1
             q.served(item[0], output_tokens=1)
@@ -36,13 +50,13 @@ def serve(q: FairQueue[tuple[str, int]], slots: int, steps: int, tokens_per_turn
             if not running[item]:
                 del running[item]
                 q.ended(item[0])
-    return tokens, started
+    return tokens, started, stopped
 
 
 def test_a_tenant_that_comes_later_starts_before_the_backlog_of_one_that_came_first() -> None:
     q = queue()
     arrivals = {0: [("alpha", i) for i in range(200)], 5: [("beta", i) for i in range(10)]}
-    tokens, started = serve(q, slots=8, steps=400, tokens_per_turn=20, arrivals=arrivals)
+    tokens, started, _ = serve(q, slots=8, steps=400, tokens_per_turn=20, arrivals=arrivals)
     # In log order beta's first turn would wait for 192 of alpha's: 24 rounds of 20 steps.
     beta_starts = sorted(s for (tenant, _), s in started.items() if tenant == "beta")
     assert beta_starts[0] <= 20 and beta_starts[-1] <= 60, beta_starts
@@ -53,11 +67,11 @@ def test_a_tenant_that_comes_later_starts_before_the_backlog_of_one_that_came_fi
 def test_shares_follow_the_weights_and_are_fair_among_equals() -> None:
     equal = queue()
     arrivals = {0: [(t, i) for i in range(100) for t in ("a", "b", "c")]}
-    tokens, _ = serve(equal, slots=6, steps=300, tokens_per_turn=10, arrivals=arrivals)
+    tokens, _, _ = serve(equal, slots=6, steps=300, tokens_per_turn=10, arrivals=arrivals)
     assert jain([float(tokens[t]) for t in "abc"]) > 0.99, tokens
     weighted = queue(weights={"gold": 3.0})
     arrivals = {0: [(t, i) for i in range(300) for t in ("gold", "free")]}
-    tokens, _ = serve(weighted, slots=8, steps=400, tokens_per_turn=10, arrivals=arrivals)
+    tokens, _, _ = serve(weighted, slots=8, steps=400, tokens_per_turn=10, arrivals=arrivals)
     assert 2.5 <= tokens["gold"] / tokens["free"] <= 3.5, tokens
 
 
@@ -108,6 +122,49 @@ def test_in_log_order_a_tenant_that_comes_later_waits_behind_the_backlog() -> No
     fair share is measured against."""
     q = queue(fair=False)
     arrivals = {0: [("alpha", i) for i in range(200)], 5: [("beta", i) for i in range(10)]}
-    _, started = serve(q, slots=8, steps=600, tokens_per_turn=20, arrivals=arrivals)
+    _, started, _ = serve(q, slots=8, steps=600, tokens_per_turn=20, arrivals=arrivals)
     beta_starts = sorted(s for (tenant, _), s in started.items() if tenant == "beta")
     assert beta_starts[0] >= 24 * 20, beta_starts  # after alpha's 192 waiting turns
+
+
+def test_slots_are_taken_back_for_a_tenant_below_its_share_and_never_thrash() -> None:
+    """No cap: alpha's 200 long turns hold all 8 slots when beta's 10 come. Beta's first
+    four start at once, each in a slot taken back from alpha (its share is 4 of 8),
+    and alpha keeps its 4; nothing is taken back after, and every turn ends whole."""
+    q = queue(slots=8)
+    arrivals = {0: [("alpha", i) for i in range(200)], 5: [("beta", i) for i in range(10)]}
+    tokens, started, stopped = serve(q, slots=8, steps=3000, tokens_per_turn=100,
+                                     arrivals=arrivals, preempt=True)
+    beta_starts = sorted(s for (tenant, _), s in started.items() if tenant == "beta")
+    assert beta_starts[:4] == [5] * 4, beta_starts
+    assert stopped == 4  # one per slot beta's share needed: no slot went back and forth
+    assert tokens == {"alpha": 200 * 100, "beta": 10 * 100}  # each turn whole, once
+    assert len(q) == 0 and not q.running
+
+
+def test_alone_a_tenant_has_every_slot_and_nothing_is_taken_back() -> None:
+    q = queue(slots=8)
+    tokens, _, stopped = serve(q, slots=8, steps=500, tokens_per_turn=20,
+                      arrivals={0: [("alpha", i) for i in range(100)]}, preempt=True)
+    assert stopped == 0 and tokens == {"alpha": 100 * 20}
+
+
+def test_shares_follow_weights_when_slots_are_taken_back() -> None:
+    """Gold weighs 3: of 8 slots it is owed 6, free 2. Free's backlog holds all 8 first;
+    gold takes six back, and free keeps two."""
+    q = queue(slots=8, weights={"gold": 3.0})
+    arrivals = {0: [("free", i) for i in range(100)], 3: [("gold", i) for i in range(100)]}
+    _, started, stopped = serve(q, slots=8, steps=40, tokens_per_turn=1000, arrivals=arrivals,
+                       preempt=True)
+    assert sum(1 for (t, _), s in started.items() if t == "gold" and s == 3) == 6
+    assert stopped == 6 and q.running == {"free": 2, "gold": 6}
+
+
+def test_in_log_order_or_without_slots_nothing_is_taken_back() -> None:
+    for q in (queue(fair=False, slots=8), queue()):
+        for i in range(10):
+            q.push(("alpha", i))
+        while q.pop() is not None and sum(q.running.values()) < 8:
+            pass
+        q.push(("beta", 0))
+        assert q.victim() is None

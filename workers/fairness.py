@@ -11,13 +11,22 @@ did not ask for is not banked: a tenant that comes back after an hour idle gets 
 share from then on, not the hour's. Within a tenant, prompts start in the order they
 were read, so a conversation's turns keep their order.
 
-A tenant's running turns can also be capped (``max_running``), so that it cannot hold
-every slot of the batch: a worker cannot take a slot back from a turn that runs, and
-without a cap one tenant's long turns started before another's arrived hold the batch
-until they end (the fair share then gives the other every slot that frees).
+**Slots are taken back** (``preempt``, the default). A tenant's share of the slots is
+``slots`` times its weight over the weights of the tenants with turns waiting or
+running. While a tenant runs fewer turns than its share and has one waiting, it is
+*starved*: a free slot goes to a starved tenant first, and when none is free
+``victim()`` names the tenant furthest above its share, one of whose turns the worker
+stops and puts back at the head of that tenant's queue (``requeue``), to continue later
+after what it wrote (``workers.worker``). A tenant is only taken from while it keeps at
+least its share afterwards, so two tenants never take a slot back and forth. Alone, a
+tenant's share is every slot: nothing is taken back, and one tenant's throughput is the
+log order's.
+
+A tenant's running turns can also be capped (``max_running``) below its share.
 
 ``fair=False`` starts them in the order they were read instead (the log's order, as
-before the fair share; ``WORKER_SCHEDULING=fifo``), caps still applied.
+before the fair share; ``WORKER_SCHEDULING=fifo``), caps still applied, and never takes
+a slot back.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ class FairQueue(Generic[T]):
 
     def __init__(self, tenant_of: Callable[[T], str], weights: dict[str, float] | None = None,
                  max_running: int | None = None, size_of: Callable[[T], int] = lambda _: 0,
-                 fair: bool = True) -> None:
+                 fair: bool = True, slots: int | None = None) -> None:
         self.fair = fair
+        # The slots shared (None: none is ever taken back).
+        self.slots = slots if fair else None
         self._tenant_of = tenant_of
         self._size_of = size_of
         self.size = 0  # of the waiting items, as ``size_of`` counts
@@ -79,8 +90,9 @@ class FairQueue(Generic[T]):
         """The next item to start (counted as running), or None: nothing waits, or every
         tenant that waits is at its cap."""
         best, least = None, math.inf
-        for tenant in self._waiting:
-            if self.max_running is not None and self.running.get(tenant, 0) >= self.max_running:
+        starved = self.starved()
+        for tenant in starved or self._waiting:
+            if self._capped(tenant):
                 continue
             counter = (self.counters.get(tenant, 0.0) if self.fair
                        else self._waiting[tenant][0][0])
@@ -96,6 +108,44 @@ class FairQueue(Generic[T]):
         self.size -= self._size_of(item)
         self.running[best] = self.running.get(best, 0) + 1
         return item
+
+    def _capped(self, tenant: str) -> bool:
+        return self.max_running is not None and self.running.get(tenant, 0) >= self.max_running
+
+    def shares(self) -> dict[str, float]:
+        """Each active tenant's share of the slots (none when slots are not shared)."""
+        if self.slots is None:
+            return {}
+        active = {*self._waiting, *self.running}
+        total = sum(self.weights.get(t, 1.0) for t in active)
+        return {t: self.slots * self.weights.get(t, 1.0) / total for t in active}
+
+    def starved(self) -> list[str]:
+        """The tenants with a turn waiting that run fewer than their share."""
+        shares = self.shares()
+        return [t for t in self._waiting
+                if shares and self.running.get(t, 0) < shares[t] and not self._capped(t)]
+
+    def victim(self) -> str | None:
+        """The tenant one of whose running turns to stop for a starved tenant (see the
+        module), or None: none is starved, or none would keep its share."""
+        if not self.starved():
+            return None
+        shares = self.shares()
+        best, most = None, 0.0
+        for tenant, running in self.running.items():
+            above = running - shares[tenant]
+            if above >= 1 and above > most:
+                best, most = tenant, above
+        return best
+
+    def requeue(self, item: T) -> None:
+        """A running item stopped to give its slot up (``ended`` was called for it when it
+        was stopped): first of its tenant's to start again."""
+        tenant = self._tenant_of(item)
+        self._waiting.setdefault(tenant, deque()).appendleft((-1, item))
+        self._count += 1
+        self.size += self._size_of(item)
 
     def ended(self, tenant: str) -> None:
         """A turn of ``tenant`` that ``pop`` gave has ended (or was given up)."""

@@ -32,6 +32,11 @@ class InFlight:
     prompt: PromptSubmitted
     grace: asyncio.Task[None] | None = None
     cancelled: bool = False
+    engine: bool = False  # its task runs it on the engine now
+    # Stopped to give its slot to a starved tenant (``workers.fairness``): it waits again,
+    # and continues after what it wrote, unless ``abandoned`` (its partition moved on).
+    preempted: bool = False
+    abandoned: bool = False
 
 
 class Flights:
@@ -68,6 +73,22 @@ class Flights:
             while len(self.ended) > ENDED_MEMORY:
                 self.ended.popitem(last=False)
         return flight
+
+    def on_engine(self, request_id: str, on: bool) -> None:
+        """The turn's task began its run (``on``), or its run ended and only its end is
+        left to write: only a turn on the engine has a slot to take back."""
+        flight = self.running.get(request_id)
+        if flight is not None:
+            flight.engine = on
+
+    def newest_of(self, tenant: str) -> InFlight | None:
+        """The turn of ``tenant`` started last that runs on the engine and is not being
+        stopped: the cheapest to take a slot back from (the least to prefill again)."""
+        for flight in reversed(self.running.values()):
+            if (flight.prompt.tenant == tenant and flight.engine and not flight.cancelled
+                    and not flight.preempted):
+                return flight
+        return None
 
     def in_partitions(self, partitions: list[int]) -> list[InFlight]:
         return [f for f in self.running.values() if f.tp[1] in partitions]

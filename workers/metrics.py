@@ -42,6 +42,9 @@ class WorkerMetrics:
                                    ["outcome"], registry=registry)
         self.resumed = Counter("worker_resumed_generations",
                                "Turns continued from an earlier attempt", registry=registry)
+        self.preempted = Counter("worker_preempted_turns",
+                                 "Running turns stopped to give their slot to a tenant below "
+                                 "its share (each continues later)", registry=registry)
         self.ttft = Histogram("worker_ttft_seconds", "Prompt taken to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("worker_inter_token_seconds", "Time between tokens of a sequence",

@@ -32,6 +32,8 @@ class Progress:
     # Earlier attempts' deltas that only ``chat.generations`` holds (the code before the
     # live stream wrote them): this attempt writes them to the live stream first.
     republish: list[Delta] = field(default_factory=list)
+    # This attempt follows one stopped here to give its slot up (``workers.fairness``).
+    preempted: bool = False
 
     @classmethod
     def resumed(cls, rec: Recovered) -> Progress:
@@ -39,6 +41,11 @@ class Progress:
         return cls(rec.attempt + 1, [d.text for d in emitted],
                    [t for d in emitted for t in d.token_ids],
                    emitted if rec.legacy else [])
+
+    def continued(self) -> Progress:
+        """The next attempt after this one was stopped here to give its slot up: it goes
+        on after the deltas this one wrote (``seq`` stays gap-free)."""
+        return Progress(self.attempt + 1, self.parts, self.token_ids, preempted=True)
 
 
 class Action(enum.Enum):
@@ -55,14 +62,16 @@ class Plan:
 
 
 def plan_start(prompt: PromptSubmitted, recovered: Recovered | None, here: bool,
-               book: ControlBook, now: datetime) -> Plan:
+               book: ControlBook, now: datetime, stopped: Progress | None = None) -> Plan:
     """``recovered``: what the log holds of its turn from earlier owners; ``here``: whether
-    its turn ended or runs in this worker already."""
+    its turn ended or runs in this worker already; ``stopped``: its progress, if an
+    attempt here was stopped to give its slot up."""
     if here:
         return Plan(Action.SKIP, reason="it ended or runs here already")
     if recovered is not None and recovered.ended:
         return Plan(Action.SKIP, reason="it ended before its offset was committed")
-    progress = Progress.resumed(recovered) if recovered is not None else Progress()
+    progress = (stopped.continued() if stopped is not None
+                else Progress.resumed(recovered) if recovered is not None else Progress())
     decision = book.decide(prompt, now)
     if not decision.start:
         return Plan(Action.END, progress, decision.reason)

@@ -72,9 +72,13 @@ class WorkerSettings(BaseSettings):
     # a tenant not named weighs 1.
     tenant_weights: str = ""
     # The most turns one tenant may run at once on this worker (unset: every slot).
-    # Slots are not taken back from running turns: a cap below max_num_seqs keeps
-    # slots for other tenants when one tenant's long turns came first.
+    # (With preempt off, slots are not taken back from running turns: a cap below
+    # max_num_seqs then keeps slots for tenants whose turns come later.)
     max_running_per_tenant: int | None = Field(default=None, ge=1)
+    # Take a slot back from a running turn of the tenant furthest above its share when a
+    # tenant below its share waits (workers/fairness.py); the stopped turn continues
+    # later from what it wrote. Only with scheduling "fair".
+    preempt: bool = True
 
     @field_validator("tenant_weights")
     @classmethod

@@ -60,6 +60,8 @@ class Waiting:
     # What its turn's text is sealed with: the key its prompt was opened with (None: the
     # prompt was in the clear; ``"erased"``: its keys were destroyed).
     seal: SealWith = None
+    # What an attempt stopped to give its slot up wrote (None: it never ran here).
+    stopped: Progress | None = None
 
     def chars(self) -> int:
         """What it holds in memory, in characters (what bounds the read-ahead)."""
@@ -106,7 +108,10 @@ class Runner:
         Raises CancelledError if the turn was abandoned (its partition moved, the worker
         stops): then nothing ends it here, and its next owner resumes it."""
         prompt = turn.prompt
-        if turn.progress.attempt:
+        if turn.progress.preempted:
+            log.debug("continuing %s at seq %d after giving its slot up", prompt.request_id,
+                      len(turn.progress.parts), extra=turn_fields(prompt))
+        elif turn.progress.attempt:
             self.metrics.resumed.inc()
             log.info("resuming %s at seq %d (attempt %d)", prompt.request_id,
                      len(turn.progress.parts), turn.progress.attempt, extra=turn_fields(prompt))

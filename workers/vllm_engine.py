@@ -194,6 +194,11 @@ class VllmEngine:
         # event loop, which serves every other turn's tokens meanwhile.
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
         done = len(request.prefix_token_ids)
+        wanted = request.sampling.max_tokens
+        if wanted is not None and done >= wanted:
+            # An earlier attempt generated them all and was stopped before its end.
+            yield EngineOutput("", (), len(prompt_ids) + done, finish_reason="length")
+            return
         params = self._sampling(request, len(prompt_ids) + done, done)
         prompt_ids += request.prefix_token_ids
         self._running.add(request.request_id)

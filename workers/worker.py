@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from prometheus_client import CollectorRegistry
 
 from pipeline import sealing
-from pipeline.codec import TP, DecodeError, SealWith, conversation_key, decode_keyed_async
+from pipeline.codec import TP, DecodeError, conversation_key, decode_keyed_async
 from pipeline.kafka import (
     AsyncConsumer,
     Fenced,
@@ -110,7 +110,9 @@ class Worker:
         # Prompts read and waiting for a slot, started by a fair share between tenants.
         self.waiting: FairQueue[Waiting] = FairQueue(
             lambda w: w.prompt.tenant, settings.weights, settings.max_running_per_tenant,
-            size_of=Waiting.chars, fair=settings.scheduling == "fair")
+            size_of=Waiting.chars, fair=settings.scheduling == "fair",
+            slots=engine.max_num_seqs if settings.preempt else None)
+        self._preempting = 0  # turns stopped to give their slot up, not yet off the engine
         self.peak_in_flight = 0
         self.recovered = Found()
         self.ledgers = Ledgers(bootstrap)
@@ -301,17 +303,35 @@ class Worker:
             if item is None:
                 return  # nothing waits, or only tenants at their cap
             self.tracker.started(item.tp, item.offset)
-            if not self._start(item.prompt, item.tp, item.offset, item.trace, item.seal):
+            if not self._start(item):
                 self.waiting.ended(item.prompt.tenant)
+        if self.waiting and not self._preempting:
+            self._preempt()
 
-    def _start(self, prompt: PromptSubmitted, tp: TP, offset: int,
-               traced: Traced | None = None, seal: SealWith = None) -> bool:
+    def _preempt(self) -> None:
+        """Every slot is taken and a tenant below its share waits: stop a turn of the
+        tenant furthest above its share (``workers.fairness``). Its task puts it back to
+        wait once the engine let it go (``_run_turn``), and the freed slot goes to the
+        tenant that waits."""
+        tenant = self.waiting.victim()
+        flight = None if tenant is None else self.flights.newest_of(tenant)
+        if flight is None:
+            return
+        flight.preempted = True
+        self._preempting += 1
+        self.waiting.ended(flight.prompt.tenant)
+        self.metrics.preempted.inc()
+        flight.task.cancel()
+
+    def _start(self, item: Waiting) -> bool:
         """Start a turn (False: it needs not run: it ran, or runs, already)."""
         assert self.writer is not None
+        prompt, tp, offset, traced, seal = item.prompt, item.tp, item.offset, item.trace, \
+            item.seal
         rid = prompt.request_id
         plan = plan_start(prompt, self.recovered.take(rid, tp[1], offset),
                           self.flights.known(rid), self.flights.book,
-                          datetime.now(UTC))
+                          datetime.now(UTC), item.stopped)
         if plan.action is Action.SKIP:  # never run twice
             self._done(tp, offset)
             return False
@@ -329,13 +349,24 @@ class Worker:
     async def _run_turn(self, turn: Turn, run: bool) -> None:
         """Run the turn (``run``; else end it unstarted), then write its end."""
         assert self.runner is not None
+        self.flights.on_engine(turn.prompt.request_id, run)
         try:
             final = await self.runner.run(turn) if run else self.runner.unstarted(turn)
+            self.flights.on_engine(turn.prompt.request_id, False)
         except asyncio.CancelledError:
             # Abandoned on revoke or shutdown: no terminal event, the offset stays
             # uncommitted, and the next owner resumes from what was emitted (tokens
             # still held back here are generated again by the next owner).
-            self._forget(turn.prompt.request_id)
+            flight = self._forget(turn.prompt.request_id)
+            if flight is not None and flight.preempted and not flight.abandoned \
+                    and not self._stopping:
+                # Stopped to give its slot up: it waits again, first of its tenant's,
+                # and continues after the deltas it wrote.
+                self.tracker.queued(turn.tp, turn.offset)
+                self.waiting.requeue(Waiting(turn.prompt, turn.tp, turn.offset, turn.traced,
+                                             turn.seal, turn.progress))
+                self._start_waiting()
+                return
             raise
         if isinstance(final, GenerationFailed) and final.code == "engine_dead":
             self._fatal = EngineDead(final.message)
@@ -372,12 +403,16 @@ class Worker:
                                     turn.history + turn_messages(prompt, final))
         self._forget(prompt.request_id, ended=True)
 
-    def _forget(self, request_id: str, ended: bool = False) -> None:
+    def _forget(self, request_id: str, ended: bool = False) -> InFlight | None:
         flight = self.flights.forget(request_id, ended)
         if flight is not None:
-            self.waiting.ended(flight.prompt.tenant)
+            if flight.preempted:  # counted ended when it was stopped
+                self._preempting -= 1
+            else:
+                self.waiting.ended(flight.prompt.tenant)
         if ended:
             self._start_waiting()  # the slot is free now, not at the loop's next turn
+        return flight
 
     # -- partitions taken away, transactions refused -------------------------
     async def abandon(self, partitions: list[int]) -> None:
@@ -386,8 +421,12 @@ class Worker:
         self.waiting.remove(lambda w: w.tp[1] in partitions)
         flights = self.flights.in_partitions(partitions)
         for flight in flights:
+            flight.abandoned = True
             flight.task.cancel()
         await asyncio.gather(*(f.task for f in flights), return_exceptions=True)
+        for flight in flights:  # cancelled before their task began: nothing forgot them
+            if self.flights.running.get(flight.prompt.request_id) is flight:
+                self._forget(flight.prompt.request_id)
         if self.output is not None:  # what they wrote but did not yet queue
             self.output.drop(partitions)
         if flights:
