@@ -11,22 +11,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import completions, memories, page, sessions, usage
 from gateway.auth import Authenticate, Guard
 from gateway.chat import ChatService
+from gateway.connections import ConnectionLimits
 from gateway.dependencies import Health
 from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, ClientAddress, JsonOnly, networks
 from gateway.errors import (
     APIError,
     api_error_handler,
+    client_left_handler,
     http_error_handler,
     problem_handler,
     unexpected_error_handler,
@@ -160,6 +162,7 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         lifespan=lifespan,
         exception_handlers={
             APIError: api_error_handler,
+            ClientDisconnect: client_left_handler,
             Problem: problem_handler,
             HTTPException: http_error_handler,
             Exception: unexpected_error_handler,
@@ -173,6 +176,13 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
     app.add_middleware(RequestIds)
     app.add_middleware(ClientAddress, trusted=networks(settings.trusted_proxies))
     app.add_middleware(RequestMetrics, metrics=gateway_metrics)
+    # What uvicorn lets a client hold open (launch.services reads it for the protocol).
+    app.state.connections = ConnectionLimits(
+        settings.header_timeout_s, settings.body_timeout_s,
+        settings.max_connections_per_address, tuple(networks(settings.trusted_proxies)),
+        lambda reason: gateway_metrics.connections_refused.labels(reason).inc())
+    Gauge("gateway_open_connections", "Connections open from capped client addresses",
+          registry=registry).set_function(lambda: sum(app.state.connections.open.values()))
     return app
 
 

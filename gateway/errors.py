@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from gateway.problems import (
     BacklogFull,
@@ -140,6 +140,19 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", "error")
     return APIError(status, str(detail), code=None).response()
+
+
+# nginx's status for a request its client closed before the answer: no one receives it,
+# but the request metrics count it apart from the server's errors.
+CLIENT_CLOSED = 499
+
+
+async def client_left_handler(request: Request, exc: Exception) -> Response:
+    """The client closed its connection before its request was read whole: said once,
+    at debug level, without a traceback (an ordinary event, not an error)."""
+    log.debug("the client left %s %s before its request was read", request.method,
+              request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:

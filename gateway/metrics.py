@@ -39,6 +39,10 @@ class GatewayMetrics:
                              "(consumer lag of group workers)", registry=registry)
         self.rejected = Counter("gateway_rejected", "Requests refused before acceptance",
                                 ["code"], registry=registry)
+        self.connections_refused = Counter(
+            "gateway_connections_refused", "Connections closed before the app saw a request: "
+            "header_timeout, body_timeout (408), per_address (429)", ["reason"],
+            registry=registry)
         self.idempotent_replays = Counter("gateway_idempotent_replays",
                                           "Retried requests answered with their original turn",
                                           registry=registry)

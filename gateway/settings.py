@@ -75,6 +75,14 @@ class GatewaySettings(BaseSettings):
     stream_max_bytes: int = Field(default=4_000_000, ge=1024)
     # A stream whose client has read nothing for this long (its send blocked) is dropped.
     send_timeout_s: float = Field(default=30.0, gt=0)
+    # A request's line and headers must all come within this of its first byte (or of
+    # the connection opening), and its body within body_timeout_s of its headers: else
+    # 408 and the connection closes (gateway/connections.py).
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # Connections one client address may hold open at once on a gateway process (a
+    # trusted proxy's are not counted: it bounds its own clients); past it, 429.
+    max_connections_per_address: int = Field(default=512, ge=1)
     # Stop reading a generations partition this long after its last stream ended.
     tail_linger_s: float = Field(default=60.0, ge=0)
     # API keys: required when set, and in any case as soon as one key exists.

@@ -53,6 +53,7 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
     from uvicorn.config import LOGGING_CONFIG
 
     from gateway.app import create_app
+    from gateway.connections import protocol
     from launch.gateways import reuse_port_socket
 
     setup_tracing("gateway")
@@ -61,7 +62,7 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=LOGGING_CONFIG if log_format() == "text" else None,
                             access_log=False, timeout_graceful_shutdown=settings.drain_s,
-                            loop="uvloop", http="httptools",
+                            loop="uvloop", http=protocol(app.state.connections),
                             # The client's address is the gateway's to tell, from its
                             # GATEWAY_TRUSTED_PROXIES only (uvicorn's own would believe
                             # any caller on 127.0.0.1).

@@ -7,8 +7,10 @@ a group of its own; the worker is the SIMULATED engine.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +30,7 @@ from pipeline.topics import PROMPTS
 from projections.migrate import migrate
 from tests.conftest import Service, Stack, new_database, start_service, wait_healthy
 from tests.logread import end_offsets
-from tests.sse import resume_chat, stream_chat
+from tests.sse import resume_chat, scrape, stream_chat
 
 pytestmark = pytest.mark.integration
 
@@ -279,6 +281,83 @@ def test_behind_a_trusted_proxy_wrong_keys_lock_out_their_client_alone(
         # A hop the client wrote itself, left of the one the proxy added, changes nothing.
         assert models(X_Forwarded_For="198.51.100.1, 203.0.113.5") == 429
     finally:
+        gateway.stop()
+
+
+def test_slow_and_piled_up_connections_are_closed_and_others_are_served(
+        secured: Secured) -> None:
+    """Connections that never finish their headers, bodies sent a byte a second, and more
+    connections from one address than its cap: each gets its 408 or 429 (JSON) in time,
+    a client with a key is served meanwhile, and clients that leave mid-request or
+    mid-stream leave no traceback in the log."""
+    port = free_port()
+    gateway = start_service(secured.stack, "secure-gateway-connections", "gateway",
+                            "--port", str(port), GATEWAY_MODELS="sim",
+                            GATEWAY_HEADER_TIMEOUT_S="2", GATEWAY_BODY_TIMEOUT_S="3",
+                            GATEWAY_MAX_CONNECTIONS_PER_ADDRESS="100")
+    url = f"http://127.0.0.1:{port}"
+    key = bearer(secured.key("connections"))
+    socks: list[socket.socket] = []
+
+    def opened(head: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        socks.append(sock)
+        sock.sendall(head)
+        return sock
+
+    def answer(sock: socket.socket) -> tuple[int, dict]:
+        data = b""
+        while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+    try:
+        wait_healthy(url, [gateway], timeout=60)
+        began = time.monotonic()
+        slow_heads = [opened(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
+                      for _ in range(40)]
+        slow_bodies = [opened(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
+                              b"Authorization: " + key["Authorization"].encode()
+                              + b"\r\n\r\n{") for _ in range(20)]
+        piled = [opened(b"") for _ in range(100 - 60)]  # the address's cap: 100
+        refused = opened(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        status, error = answer(refused)
+        assert (status, error["error"]["code"]) == (429, "too_many_connections"), error
+        assert "GATEWAY_MAX_CONNECTIONS_PER_ADDRESS" in error["error"]["message"]
+        for sock in piled:
+            sock.close()
+        # A client with a key is served while the slow ones are held.
+        served = stream_chat(url, chat("beside slow clients", 4), headers=key)
+        assert (served.status, served.finish_reason) == (200, "length"), served
+        for sock in slow_bodies[:5]:
+            sock.sendall(b" ")
+        statuses = [answer(sock) for sock in slow_heads + slow_bodies]
+        assert {(s, e["error"]["code"]) for s, e in statuses} == {(408, "request_timeout")}
+        assert time.monotonic() - began < 15, "the slow clients were held too long"
+        # Clients that leave: in the middle of a body, and in the middle of a stream.
+        cut = opened(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
+                     b"Authorization: " + key["Authorization"].encode() + b"\r\n\r\n{")
+        time.sleep(0.5)
+        cut.close()
+        left = stream_chat(url, chat("left mid-stream", 200), headers=key, stop_after=2)
+        assert left.status == 200 and left.text
+        time.sleep(1.0)
+        metrics = scrape(f"{url}/metrics")
+        refusals = {reason: metrics.get(f'gateway_connections_refused_total{{reason="{reason}"}}')
+                    for reason in ("header_timeout", "body_timeout", "per_address")}
+        assert refusals == {"header_timeout": 40, "body_timeout": 20, "per_address": 1}
+        log = gateway.tail(200_000)
+        assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
+        assert log.count("said once a minute") <= 3, log[-3000:]
+    finally:
+        for sock in socks:
+            sock.close()
         gateway.stop()
 
 
