@@ -257,7 +257,8 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
     metrics.prompt_transactions.set_function(lambda: prompts.transactions)
     guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
-                  failed_lookups=settings.failed_key_lookups)
+                  failed_lookups=settings.failed_key_lookups,
+                  refused=lambda by: metrics.rate_limit_refusals.labels(by).inc())
     await _say_whether_keys_are_required(guard)
     memory = MemoryClient(settings.memory_url, settings.memory_timeout_s)
     opened.push_async_callback(memory.close)

@@ -13,9 +13,10 @@
   out a known valid one. Behind a proxy the address is the client's that a trusted
   proxy names (``GATEWAY_TRUSTED_PROXIES``), else the proxy's.
 * Limits are per key, requests and tokens per minute, as token buckets kept in
-  Postgres (``take_from_buckets``, one atomic call per charge), so they hold across
-  any number of gateway processes. A turn is charged its prompt (characters / 4)
-  plus ``max_tokens`` (or ``DEFAULT_COMPLETION_TOKENS``) when it is accepted.
+  Postgres, so they hold across any number of gateway processes; a charge the store
+  would refuse is refused without asking it (``gateway.limits``). A turn is charged its
+  prompt (characters / 4) plus ``max_tokens`` (or ``DEFAULT_COMPLETION_TOKENS``) when
+  it is accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import keys
 from gateway.dependencies import from_store
 from gateway.errors import APIError, api_error
+from gateway.limits import Buckets, Taken
 from gateway.problems import Problem
 
 T = TypeVar("T")
@@ -72,7 +74,8 @@ def _reset(limit: float, left: float) -> str:
 
 class Guard:
     def __init__(self, pool: AsyncConnectionPool, require: bool, cache_s: float = 2.0,
-                 timeout_s: float = 5.0, failed_lookups: int = 20) -> None:
+                 timeout_s: float = 5.0, failed_lookups: int = 20,
+                 refused: Callable[[str], None] = lambda _: None) -> None:
         self.pool = pool
         self.timeout_s = timeout_s  # auth and limits need the store: 503 when it is away
         self.require = require
@@ -87,6 +90,7 @@ class Guard:
         # when a cached answer expires under load, one query goes out, not one per request
         # (10,000 streams opened at once queued 10,000 for the pool, and got 503s).
         self._asking: dict[object, asyncio.Future[Any]] = {}
+        self.buckets = Buckets(self._take, refused)  # rate limits
 
     async def _once(self, what: object, ask: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """``ask()``, or the same call already under way for ``what``."""
@@ -192,20 +196,17 @@ class Guard:
             return {}
         rpm = float(caller.rpm) if caller.rpm is not None else UNLIMITED
         tpm = float(caller.tpm) if caller.tpm is not None else UNLIMITED
-        async with from_store(self.pool, self.timeout_s) as conn:
-            row = await (await conn.execute(
-                "SELECT granted, requests_left, tokens_left, wait_s"
-                " FROM take_from_buckets(%s, %s, %s, %s, %s)",
-                (caller.key_id, rpm, tpm, float(requests), float(tokens)))).fetchone()
-        assert row is not None
-        granted, requests_left, tokens_left, wait_s = row
+        assert caller.key_id is not None
+        taken = await self.buckets.charge(caller.key_id, rpm, tpm, float(requests),
+                                          float(tokens))
+        requests_left, tokens_left = taken.requests_left, taken.tokens_left
         headers = {}
         for kind, limit, left in (("requests", rpm, requests_left), ("tokens", tpm, tokens_left)):
             if math.isfinite(limit):
                 headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
                 headers[f"x-ratelimit-remaining-{kind}"] = str(max(int(left), 0))
                 headers[f"x-ratelimit-reset-{kind}"] = _reset(limit, left)
-        if granted:
+        if taken.granted:
             return headers
         if tokens > tpm:
             message = (f"This request needs about {tokens} tokens, more than this key's "
@@ -213,9 +214,20 @@ class Guard:
         else:
             kind = "tokens" if tokens and tokens_left < tokens else "requests"
             message = f"Rate limit reached for {kind} per minute on this API key."
-        retry = min(max(math.ceil(wait_s), 1), 60)
+        retry = min(max(math.ceil(taken.wait_s), 1), 60)
         raise APIError(429, message, code="rate_limit_exceeded",
                        headers={**headers, "Retry-After": str(retry)})
+
+
+    async def _take(self, key_id: str, rpm: float, tpm: float, requests: float,
+                    tokens: float) -> Taken:
+        async with from_store(self.pool, self.timeout_s) as conn:
+            row = await (await conn.execute(
+                "SELECT granted, requests_left, tokens_left, wait_s"
+                " FROM take_from_buckets(%s, %s, %s, %s, %s)",
+                (key_id, rpm, tpm, requests, tokens))).fetchone()
+        assert row is not None
+        return Taken(*row)
 
 
 def estimate_tokens(prompt_chars: int, max_tokens: int | None) -> int:

@@ -39,6 +39,9 @@ class GatewayMetrics:
                              "(consumer lag of group workers)", registry=registry)
         self.rejected = Counter("gateway_rejected", "Requests refused before acceptance",
                                 ["code"], registry=registry)
+        self.rate_limit_refusals = Counter(
+            "gateway_rate_limit_refusals", "Charges refused for a key's rate limit, by who "
+            "refused: here (no store query) or the store", ["by"], registry=registry)
         self.connections_refused = Counter(
             "gateway_connections_refused", "Connections closed before the app saw a request: "
             "header_timeout, body_timeout (408), per_address (429)", ["reason"],
