@@ -21,6 +21,7 @@ from gateway.problems import (
     OverLimit,
     Problem,
     PromptTooLarge,
+    RecallsBusy,
     SessionNotFound,
     StoreLagging,
     StoreUnavailable,
@@ -111,6 +112,9 @@ def api_error(problem: Problem) -> APIError:
                             headers={"Retry-After": "2"})
         case TenantLimit():
             return APIError(429, message, code=problem.code, headers={"Retry-After": "2"})
+        case RecallsBusy():
+            return APIError(429, message, code="tenant_recalls_cap",
+                            headers={"Retry-After": "1"})
         case BacklogFull():
             return APIError(429, message, code="backlog_full",
                             headers={"Retry-After": str(problem.retry_after_s)})

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from gateway.problems import MemoryUnavailable
+from gateway.problems import MemoryUnavailable, RecallsBusy
 from schemas import Recalled
 
 
@@ -40,6 +40,12 @@ class MemoryClient:
         response = await self._call("POST", "/v1/recall", json={
             "tenant": tenant, "user": user, "text": text,
             "exclude_session": None if session is None else str(session)})
+        if response.status_code == 429:
+            try:
+                said = str(response.json()["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                said = "Too many recalls of this tenant at once; try again shortly."
+            raise RecallsBusy(said)
         if response.status_code != 200:
             raise MemoryUnavailable(f"the memory service refused the recall "
                                     f"({response.status_code})")

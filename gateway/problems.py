@@ -105,6 +105,10 @@ class TenantLimit(Problem):
         self.code = "tenant_" + what.replace(" ", "_") + "_cap"
 
 
+class RecallsBusy(Problem):
+    """The memory service has as many of this tenant's recalls waiting as it takes."""
+
+
 class GenerationTimeout(Problem):
     def __init__(self) -> None:
         super().__init__("The generation did not finish in time; it was cancelled.")

@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from memory import store
 from memory.embedder import Embedder
+from memory.recalls import Recalls, TenantBusy
 from memory.settings import MemorySettings
 from memory.store import Remembered
 from pipeline.codec import DecodeError, decode, decode_async
@@ -63,6 +64,9 @@ class MemoryMetrics:
         self.forgotten = Counter("memory_forgotten", "Memories forgotten on request",
                                  registry=registry)
         self.recalls = Counter("memory_recalls", "Recall requests answered", registry=registry)
+        self.refused = Counter("memory_recalls_refused", "Recalls refused (429) for a tenant "
+                               "with MEMORY_MAX_WAITING_RECALLS_PER_TENANT waiting",
+                               registry=registry)
         self.recall_seconds = Histogram("memory_recall_seconds",
                                         "Time to answer a recall (embedding and search)",
                                         registry=registry, buckets=LATENCY_BUCKETS)
@@ -106,6 +110,8 @@ class MemoryService:
             database_url, min_size=1, max_size=settings.pool_size, open=False,
             check=AsyncConnectionPool.check_connection, kwargs={"connect_timeout": 10})
         self._quiet = QuietLog(log)
+        # Recalls run a few at once, their places shared fairly between tenants.
+        self.recalls = Recalls(settings.pool_size, settings.max_waiting_recalls_per_tenant)
 
     async def open(self) -> None:
         await self.pool.open(wait=False)
@@ -235,12 +241,20 @@ class MemoryService:
         k = min(k, self.settings.max_recall_k)
         found: list[store.Memory] = []
         if k and text.strip():
-            async with asyncio.timeout(self.settings.request_timeout_s):
-                vector = (await self.embedder.embed([storable(text)[:MAX_QUERY_CHARS]],
-                                                    urgent=True))[0]
-            async with self._db(self.settings.request_timeout_s) as conn:
-                found = await store.nearest(conn, *who, vector, self.embedder.name, k,
-                                            exclude)
+            try:
+                async with asyncio.timeout(self.settings.request_timeout_s), \
+                        self.recalls.place(who[0]):
+                    vector = (await self.embedder.embed([storable(text)[:MAX_QUERY_CHARS]],
+                                                        urgent=True))[0]
+                    async with self._db(self.settings.request_timeout_s) as conn:
+                        found = await store.nearest(conn, *who, vector, self.embedder.name,
+                                                    k, exclude)
+            except TenantBusy as exc:
+                self.metrics.refused.inc()
+                response = problem(429, "tenant_recalls_cap", f"Too many recalls of this "
+                                   f"tenant at once: {exc}; try again shortly.")
+                response.headers["Retry-After"] = "1"
+                return response
         kept, total = [], 0
         for memory in found:  # the nearest first, within the size limit
             if total + len(memory.text) > self.settings.max_recall_chars:

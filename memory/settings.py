@@ -39,6 +39,9 @@ class MemorySettings(BaseSettings):
     # before the consumer's next chunk, so a user's burst of memories delays another
     # user's recall by one chunk at most.
     embed_chunk: int = Field(default=16, ge=1, le=1024)
+    # Recalls run pool_size at once; the others wait in a queue per tenant, served in
+    # turn, and a tenant with this many waiting gets 429 for the next (memory/recalls.py).
+    max_waiting_recalls_per_tenant: int = Field(default=32, ge=1)
     # Connections to PostgreSQL (the API's calls and the consumer's batches share them).
     pool_size: int = Field(default=8, ge=2, le=100)
     # An API call's whole time (its wait for a connection and its queries): past it, or

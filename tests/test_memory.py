@@ -343,6 +343,46 @@ def test_memory_refusals_are_clear(mem: Memory) -> None:
     assert r.status_code == 400, r.text
 
 
+def test_one_tenants_recalls_at_once_neither_hold_back_nor_crowd_out_another(
+        mem: Memory) -> None:
+    """Alpha sends 200 recalls at once, then beta one. Beta's is answered within two
+    batches, not behind alpha's 200 (which each took the engine in turn); each of
+    alpha's is answered, or refused with 429 naming the cap once 32 of alpha's wait
+    (8 run at once)."""
+    url = f"{mem.service_url}/v1/recall"
+
+    async def recall(client: httpx.AsyncClient, tenant: str, i: int) -> tuple[int, float]:
+        began = time.monotonic()
+        r = await client.post(url, json={"tenant": tenant, "user": "u", "text": f"q {i}"})
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "tenant_recalls_cap", r.text
+            assert "MEMORY_MAX_WAITING_RECALLS_PER_TENANT" in r.text
+        return r.status_code, time.monotonic() - began
+
+    def beta_recall() -> tuple[int, float, float]:
+        """Beta's, from a client of its own: its status, its time, and the service's."""
+        began = time.monotonic()
+        r = httpx.post(url, json={"tenant": "beta", "user": "u", "text": "q"}, timeout=60)
+        return r.status_code, time.monotonic() - began, r.json().get("ms", 0.0) / 1000
+
+    async def scenario() -> tuple[list[tuple[int, float]], tuple[int, float, float], float]:
+        alone = min(beta_recall()[1] for _ in range(5))
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
+                max_connections=300)) as client:
+            flood = [asyncio.create_task(recall(client, "alpha", i)) for i in range(200)]
+            await asyncio.sleep(0.2)
+            beta = await asyncio.to_thread(beta_recall)
+            return await asyncio.gather(*flood), beta, alone
+
+    alpha, (status, beta_s, served_s), alone_s = asyncio.run(scenario())
+    statuses = [s for s, _ in alpha]
+    assert status == 200 and set(statuses) == {200, 429}, set(statuses)
+    assert statuses.count(200) >= 40  # 8 running and 32 waiting, at least
+    print({"beta_alone_s": alone_s, "beta_beside_s": beta_s, "beta_in_service_s": served_s,
+           "alpha_answered": statuses.count(200)})
+    assert beta_s < max(10 * alone_s, 1.0), (alone_s, beta_s)
+
+
 def test_a_turn_that_cannot_recall_is_refused_and_not_written(mem: Memory) -> None:
     port = free_port()
     away = start_service(mem.pipeline.stack, "memory-away-gateway", "gateway", "--port",
