@@ -544,3 +544,95 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
         runner.join(60)
         assert not runner.is_alive(), "the worker did not stop"
         loop.close()
+
+
+def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
+        sim_stack: Stack) -> None:
+    """A prompt sealed with a key whose record is not in ``chat.keys`` (its place is past
+    the end: a lookup waits for it) was taken in the worker's loop, and every partition's
+    prompts, control events and heartbeats waited behind it. Now a prompt of another
+    partition starts at once; the stalled one is dead-lettered after
+    WORKER_INTAKE_TIMEOUT_S, and its partition's next prompt then runs."""
+    from pipeline import sealing
+    from pipeline.codec import conversation_key, encode
+    from pipeline.kafka.plain import PlainWriter
+    from pipeline.kek import KeyRef
+    from pipeline.keystore import Keyring, load_kek
+    from pipeline.partitioning import partition_for
+    from pipeline.settings import CommonSettings
+    from pipeline.topics import DEADLETTER, KEYS
+    from tests.logread import end_offsets, read_records
+
+    bootstrap = sim_stack.bootstrap
+    kek = load_kek(CommonSettings(kafka_bootstrap=bootstrap))
+    model = f"intake-{uuid.uuid4().hex[:8]}"
+    partitions = len(end_offsets(bootstrap, PROMPTS))
+
+    def conversation_in(partition: int | None, avoid: int | None = None) -> uuid.UUID:
+        while True:
+            c = uuid.uuid4()
+            p = partition_for(conversation_key(c), partitions)
+            if (partition is None or p == partition) and p != avoid:
+                return c
+
+    stalled_conversation = conversation_in(None)
+    stalled_partition = partition_for(conversation_key(stalled_conversation), partitions)
+    behind = conversation_in(stalled_partition)
+    elsewhere = conversation_in(None, avoid=stalled_partition)
+
+    def prompt(conversation: uuid.UUID, name: str) -> PromptSubmitted:
+        return PromptSubmitted(conversation_id=conversation, request_id=f"{name}-{model}",
+                               model=model, sampling=SamplingParams(max_tokens=3),
+                               messages=(ChatMessage(role="user", content=name),))
+
+    ring = Keyring(bootstrap, kek, f"intake-{model}", missing_wait_s=60)
+    worker = Worker(SimEngine(model, ttft_ms=0, tokens_per_s=50), bootstrap,
+                    CollectorRegistry(), WorkerSettings(engine="sim", intake_timeout_s=6))
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
+                              daemon=True)
+    # This process's other rings aside: with several, a key not found is gone at once.
+    others = list(sealing._rings)
+    with ring:
+        for other in others:
+            sealing.uninstall(other)
+        sealing.install(ring)
+        runner.start()
+        try:
+            wait_for(lambda: len(worker.ledgers) == partitions, 60, "the worker's partitions")
+            new = ring.new_key(stalled_conversation, "t", None)
+            place = end_offsets(bootstrap, KEYS)[new.partition] + 1000  # never written
+            key = sealing.DataKey(str(KeyRef(new.short_id, new.partition, place)),
+                                  stalled_conversation, new.aead)
+            out = PlainWriter(bootstrap, f"intake-{model}")
+            for conversation, value in (
+                    (stalled_conversation, encode(prompt(stalled_conversation, "stalled"),
+                                                  key)),
+                    (behind, encode(prompt(behind, "behind"), None)),
+                    (elsewhere, encode(prompt(elsewhere, "elsewhere"), None))):
+                out.send(PROMPTS, conversation_key(conversation), value)
+            assert out.flush(30) == []
+            sent = time.monotonic()
+
+            def ended(name: str) -> bool:
+                return any(isinstance(e, GenerationFinished) and e.request_id == f"{name}-{model}"
+                           for _, e in read_events(bootstrap, GENERATIONS))
+
+            wait_for(lambda: ended("elsewhere"), 30, "the other partition's turn")
+            assert time.monotonic() - sent < 5, "another partition's prompt was held back"
+            assert not ended("behind")  # its partition's order holds: after the stalled one
+            wait_for(lambda: ended("behind"), 60, "the stalled partition's next turn")
+            assert 5 < time.monotonic() - sent < 40
+            letters = [h for _, _, h in read_records(bootstrap, DEADLETTER)
+                       if h.get("source.partition") == str(stalled_partition).encode()
+                       and b"WORKER_INTAKE_TIMEOUT_S" in (h.get("reason") or b"")]
+            assert letters, "the stalled prompt was not dead-lettered"
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            runner.join(60)
+            assert not runner.is_alive(), "the worker did not stop"
+            loop.close()
+            sealing.uninstall(ring)
+            for other in others:
+                sealing.install(other)

@@ -75,6 +75,9 @@ class WorkerSettings(BaseSettings):
     # (With preempt off, slots are not taken back from running turns: a cap below
     # max_num_seqs then keeps slots for tenants whose turns come later.)
     max_running_per_tenant: int | None = Field(default=None, ge=1)
+    # A prompt's intake (its key fetched, its ledger judged) that takes longer than this
+    # is dead-lettered, and its partition's next prompts go on (workers/intake.py).
+    intake_timeout_s: float = Field(default=120.0, gt=0)
     # Take a slot back from a running turn of the tenant furthest above its share when a
     # tenant below its share waits (workers/fairness.py); the stopped turn continues
     # later from what it wrote. Only with scheduling "fair".

@@ -2,6 +2,8 @@
 runs many turns at once on one engine. This file is the loop, what it does with each
 record, and how a turn's end is written; the rest is beside it:
 
+* Prompts are taken in a lane per partition (``workers.intake``): one that waits for
+  its key or its ledger holds no other partition's, nor the loop.
 * Each prompt is judged before it runs (``workers.ledger``): a void prompt (a racing
   turn of its session came first) or a duplicate never runs. Accepted ones wait for a
   slot, started by a fair share between tenants (``workers.fairness``). While the
@@ -65,6 +67,7 @@ from workers.engine import Engine, EngineDead, EngineRejected, warm_up
 from workers.fairness import FairQueue
 from workers.flights import Flights, InFlight
 from workers.history import Histories, LogReader
+from workers.intake import Intake
 from workers.ledger import Ledgers
 from workers.metrics import WorkerMetrics
 from workers.offsets import OffsetTracker
@@ -113,6 +116,9 @@ class Worker:
             size_of=Waiting.chars, fair=settings.scheduling == "fair",
             slots=engine.max_num_seqs if settings.preempt else None)
         self._preempting = 0  # turns stopped to give their slot up, not yet off the engine
+        # Prompts being taken, a lane per partition: the loop never waits on one.
+        self.intake = Intake(self._take, self._stalled, self._lane_failed,
+                             settings.intake_timeout_s)
         self.peak_in_flight = 0
         self.recovered = Found()
         self.ledgers = Ledgers(bootstrap)
@@ -200,7 +206,7 @@ class Worker:
                     self.output.drop()
                     if rejoin:
                         await consumer.rejoin()
-                full = (len(self.flights) + len(self.waiting) >= self.capacity
+                full = (len(self.flights) + len(self.waiting) + len(self.intake) >= self.capacity
                         or self.waiting.size >= self.settings.read_ahead_chars)
                 # A new assignment may hold partitions paused before a rebalance, or
                 # none paused while the engine is full: set the state anew each time.
@@ -209,7 +215,12 @@ class Worker:
                     await (consumer.pause if full else consumer.resume)(PROMPTS)
                 # Paused, only control events come: poll briefly, to see freed slots soon.
                 for record in await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05):
-                    await self._take(record)
+                    if record.position.topic == PROMPTS:  # taken in its partition's lane
+                        self.tracker.taken((PROMPTS, record.position.partition),
+                                           record.position.offset)
+                        self.intake.put(record)
+                    else:  # control events at once, whatever a prompt waits for
+                        await self._take(record)
                 self._start_waiting()
                 heartbeat.beat()
                 if self.writer.failed is not None:
@@ -232,6 +243,7 @@ class Worker:
             self._stopping = True
             await self._drain()
         finally:
+            await self.intake.close()
             await asyncio.to_thread(heartbeat.leave)
             await asyncio.to_thread(self.writer.close)
             await consumer.close()
@@ -249,10 +261,11 @@ class Worker:
 
     # -- records ------------------------------------------------------------------
     async def _take(self, record: Record) -> None:
+        """What a record means here: a prompt to wait for a slot (or not to run), a control
+        event applied, or a record that does not decode dead-lettered. A prompt's was
+        counted taken (``tracker.taken``) when it was polled."""
         topic, partition, offset = record.position.topic, record.position.partition, \
             record.position.offset
-        if topic == PROMPTS:
-            self.tracker.taken((topic, partition), offset)
         assert self.output is not None
         try:
             event, key = await decode_keyed_async(record.value)
@@ -290,6 +303,22 @@ class Worker:
                                   else Traced(parent, record.timestamp_ms),
                                   key if key is not None else "erased" if event.erased
                                   else None))
+        self._start_waiting()  # a free slot takes it now, not at the loop's next turn
+
+    async def _stalled(self, record: Record) -> None:
+        """A prompt whose taking passed WORKER_INTAKE_TIMEOUT_S: dead-lettered, so its
+        partition's next prompts go on."""
+        assert self.output is not None
+        reason = (f"taking it passed WORKER_INTAKE_TIMEOUT_S ({self.intake.timeout_s:g} s): "
+                  "its key or its partition's ledger could not be read")
+        log.error("dead-lettering %s: %s", record.position, reason)
+        self.metrics.dead_letters.inc()
+        await self.output.dead_letter(record, reason)
+        self._done((record.position.topic, record.position.partition),
+                   record.position.offset)
+
+    def _lane_failed(self, exc: BaseException) -> None:
+        self._fatal = exc  # the loop stops, and the worker with it: never a lane lost
 
     def _done(self, tp: TP, offset: int) -> None:
         if tp[0] == PROMPTS:
@@ -417,7 +446,9 @@ class Worker:
     # -- partitions taken away, transactions refused -------------------------
     async def abandon(self, partitions: list[int]) -> None:
         """Stop this worker's turns in ``partitions``; their next owner resumes them."""
-        # Waiting prompts first: a turn that ends meanwhile starts the next waiting one.
+        # Prompts being taken, then waiting ones: a turn that ends meanwhile starts the
+        # next waiting one.
+        await self.intake.drop(partitions)
         self.waiting.remove(lambda w: w.tp[1] in partitions)
         flights = self.flights.in_partitions(partitions)
         for flight in flights:

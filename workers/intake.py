@@ -1,0 +1,83 @@
+"""A worker's intake: prompts taken from the log, one partition's after another's never.
+
+Taking a prompt can wait: for its conversation's key (a fetch from ``chat.keys``), or for
+its partition's ledger (a read of the log). Taken one at a time in the worker's loop, one
+prompt that waited held every partition's prompts, the control events (a cancel, a
+client leaving) and the worker's heartbeat behind it. Here each prompt partition has a
+lane of its own: a queue and a task that takes its records in order (a partition's
+prompts are judged in the order the log holds them), while the loop goes on polling,
+applying control events and beating. A record whose taking passes ``timeout_s`` is
+handed to ``stalled`` (the worker dead-letters it) and its lane goes on; one whose
+taking raised is handed to ``failed`` (the worker stops: a lane never dies unseen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+from pipeline.kafka import Record
+
+log = logging.getLogger(__name__)
+Take = Callable[[Record], Awaitable[None]]
+
+
+class Lane:
+    """One partition's queue of records, and the task that takes them."""
+
+    def __init__(self, run: Callable[[asyncio.Queue[Record]], Awaitable[None]]) -> None:
+        self.queue: asyncio.Queue[Record] = asyncio.Queue()
+        self.task = asyncio.ensure_future(run(self.queue))
+
+
+class Intake:
+    """``take(record)`` takes one prompt record; ``stalled(record)`` is given one whose
+    taking passed ``timeout_s``; ``failed(exc)`` an error no record should raise."""
+
+    def __init__(self, take: Take, stalled: Take, failed: Callable[[BaseException], None],
+                 timeout_s: float) -> None:
+        self._take, self._stalled, self._failed = take, stalled, failed
+        self.timeout_s = timeout_s
+        self._lanes: dict[int, Lane] = {}
+
+    def put(self, record: Record) -> None:
+        partition = record.position.partition
+        lane = self._lanes.get(partition)
+        if lane is None:
+            lane = self._lanes[partition] = Lane(self._run)
+        lane.queue.put_nowait(record)
+
+    async def _run(self, queue: asyncio.Queue[Record]) -> None:
+        """A lane's task: its records taken in order."""
+        while True:
+            record = await queue.get()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._take(record)
+            except TimeoutError:
+                await self._stalled(record)
+            except Exception as exc:
+                log.exception("taking %s failed", record.position)
+                self._failed(exc)
+                return
+            finally:
+                queue.task_done()
+
+    def __len__(self) -> int:
+        """Records put and not yet taken, in every lane."""
+        return sum(lane.queue.qsize() for lane in self._lanes.values())
+
+    async def drop(self, partitions: Iterable[int]) -> None:
+        """Stop the lanes of ``partitions``: what they hold is left to the partitions'
+        next reader (a record being taken is stopped where it is)."""
+        lanes = [lane for p in list(partitions) if (lane := self._lanes.pop(p, None))]
+        for lane in lanes:
+            lane.task.cancel()
+        for lane in lanes:
+            with contextlib.suppress(asyncio.CancelledError):
+                await lane.task
+
+    async def close(self) -> None:
+        await self.drop(list(self._lanes))
