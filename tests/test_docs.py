@@ -73,7 +73,7 @@ def test_the_readmes_code_blocks_run(pipeline: Pipeline) -> None:
     and Python blocks talk to it, each `pipeline` command is parsed by the command's
     own parser (they start services that run until stopped). Only `make demo` and
     `make test` are left out: they are what runs this."""
-    from launch.cli import _parser
+    from launch.parser import parser
 
     def here(text: str) -> str:
         return text.replace("http://127.0.0.1:8000", pipeline.url)
@@ -101,7 +101,7 @@ def test_the_readmes_code_blocks_run(pipeline: Pipeline) -> None:
                 assert done.returncode == 0 and "data: [DONE]" in done.stdout, done.stderr
                 ran += 1
             elif command.startswith("pipeline "):
-                _parser().parse_args(shlex.split(command)[1:])  # exits 2 if it cannot
+                parser().parse_args(shlex.split(command)[1:])  # exits 2 if it cannot
                 ran += 1
             else:
                 raise AssertionError(f"a README command this test cannot run: {command}")

@@ -675,7 +675,8 @@ def test_event_streams_refuse_a_middleware_that_could_touch_their_bodies() -> No
 def test_every_command_the_cli_parses_has_what_runs_it() -> None:
     import argparse
 
-    from launch.cli import COMMANDS, _parser
+    from launch.cli import COMMANDS
+    from launch.parser import parser
 
-    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == set(COMMANDS)

@@ -1,0 +1,74 @@
+"""The tools run against the pipeline: ``pipeline bench`` and ``pipeline fuzz``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gateway.settings import GatewaySettings
+from launch.services import resolve_model
+from pipeline.settings import CommonSettings
+
+
+def run_fuzz_command(args: argparse.Namespace) -> int:
+    """schemathesis against the gateway's own document: no request may get a server
+    error (run it against a healthy stack: a 503 while a dependency is away counts)."""
+    settings = GatewaySettings()
+    url = (args.url or f"http://{settings.host}:{settings.port}").rstrip("/")
+    st = Path(sys.executable).with_name("st")
+    if not st.exists():
+        raise SystemExit("pipeline fuzz: schemathesis is not installed (pip install "
+                         "'.[dev]')")
+    command = [str(st), "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
+               "--max-examples", str(args.examples), "--workers", "1"]
+    if args.seed is not None:
+        command += ["--seed", str(args.seed)]
+    if args.key:
+        command += ["--header", f"Authorization: Bearer {args.key}"]
+    print(" ".join(c if "Bearer" not in c else "Authorization: Bearer ..." for c in command),
+          flush=True)
+    return subprocess.run(command, check=False).returncode
+
+
+def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
+    from bench import run as bench
+    from infra.process import StartupFailed
+    from launch.local import infra_up
+
+    unknown = set(args.part) - {*bench.PARTS, *bench.NAMED_ONLY, "pair"}
+    if unknown:
+        raise SystemExit(f"unknown bench part(s): {', '.join(sorted(unknown))}; choose "
+                         f"from {', '.join((*bench.PARTS, *bench.NAMED_ONLY))}, or pair")
+    pairing = (args.a_env or args.b_env or args.a_tree or args.b_tree or args.a_python
+               or args.b_python)
+    if "pair" in args.part:
+        if len(args.part) > 1:
+            raise SystemExit("pipeline bench pair runs alone")
+        if not pairing:
+            raise SystemExit("pipeline bench pair: the sides are the same; give side B (or "
+                             "A) a setting (--b-env NAME=VALUE), a checkout (--b-tree PATH) "
+                             "or an interpreter (--b-python PATH)")
+    elif pairing:
+        raise SystemExit("--a-env, --b-env, --a-tree, --b-tree, --a-python and --b-python are "
+                         "for pipeline bench pair")
+    infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
+    try:
+        if "pair" in args.part:
+            from bench.pair import Side
+
+            sides = (Side("A", dict(args.a_env), args.a_tree, args.a_python),
+                     Side("B", dict(args.b_env), args.b_tree, args.b_python))
+            report = bench.pair(common, args.out or common.state_dir / "bench", args.label,
+                                sides, rate=args.rate, pairs=args.pairs, rounds=args.rounds)
+            print(f"\n{report}")
+        else:
+            out = args.out or (common.state_dir / "bench" if args.quick
+                               else Path("docs/benchmarks"))
+            bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
+                      resolve_model, args.before, args.conversations)
+    except StartupFailed as exc:
+        raise SystemExit(f"pipeline bench: {exc}") from None
+    return 0
