@@ -59,6 +59,7 @@ from pipeline.codec import Position, conversation_key, encode, key_of
 from pipeline.kafka import EventProducer, ProduceError, RecordTooLarge, TransactionalProducer
 from pipeline.keystore import Keyring, KeyringError
 from pipeline.logs import bind_turn
+from pipeline.retry import Backoff
 from pipeline.sealing import DEFLATE_UP_TO, DataKey
 from pipeline.topics import CLOCK_SKEW_MS, CONTROL, ERASURES, GENERATIONS, KEYS, LIVE, PROMPTS
 from schemas import (
@@ -332,7 +333,7 @@ class ChatService:
         was accepted after its history was read (``schemas.conversation``). Every
         reader of the log reaches the same verdict, so a void prompt is never run."""
         assert view.prompts_end is not None
-        delay = 0.2
+        backoff = Backoff(0.2, 2.0)
         while True:
             try:  # the turns appended between the history's read and this prompt
                 await self.store.fold(view, PROMPTS, view.prompts_end, offset)
@@ -341,8 +342,7 @@ class ChatService:
                 # The prompt is committed: it runs unless void, so no refusal may be given
                 # until the log says which. (A client that leaves meanwhile learns it by
                 # retrying with its Idempotency-Key.)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff.next())
         view.apply(prompt, offset)
         rival = view.void.get(prompt.request_id)
         if rival is not None:
@@ -660,13 +660,12 @@ class ChatService:
                 raise
 
     async def _reattach(self, f: Following) -> Following:
-        delay = 0.2
+        backoff = Backoff(0.2, 2.0)
         while True:
             try:
                 return await self.attach(f.completion_id, f.tenant, None)
             except (LogUnavailable, StoreUnavailable):
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff.next())
 
     async def _collect(self, f: Following) -> Reply:
         parts: list[str] = []

@@ -25,6 +25,7 @@ from gateway.view import ConversationView, Message, TurnState
 from pipeline.codec import DecodeError, conversation_key, decode_async, decode_live_async
 from pipeline.kafka import AsyncConsumer, Record
 from pipeline.partitioning import partition_for
+from pipeline.retry import Backoff
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, LIVE, PROMPTS
 from schemas import Event
 from schemas.live import LiveBatch
@@ -180,7 +181,7 @@ class ConversationStore:
         """Wait until the projection holds all of ``topic`` that the log held when called."""
         targets = {(topic, p): await self.end_of(topic, p) for p in range(self.partitions)}
         deadline = time.monotonic() + self.wait_s
-        delay = 0.005
+        backoff = Backoff(0.005, 0.1)
         while True:
             async with from_store(self.pool, self.timeout_s) as conn:
                 rows = await (await conn.execute(
@@ -191,8 +192,7 @@ class ConversationStore:
                 return
             if time.monotonic() > deadline:
                 raise StoreLagging()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            await asyncio.sleep(backoff.next())
 
     async def list_sessions(self, tenant: str, limit: int,
                             after: uuid.UUID | None) -> tuple[list[dict[str, Any]], bool]:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.settings import GatewaySettings
+from pipeline.retry import Backoff
 
 log = logging.getLogger("pipeline.gateways")
 STOP_S = 30.0
@@ -63,7 +64,8 @@ class _Child:
     index: int
     command: list[str]
     proc: subprocess.Popen[bytes] | None = None
-    failures: int = 0
+    # Its pauses before starting again, doubling while it keeps exiting.
+    restarts: Backoff = field(default_factory=lambda: Backoff(RESTART_MIN_S, RESTART_MAX_S))
     restart_at: float = 0.0
     started_at: float = field(default=0.0)
 
@@ -126,12 +128,11 @@ def _keep(child: _Child) -> None:
     proc = child.proc
     if proc is not None and proc.poll() is None:
         if time.monotonic() - child.started_at > RESTART_MAX_S:
-            child.failures = 0  # it has run a while: the next exit restarts soon again
+            child.restarts.reset()  # it has run a while: the next exit restarts soon again
         return
     now = time.monotonic()
     if proc is not None:
-        child.failures += 1
-        pause = min(RESTART_MIN_S * 2 ** (child.failures - 1), RESTART_MAX_S)
+        pause = child.restarts.next()
         log.warning("gateway %d (pid %d) exited with code %s; starting it again in %.0f s",
                     child.index, proc.pid, proc.returncode, pause)
         child.proc, child.restart_at = None, now + pause

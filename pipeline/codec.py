@@ -14,6 +14,7 @@ import msgspec
 from pydantic import ValidationError
 
 from pipeline import sealing
+from pipeline.retry import Backoff
 from schemas import EVENT_ADAPTER, Event
 from schemas.content import content_of, with_content, without_content
 from schemas.events import Sealed
@@ -157,7 +158,7 @@ async def open_live_async(batch: LiveBatch, wanted: Container[int] | None = None
 
 
 async def _unblocked(call: Callable[..., T], *args: object) -> T:
-    pause = 0.1
+    backoff = Backoff(0.1, 5.0)
     while True:
         try:
             return call(*args)
@@ -167,10 +168,10 @@ async def _unblocked(call: Callable[..., T], *args: object) -> T:
             except sealing.RingUnavailable as exc:
                 if not exc.unreachable:
                     raise
+                pause = backoff.next()
                 log.warning("data key %s not readable yet, asking again in %.1f s: %s",
                             miss.key_id, pause, exc)
                 await asyncio.sleep(pause)
-                pause = min(2 * pause, 5.0)
 
 
 def decode_or_none(data: bytes | None, open_sealed: bool = True) -> Event | None:

@@ -48,7 +48,7 @@ from pipeline.kek import (
     record_key,
 )
 from pipeline.partitioning import partition_for
-from pipeline.retry import QuietLog
+from pipeline.retry import Backoff, QuietLog
 from pipeline.rotations import Rotation, find_moved, read_rotations
 from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS
@@ -355,7 +355,7 @@ class Keyring:
         """Read the key where its reference says (see ``MISSING_WAIT_S``)."""
         recent = written_at is not None and time.time() - written_at < self._erasure_window_s
         deadline = time.monotonic() + (self._missing_wait_s if recent else 0.0)
-        pause = 0.5
+        backoff = Backoff(0.5, 5.0)
         while True:
             with self._fetching:
                 held = self._held(key_id)  # another thread may have brought it meanwhile
@@ -392,8 +392,7 @@ class Keyring:
             self._quiet.warning("data key %s of content written %.0f s ago is past the end "
                                 "of %s as its leader answered: looking again for %.0f s "
                                 "more", key_id, time.time() - (written_at or 0), KEYS, left)
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, 5.0)
+            time.sleep(min(backoff.next(), left))
 
     def _read(self, wanted: list[tuple[int, int]]) -> Lookup:
         reader = self._reader_()

@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.metrics import LATENCY_BUCKETS
+from pipeline.retry import Backoff
 from projections.projector import caused_by_event
 from schemas import (
     Event,
@@ -303,7 +304,7 @@ class AnalyticsStore:
         are stored, the items whose event the tables refuse for what it holds (a NUL in
         a tenant, a count past a column's range: ``caused_by_event``), with the reason,
         for the dead-letter topic. Any other database error is retried until it passes."""
-        delay = 0.2
+        backoff = Backoff(0.2, 10.0)
         while True:
             try:
                 try:
@@ -317,13 +318,13 @@ class AnalyticsStore:
                     psycopg.errors.DeadlockDetected,
                     psycopg.errors.SerializationFailure) as exc:
                 self.metrics.retries.inc()
+                delay = backoff.next()
                 log.warning("could not write analytics (%s); retrying in %.1f s", exc, delay)
                 if self._conn is not None:
                     with contextlib.suppress(Exception):
                         await self._conn.close()
                     self._conn = None
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
 
     async def _apply_batch(self, events: Sequence[Event]) -> None:
         started = time.monotonic()

@@ -5,13 +5,15 @@
     bench: may import anything; only the command (launch) imports it
     launch: the composition root; nothing imports it
 
-and one rule across them: only the Kafka adapter (``pipeline/kafka/``) imports
-confluent_kafka. (Tests may: they write records no service would, to see them refused.)
+and rules across them: only the Kafka adapter (``pipeline/kafka/``) imports
+confluent_kafka (tests may: they write records no service would, to see them refused);
+every retry's delay comes from ``pipeline.retry.Backoff``, none doubled by hand.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -78,3 +80,14 @@ def test_the_tree_is_the_readmes_layout_table() -> None:
     folders = {path.split("/", 1)[0] for path in tracked if "/" in path
                and not path.startswith(".")}
     assert listed == folders
+
+
+def test_every_retry_waits_by_backoff() -> None:
+    """Delays doubled by hand drifted apart (no jitter, no reset, their own bounds)."""
+    doubled = re.compile(r"min\(\s*(\w+ \* 2|2 \* \w+)\b")
+    found = [f"{path.relative_to(REPO_ROOT)}:{n}" for package in PACKAGES
+             for path in sorted((REPO_ROOT / package).rglob("*.py"))
+             if path != REPO_ROOT / "pipeline" / "retry.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if doubled.search(line)]
+    assert found == [], found

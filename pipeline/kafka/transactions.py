@@ -32,7 +32,7 @@ from pipeline.kafka.client import (
     client_logging,
     resolve,
 )
-from pipeline.retry import QuietLog
+from pipeline.retry import Backoff, QuietLog
 from schemas import Event
 
 log = logging.getLogger(__name__)
@@ -353,7 +353,7 @@ class TransactionalProducer:
     def _run(self, generation: int = 0) -> None:
         self._register()
         self.ready.set()
-        backoff = 0.0
+        backoff = Backoff(0.05, 2.0)
         while True:
             with self._cond:
                 while not self._queue and not self._commit_wanted and not self._stop:
@@ -388,10 +388,9 @@ class TransactionalProducer:
                 self._busy = False
                 self._cond.notify_all()
             if retry:
-                backoff = min(max(backoff * 2, 0.05), 2.0)
-                time.sleep(backoff)
+                time.sleep(backoff.next())
             else:
-                backoff = 0.0
+                backoff.reset()
 
     def _watch(self) -> None:
         """Answer ``NotAccepted`` for records past their deadline that are certain never
@@ -442,7 +441,7 @@ class TransactionalProducer:
 
     def _register(self) -> None:
         """init_transactions, retried until the broker answers."""
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not self._stop:
             try:
                 self._producer.init_transactions(self._timeout_s * 3)
@@ -455,8 +454,7 @@ class TransactionalProducer:
                     self._producer = Producer(self._config)
                 self._quiet.warning("could not register the transactional producer, "
                                     "retrying: %s", exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                time.sleep(backoff.next())
 
     def _transact(self, batch: list[_Queued], generation: int = 0) -> bool:
         """One transaction; True if its records must be sent again. A thread the watchdog
@@ -517,7 +515,7 @@ class TransactionalProducer:
     def _commit(self) -> None:
         """commit_transaction, asked again while the answer is lost (retriable errors):
         once sent, a commit may have happened, so it is never given up for an abort."""
-        delay = 0.05
+        backoff = Backoff(0.05, 2.0)
         while True:
             try:
                 self._producer.commit_transaction(self._step_s)
@@ -527,8 +525,7 @@ class TransactionalProducer:
                 if not err.retriable() or err.txn_requires_abort() or err.fatal():
                     raise
                 self._quiet.warning("a commit's answer was lost, asking again: %s", err)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                time.sleep(backoff.next())
 
     def _produce(self, item: _Queued) -> None:
         def delivered(err: KafkaError | None, msg: Message) -> None:
