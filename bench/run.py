@@ -9,6 +9,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,23 +43,28 @@ def _save(out: Path, part: str, title: str, figures: dict[str, Any], table: str,
 
 
 def serving(common: CommonSettings, quick: bool, out: Path,
-            resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]]
-            ) -> str:
+            resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
+            shape: ServingShape | None = None) -> str:
     from bench import serving as bench
 
-    levels = [8] if quick else [1, 8, 32]
-    max_tokens = 64 if quick else 128
-    settings = WorkerSettings()
+    shape = shape or ServingShape()
+    levels = shape.clients or ([8] if quick else [1, 8, 32])
+    max_tokens = shape.max_tokens or (64 if quick else 128)
+    settings = WorkerSettings(**shape.engine)
+    tiny = not settings.model
     settings = settings.model_copy(update={
         "max_num_seqs": settings.max_num_seqs or max(32, *levels),
-        "max_model_len": settings.max_model_len or 512})
+        "max_model_len": settings.max_model_len or (512 if tiny else None)})
     model, name = resolve_model(common, settings)
     figures = bench.bench(settings, common.kafka_bootstrap, model, name, levels, max_tokens, quick,
-                          common.state_dir / "bench-logs")
+                          common.state_dir / "bench-logs", bench.prompt_of(shape.prompt_tokens))
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
     table = bench.tables(figures)
+    weights = ("random weights" if tiny or settings.load_format == "dummy"
+               else "its weights")
     _save(out, "serving", "Serving: the engine, vllm serve and the pipeline", figures, table,
-          f"Model {name} (random weights, CPU), max_num_seqs {figures['max_num_seqs']}, "
+          f"Model {name} ({weights}, {settings.dtype}), load format {settings.load_format}, "
+          f"prompt of {figures['prompt_words']} words, max_num_seqs {figures['max_num_seqs']}, "
           f"max_model_len {figures['max_model_len']}, on {figures['machine']}. Closed loop. "
           "Modes in pairs (engine with worker, vllm-serve with pipeline, then the SIMULATED "
           f"engine at {figures['sim_tokens_per_s']:.0f} tokens/s per sequence with a worker "
@@ -69,8 +75,28 @@ def serving(common: CommonSettings, quick: bool, out: Path,
           "(`vllm.benchmarks.lib.endpoint_request_func.async_request_openai_chat_completions`"
           ", unchanged) against vllm serve and the pipeline, paired the same way, 2 requests "
           "per client a round. Measured with `pipeline bench serving"
-          f"{' --quick' if quick else ''}`.")
+          f"{' --quick' if quick else ''}{shape.flags()}`.")
     return table
+
+
+@dataclass(frozen=True)
+class ServingShape:
+    """What ``pipeline bench serving`` runs, as its flags say (unset: the defaults, and
+    the engine's from the WORKER_* settings)."""
+
+    engine: dict[str, Any] = field(default_factory=dict)  # WorkerSettings fields
+    clients: list[int] | None = None
+    max_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+    def flags(self) -> str:
+        said = [f" --{k.replace('_', '-')} {v}" for k, v in self.engine.items()]
+        if self.clients:
+            said.append(f" --clients {','.join(map(str, self.clients))}")
+        for name in ("max_tokens", "prompt_tokens"):
+            if getattr(self, name) is not None:
+                said.append(f" --{name.replace('_', '-')} {getattr(self, name)}")
+        return "".join(said)
 
 
 def capacity(common: CommonSettings, quick: bool, out: Path) -> str:
@@ -223,13 +249,14 @@ def _now() -> str:
 
 def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
         resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
-        before: Path | None = None, conversations: int = 1_000_000) -> None:
+        before: Path | None = None, conversations: int = 1_000_000,
+        shape: ServingShape | None = None) -> None:
     started = time.monotonic()
     for part in parts:
         print(f"\n== {part} ==", flush=True)
         part_started = time.monotonic()
         if part == "serving":
-            table = serving(common, quick, out, resolve_model)
+            table = serving(common, quick, out, resolve_model, shape)
         elif part == "capacity":
             table = capacity(common, quick, out)
         elif part == "log":

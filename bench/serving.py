@@ -171,9 +171,10 @@ def cpu_meter(pids: Callable[[], set[int]]) -> CpuMeter:
 
 
 @contextlib.asynccontextmanager
-async def engine_client(engine: Engine, max_tokens: int) -> AsyncIterator[MakeRequest]:
+async def engine_client(engine: Engine, max_tokens: int, prompt: str = PROMPT
+                        ) -> AsyncIterator[MakeRequest]:
     """Requests straight into an engine in this process; closes it after."""
-    messages = (ChatMessage(role="user", content=PROMPT),)
+    messages = (ChatMessage(role="user", content=prompt),)
 
     async def one(seed: int) -> Request:
         request = Request(time.perf_counter())
@@ -192,24 +193,24 @@ async def engine_client(engine: Engine, max_tokens: int) -> AsyncIterator[MakeRe
 
 
 @contextlib.asynccontextmanager
-async def http_client_for(url: str, name: str, max_tokens: int,
-                          connections: int) -> AsyncIterator[MakeRequest]:
+async def http_client_for(url: str, name: str, max_tokens: int, connections: int,
+                          prompt: str = PROMPT) -> AsyncIterator[MakeRequest]:
     """Streaming chat requests to an OpenAI-compatible server."""
     async with http_client(connections) as client:
         async def one(seed: int) -> Request:
-            return await stream_once(client, url, chat_body(name, PROMPT, max_tokens, seed))
+            return await stream_once(client, url, chat_body(name, prompt, max_tokens, seed))
 
         yield one
 
 
 @contextlib.asynccontextmanager
-async def vllm_bench_client(url: str, name: str, max_tokens: int,
-                            connections: int) -> AsyncIterator[MakeRequest]:
+async def vllm_bench_client(url: str, name: str, max_tokens: int, connections: int,
+                            prompt: str = PROMPT) -> AsyncIterator[MakeRequest]:
     """Requests made by vLLM's own benchmark client, its results as it measured them."""
     async with http_client(connections) as client:
         async def one(seed: int) -> Request:
             out = await async_request_openai_chat_completions(RequestFuncInput(
-                prompt=PROMPT, api_url=f"{url}/v1/chat/completions", prompt_len=0,
+                prompt=prompt, api_url=f"{url}/v1/chat/completions", prompt_len=0,
                 output_len=max_tokens, model=name, ignore_eos=True,
                 extra_body={"seed": seed}), client)
             request = Request(out.start_time)
@@ -225,7 +226,7 @@ async def vllm_bench_client(url: str, name: str, max_tokens: int,
 
 
 @contextlib.asynccontextmanager
-async def kafka_client(bootstrap: str, name: str, max_tokens: int
+async def kafka_client(bootstrap: str, name: str, max_tokens: int, prompt: str = PROMPT
                        ) -> AsyncIterator[MakeRequest]:
     """Prompts into ``chat.prompts``; each turn's first token read from its start entry in
     ``chat.live`` (written with its first delta), its end from ``chat.generations``."""
@@ -260,18 +261,18 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int
 
     async def one(seed: int) -> Request:
         conversation = uuid.uuid4()
-        prompt = PromptSubmitted(
+        submitted = PromptSubmitted(
             conversation_id=conversation, request_id=completion_id(conversation),
-            tenant="bench", model=name, messages=(ChatMessage(role="user", content=PROMPT),),
+            tenant="bench", model=name, messages=(ChatMessage(role="user", content=prompt),),
             sampling=SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True))
         request = Request(time.perf_counter())
         done = asyncio.get_running_loop().create_future()
-        waiting[prompt.request_id] = (request, done)
+        waiting[submitted.request_id] = (request, done)
         try:
-            await producer.send(PROMPTS, prompt)
+            await producer.send(PROMPTS, submitted)
             await asyncio.wait_for(done, timeout=600)
         finally:
-            del waiting[prompt.request_id]
+            del waiting[submitted.request_id]
         return request
 
     await reader.follow_from_end(LIVE)
@@ -286,12 +287,24 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int
         producer.close()
 
 
-def _engine_flags(settings: WorkerSettings) -> list[str]:
-    flags = ["--max-num-seqs", str(settings.max_num_seqs), "--max-model-len",
-             str(settings.max_model_len), "--dtype", settings.dtype]
-    if settings.kv_cache_memory_bytes:
+def engine_flags(settings: WorkerSettings) -> list[str]:
+    """The engine arguments, as the worker's command and ``vllm serve`` both take them."""
+    flags = ["--max-num-seqs", str(settings.max_num_seqs), "--dtype", settings.dtype]
+    if settings.max_model_len:
+        flags += ["--max-model-len", str(settings.max_model_len)]
+    if settings.gpu_memory_utilization is not None:
+        flags += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+    elif settings.kv_cache_memory_bytes:
         flags += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
+    if settings.load_format != "auto":
+        flags += ["--load-format", settings.load_format]
     return flags
+
+
+def prompt_of(tokens: int | None) -> str:
+    """A user message of about ``tokens`` tokens (one word each; the chat template adds
+    its own), or the default prompt."""
+    return PROMPT if tokens is None else " ".join(["log"] * tokens)
 
 
 def _start(cmds: dict[str, list[str]], log_dir: Path,
@@ -317,18 +330,25 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
-              levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
+              levels: list[int], max_tokens: int, quick: bool, log_dir: Path,
+              prompt: str = PROMPT) -> dict[str, Any]:
     """The engine paired with one worker process alone; then vllm serve paired with the
     pipeline (that worker, with a projector and a gateway started beside it)."""
     exe = [sys.executable, "-m", "launch"]
-    flags = _engine_flags(settings)
+    flags = engine_flags(settings)
     # The worker starts first: the in-process engine then moves this process off the
     # engine's cores, which a child started later would inherit.
-    procs = _start({"worker": [*exe, "worker", *flags]}, log_dir)
+    procs = _start({"worker": [*exe, "worker", "--model", str(model), "--served-model-name",
+                               name, *flags]}, log_dir)
     try:
-        async with kafka_client(bootstrap, name, max_tokens) as worker, \
-                engine_client(VllmEngine(settings, model, name), max_tokens) as engine:
-            first = await paired(engine, worker, levels, quick, names=("engine", "worker"))
+        async with kafka_client(bootstrap, name, max_tokens, prompt) as worker, \
+                engine_client(VllmEngine(settings, model, name), max_tokens,
+                              prompt) as engine:
+            # The worker's process alone (its engine's process is a child), per token; beside
+            # it this process: the load generator and AsyncLLM's output processing.
+            first = await paired(engine, worker, levels, quick, names=("engine", "worker"),
+                                 cpu=(cpu_meter(lambda: {os.getpid()}),
+                                      cpu_meter(lambda: {procs[0].pid})))
         port, serve_port = free_port(), free_port()
         serve = _start({"vllm-serve": [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -353,21 +373,23 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         plumbing = cpu_meter(lambda: {*ours, *_infra_pids()})
         frontend = cpu_meter(lambda: {serve.pid})
         async with http_client_for(f"http://127.0.0.1:{serve_port}", name, max_tokens,
-                                   connections) as vllm_serve, \
+                                   connections, prompt) as vllm_serve, \
                 http_client_for(f"http://127.0.0.1:{port}", name, max_tokens,
-                                connections) as pipeline:
+                                connections, prompt) as pipeline:
             second = await paired(vllm_serve, pipeline, levels, quick,
                                   names=("vllm serve", "pipeline"), cpu=(frontend, plumbing))
         async with vllm_bench_client(f"http://127.0.0.1:{serve_port}", name, max_tokens,
-                                     connections) as vllm_serve, \
+                                     connections, prompt) as vllm_serve, \
                 vllm_bench_client(f"http://127.0.0.1:{port}", name, max_tokens,
-                                  connections) as pipeline:
+                                  connections, prompt) as pipeline:
             clients = await paired(vllm_serve, pipeline, levels, quick, per_client=2,
                                    names=("vllm serve, vLLM's client", "pipeline, vLLM's client"))
     finally:
         _stop(procs)
-    third = await _paired_simulated(bootstrap, levels, max_tokens, quick, log_dir)
+    third = await _paired_simulated(bootstrap, levels, max_tokens, quick, log_dir, prompt)
     return {"model": name, "max_tokens": max_tokens, "max_num_seqs": settings.max_num_seqs,
+            "load_format": settings.load_format, "dtype": settings.dtype,
+            "prompt_words": len(prompt.split()),
             "max_model_len": settings.max_model_len, "pairs": pairs(quick),
             "modes": {mode: [s.to_json() for s in summaries] for mode, summaries in (
                 ("engine", first.a), ("worker", first.b),
@@ -377,6 +399,9 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
                             "pipeline": [s.to_json() for s in clients.b]},
             "cpu_us_per_token": {"vllm serve's API server": second.cpu_us_per_token[0],
                                  "the pipeline's processes": second.cpu_us_per_token[1]},
+            "worker_cpu_us_per_token": {"vLLM worker's process": first.cpu_us_per_token[1],
+                                        "SIMULATED worker's process":
+                                            third.cpu_us_per_token[1]},
             "sim_tokens_per_s": SIM_TOKENS_PER_S,
             "ratios": {"worker / engine": first.ratios,
                        "pipeline / vllm-serve": second.ratios,
@@ -385,7 +410,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
 
 
 async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, quick: bool,
-                            log_dir: Path) -> Paired:
+                            log_dir: Path, prompt: str = PROMPT) -> Paired:
     """The SIMULATED engine in this process paired with a worker process running it
     (the vLLM worker has left the group by now, so this one takes every prompt)."""
     env = {**os.environ, "WORKER_SIM_TOKENS_PER_S": str(SIM_TOKENS_PER_S),
@@ -393,11 +418,14 @@ async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, 
     procs = _start({"sim-worker": [sys.executable, "-m", "launch", "worker",
                                    "--engine", "sim"]}, log_dir, env)
     try:
-        async with kafka_client(bootstrap, SIM_NAME, max_tokens) as worker, \
-                engine_client(SimEngine(SIM_NAME, tokens_per_s=SIM_TOKENS_PER_S),
-                              max_tokens) as engine:
+        async with kafka_client(bootstrap, SIM_NAME, max_tokens, prompt) as worker, \
+                engine_client(SimEngine(SIM_NAME, tokens_per_s=SIM_TOKENS_PER_S,
+                                        max_num_seqs=max(256, *levels)),
+                              max_tokens, prompt) as engine:
             return await paired(engine, worker, levels, quick, per_client=2 if quick else 4,
-                                names=("SIMULATED engine", "SIMULATED worker"))
+                                names=("SIMULATED engine", "SIMULATED worker"),
+                                cpu=(cpu_meter(lambda: {os.getpid()}),
+                                     cpu_meter(lambda: {procs[0].pid})))
     finally:
         _stop(procs)
 
@@ -411,9 +439,10 @@ def _infra_pids() -> set[int]:
 
 
 def bench(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
-          levels: list[int], max_tokens: int, quick: bool, log_dir: Path) -> dict[str, Any]:
+          levels: list[int], max_tokens: int, quick: bool, log_dir: Path,
+          prompt: str = PROMPT) -> dict[str, Any]:
     return asyncio.run(run(settings, bootstrap, model, name, levels, max_tokens, quick,
-                           log_dir))
+                           log_dir, prompt))
 
 
 def tables(figures: dict[str, Any]) -> str:
@@ -475,6 +504,16 @@ def tables(figures: dict[str, Any]) -> str:
         for v, f, pl in zip(modes["vllm-serve"], frontend, plumbing, strict=True):
             out.append(f"| {v['concurrency']} | {f:,.0f} | {pl:,.0f} | "
                        f"{pl / f if f else float('nan'):.2f}x |")
+    if "worker_cpu_us_per_token" in figures:
+        worker = figures["worker_cpu_us_per_token"]
+        out += ["", "**The worker's process, CPU per generated token** (its engine's process "
+                "left out; with vLLM it holds vLLM's output processing, detokenising "
+                "included; the target is 20 µs)", "",
+                "| concurrency | vLLM worker (µs/token) | SIMULATED worker (µs/token) |",
+                "|---|---|---|"]
+        for v, real, sim in zip(modes["engine"], worker["vLLM worker's process"],
+                                worker["SIMULATED worker's process"], strict=True):
+            out.append(f"| {v['concurrency']} | {real:,.1f} | {sim:,.1f} |")
     return "\n".join(out)
 
 

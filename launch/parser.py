@@ -99,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
     wk.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None)
     wk.add_argument("--kv-cache-memory-bytes", type=int)
+    wk.add_argument("--load-format", choices=["auto", "dummy", "safetensors", "pt"],
+                    help="dummy: random weights from the model's config (no weight files)")
     wk.add_argument("--coalesce-ms", type=float,
                     help="one TokenDelta per request per N ms window (0: per step)")
     wk.add_argument("--metrics-port", type=int)
@@ -194,6 +196,27 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="small loads, a few minutes; figures under .state/bench")
     bench.add_argument("--out", type=Path, help="where to write (default docs/benchmarks)")
+    sv = bench.add_argument_group(
+        "serving", "pipeline bench serving: the model and the load, on a GPU host or this one "
+        "(unset: the WORKER_* settings, and the tiny model); nothing is fetched")
+    sv.add_argument("--model", help="a model directory; with --load-format dummy its config "
+                    "and tokenizer are enough (no weight files)")
+    sv.add_argument("--load-format", choices=["auto", "dummy", "safetensors", "pt"],
+                    help="dummy: random weights in the model's shape")
+    sv.add_argument("--dtype", help="e.g. bfloat16 on a GPU (default WORKER_DTYPE, float32)")
+    sv.add_argument("--kv-cache-memory-bytes", type=_positive, metavar="BYTES",
+                    help="the KV cache's size, on every engine of the run")
+    sv.add_argument("--gpu-memory-utilization", type=_share, metavar="FRACTION",
+                    help="instead of --kv-cache-memory-bytes: a share of GPU memory")
+    sv.add_argument("--max-num-seqs", type=_positive, help="default: max(32, clients)")
+    sv.add_argument("--max-model-len", type=_positive)
+    sv.add_argument("--prompt-tokens", type=_positive, metavar="N",
+                    help="each request's message: about N tokens (default: one sentence)")
+    sv.add_argument("--max-tokens", type=_positive, metavar="N",
+                    help="tokens generated per request, all of them (default 128; quick 64)")
+    sv.add_argument("--clients", type=_levels, metavar="N,N,...",
+                    help="closed-loop clients, one level after another (default 1,8,32; "
+                         "on a GPU: 1,32,256)")
     ab = bench.add_argument_group(
         "pair", "pipeline bench pair: one change's effect as before / after ratios measured "
         "in one run, side A (before) then B (after), alternating; figures under .state/bench")
@@ -224,6 +247,17 @@ def parser() -> argparse.ArgumentParser:
     fz.add_argument("--key", help="an API key to send, when the gateway requires one")
     sub.add_parser("demo", help="infra, projector, worker and gateway until Ctrl-C")
     return parser
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or any(not 1 <= n <= 4096 for n in levels):
+        raise argparse.ArgumentTypeError("client counts from 1 to 4096, comma-separated "
+                                         "(1,32,256)")
+    return levels
 
 
 def _setting(text: str) -> tuple[str, str]:

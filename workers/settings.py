@@ -23,6 +23,9 @@ class WorkerSettings(BaseSettings):
     # Default: 512 for the tiny model, the model's own otherwise.
     max_model_len: int | None = Field(default=None, ge=16)
     kv_cache_memory_bytes: int | None = 256 * 2**20
+    # How vLLM loads the weights: "dummy" makes them at random from the model's config
+    # (no weight files needed: benchmarks on a GPU host, `pipeline bench serving`).
+    load_format: Literal["auto", "dummy", "safetensors", "pt"] = "auto"
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)
     enable_prefix_caching: bool = True

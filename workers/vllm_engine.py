@@ -37,6 +37,8 @@ def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
         "speculative_config": settings.speculative_config,
         "disable_log_stats": False,
     }
+    if settings.load_format != "auto":
+        args["load_format"] = settings.load_format
     if settings.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
     elif settings.kv_cache_memory_bytes is not None:
