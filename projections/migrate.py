@@ -1,10 +1,15 @@
 """Versioned SQL migrations, applied in order under an advisory lock.
 
 Two processes migrating at once serialise on the lock; the second sees the work done.
+Each migration applied is recorded with the SHA-256 of its text: a database migrated from
+a different text of a migration (one edited after it was applied) is refused, naming it,
+since its schema is not the one this code expects. A migration recorded before digests
+were gets the digest of the text found now.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -55,14 +60,29 @@ def migrate(database_url: str, schema: str | None = None) -> list[str]:
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
                 " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
             )
-            done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
+            conn.execute("ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS digest text")
+            done: dict[str, str | None] = dict(
+                conn.execute("SELECT version, digest FROM schema_migrations").fetchall())
             for path in sorted(MIGRATIONS.glob("*.sql")):
-                version = path.stem
+                version, text = path.stem, path.read_text()
+                digest = hashlib.sha256(text.encode()).hexdigest()
                 if version in done:
+                    recorded = done[version]
+                    if recorded is None:  # recorded before digests were
+                        conn.execute("UPDATE schema_migrations SET digest = %s"
+                                     " WHERE version = %s", (digest, version))
+                    elif recorded != digest:
+                        raise MigrationError(
+                            f"migration {version} was applied to this database from another "
+                            f"text than {path.name} holds now (SHA-256 {recorded[:12]}, "
+                            f"not {digest[:12]}): its schema is not the one this code "
+                            "expects. Run the code that migrated it, or bring the schema to "
+                            "this text by hand and record it in schema_migrations.digest")
                     continue
                 with conn.transaction():
-                    conn.execute(path.read_text())
-                    conn.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+                    conn.execute(text)
+                    conn.execute("INSERT INTO schema_migrations (version, digest)"
+                                 " VALUES (%s, %s)", (version, digest))
                 log.info("applied migration %s", version)
                 applied_now.append(version)
         finally:

@@ -22,6 +22,7 @@ from infra.process import free_port
 from pipeline.codec import encode
 from pipeline.kafka import GroupStatus
 from pipeline.topics import CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, LIVE, PROMPTS
+from projections.migrate import migrate
 from projections.settings import ProjectorSettings
 from schemas import GenerationFinished, Usage
 from tests.conftest import MODEL, Pipeline, Service, Stack, start_service
@@ -368,3 +369,33 @@ def test_a_database_not_in_utf8_is_refused_with_its_reason(stack: Stack) -> None
     finally:
         with psycopg.connect(stack.database_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(name)))
+
+
+def test_a_database_migrated_from_another_text_of_a_migration_is_refused(stack: Stack) -> None:
+    """A migration edited after a database applied it left that database's schema behind
+    the code's, silently (a column the projector writes was missing, and it retried its
+    batch forever). Each migration is recorded with its text's digest: a different one is
+    refused with the migration's name; one recorded before digests gets today's."""
+    name = f"drift_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        url = psycopg.conninfo.make_conninfo(stack.database_url, dbname=name)
+        assert migrate(url)  # every migration, each with its digest
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE schema_migrations SET digest = NULL"
+                         " WHERE version = '001_conversations'")
+            conn.execute("UPDATE schema_migrations SET digest = 'edited'"
+                         " WHERE version = '010_data_keys'")
+        done = subprocess.run([sys.executable, "-m", "launch", "migrate"], text=True,
+                              capture_output=True, env=stack.env(DATABASE_URL=url),
+                              timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "migration 010_data_keys was applied" in done.stderr, done.stderr
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute("SELECT digest FROM schema_migrations"
+                               " WHERE version = '001_conversations'").fetchone()
+            assert row is not None and row[0] and len(row[0]) == 64  # filled in
+    finally:
+        with psycopg.connect(stack.database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
