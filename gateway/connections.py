@@ -31,6 +31,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.errors import APIError
+
 log = logging.getLogger(__name__)
 # How often one address's refusals are logged.
 LOG_EVERY_S = 60.0
@@ -69,8 +71,8 @@ class ConnectionLimits:
 
 
 def _refusal(status: int, reason: str, code: str, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": code}}).encode()
+    """A whole HTTP response, the error in the gateway's one shape (``APIError``)."""
+    body = json.dumps(APIError(status, message, code=code).body()).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
     return head + body

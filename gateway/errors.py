@@ -33,7 +33,8 @@ from gateway.problems import (
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+          404: "not_found_error", 408: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error",
           415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 
 
