@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.settings import REPO_ROOT
 from schemas import ChatMessage, SamplingParams
-from workers.engine import Engine, EngineOutput, EngineRejected, EngineRequest
+from workers.engine import Engine, EngineOutput, EngineRejected, EngineRequest, warm_up
 from workers.settings import WorkerSettings
 
 SEQS = 4
@@ -150,6 +150,13 @@ def test_refuses_a_prompt_longer_than_its_context(engine: Running) -> None:
     with pytest.raises(EngineRejected) as refused:
         engine.run(collect(engine.engine, ask("contract-long", 8, words=2000)))
     assert refused.value.code == "context_length_exceeded"
+    assert engine.engine.running() == 0
+
+
+def test_the_warm_up_fits_the_context_whatever_a_word_costs(engine: Running) -> None:
+    """The worker's warm-up turns are sized in words: on vLLM's tokenizer a word is several
+    tokens, and the longest turn was once refused for exceeding the context."""
+    engine.run(warm_up(engine.engine))
     assert engine.engine.running() == 0
 
 

@@ -74,10 +74,21 @@ async def warm_up(engine: Engine) -> None:
     """Run ``WARM_UP_TURNS`` short turns through ``engine`` together, and wait for them."""
 
     async def turn(i: int) -> None:
-        words = " ".join(["warm"] * min(8 * 4**i, engine.max_model_len // 4))
-        request = EngineRequest(f"warm-up-{i}", (ChatMessage(role="user", content=words),),
-                                SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True))
-        async for _ in engine.generate(request):
-            pass
+        # How many tokens a word takes is the tokenizer's: a turn the model's context
+        # cannot hold is halved until it can (the longest then still fills most of it).
+        words = min(8 * 4**i, engine.max_model_len // 4)
+        while True:
+            request = EngineRequest(
+                f"warm-up-{i}-{words}",
+                (ChatMessage(role="user", content=" ".join(["warm"] * words)),),
+                SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True))
+            try:
+                async for _ in engine.generate(request):
+                    pass
+                return
+            except EngineRejected as exc:
+                if exc.code != "context_length_exceeded" or words <= 8:
+                    raise
+                words //= 2
 
     await asyncio.gather(*(turn(i) for i in range(WARM_UP_TURNS)))
