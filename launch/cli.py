@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from launch.tools import run_bench_command, run_fuzz_command
 from memory.settings import MemorySettings
 from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.logs import log_format, setup_logging
-from pipeline.retry import RepeatFilter
+from pipeline.retry import Backoff, RepeatFilter
 from pipeline.settings import CommonSettings
 from projections.migrate import MigrationError
 from projections.settings import AnalyticsSettings, ProjectorSettings
@@ -61,6 +62,31 @@ def main(argv: list[str] | None = None) -> int:
         # not answer; the Kafka client's log of each retry until then says no more.
         for name in ("librdkafka", "pipeline.kafka"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # A setup step's commands (topics, migrate) may wait for their service (``--wait``):
+    # both are idempotent, so each try runs the whole command again.
+    deadline = time.monotonic() + getattr(args, "wait", 0.0)
+    backoff = Backoff(first_s=0.5, max_s=5.0)
+    said = -float("inf")
+    while True:
+        try:
+            return _attempt(args, common, external_db)
+        except ServiceDown as down:
+            now = time.monotonic()
+            if now >= deadline:
+                print(f"pipeline {args.command}: {down}", file=sys.stderr)
+                return 3
+            if now - said >= 10:
+                said = now
+                print(f"pipeline {args.command}: {down}; trying again for "
+                      f"{deadline - now:.0f} s more", file=sys.stderr, flush=True)
+            time.sleep(min(backoff.next(), deadline - now))
+
+
+class ServiceDown(Exception):
+    """A service the command needs does not answer (its one line: ``service_down``)."""
+
+
+def _attempt(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
     try:
         if args.command in KAFKA_COMMANDS:
             _check_kafka_access(common)
@@ -78,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         down = service_down(exc, common, external_db)
         if down is None:
             raise
-        print(f"pipeline {args.command}: {down}", file=sys.stderr)
-        return 3
+        raise ServiceDown(down) from None
 
 
 ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout", "erase",

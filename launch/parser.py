@@ -54,9 +54,15 @@ def parser() -> argparse.ArgumentParser:
     infra.add_argument("--secure", action="store_true",
                        help="up: also listen with SASL_SSL (SCRAM) on port+100 and mutual "
                             "TLS on port+101, and write the matching client files")
-    sub.add_parser("migrate", help="apply database migrations")
-    sub.add_parser("topics", help="create the pipeline's topics on the configured cluster "
-                                  "(PIPELINE_KAFKA_BOOTSTRAP), if missing")
+    migrate = sub.add_parser("migrate", help="apply database migrations")
+    topics = sub.add_parser("topics", help="create the pipeline's topics on the configured "
+                                           "cluster (PIPELINE_KAFKA_BOOTSTRAP), if missing")
+    for setup in (migrate, topics):
+        setup.add_argument(
+            "--wait", type=_seconds, default=0.0, metavar="SECONDS",
+            help="while the database (migrate) or Kafka (topics) does not answer yet, try "
+                 "again for up to this long (a deployment's setup step, started beside "
+                 "them); default 0: fail at once")
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
@@ -318,6 +324,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 86_400:  # NaN too
+        raise argparse.ArgumentTypeError("must be between 0 and 86400 seconds")
     return value
 
 

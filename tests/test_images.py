@@ -111,8 +111,11 @@ class Stack:
         return done.stdout.strip()
 
     def logs(self) -> str:
-        out = []
-        for service in ("setup", "gateway", "worker", "projector", "analytics"):
+        states = images.podman("ps", "-a", "--format", "{{.Names}} {{.Status}}", "--filter",
+                               f"label=io.podman.compose.project={self.project}", check=False)
+        out = [f"--- containers\n{states.stdout}"]
+        for service in ("kafka", "postgres", "setup", "gateway", "worker", "projector",
+                        "analytics"):
             done = images.podman("logs", "--tail", "30", self.container(service),
                                  check=False)
             out.append(f"--- {service}\n{done.stdout}{done.stderr}")
@@ -162,7 +165,9 @@ def compose(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         # and PostgreSQL themselves (each retries, and exits to its restart policy).
         done = stack.compose("up", "-d", "--no-deps")
         assert done.returncode == 0, done.stderr[-3000:]
-        wait_ready(stack, 600)
+        # Within the test's own limit (600 s, its setup included), so that a stack that
+        # never gets ready fails with its containers' logs.
+        wait_ready(stack, 420)
         yield stack
     finally:
         stack.down()

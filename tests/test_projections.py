@@ -4,6 +4,7 @@ killed mid-load and sharing a group, and events the store refuses (real Kafka, P
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -397,5 +398,59 @@ def test_a_database_migrated_from_another_text_of_a_migration_is_refused(stack: 
                                " WHERE version = '001_conversations'").fetchone()
             assert row is not None and row[0] and len(row[0]) == 64  # filled in
     finally:
+        with psycopg.connect(stack.database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def relay(port: int, to: tuple[str, int]) -> socket.socket:
+    """Listens on ``port`` and pipes each connection to ``to``, until closed."""
+    server = socket.create_server(("127.0.0.1", port))
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        with a, b:
+            while data := a.recv(65536):
+                b.sendall(data)
+
+    def serve() -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(to)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server
+
+
+def test_a_setup_step_waits_for_a_database_that_answers_late(stack: Stack) -> None:
+    """Compose starts its setup step beside PostgreSQL and Kafka: a setup that gave up on
+    a server still starting (10 s for Kafka) left a stack whose services waited forever
+    for topics. ``--wait`` tries again, saying so, until the server answers."""
+    name = f"late_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    real = psycopg.conninfo.conninfo_to_dict(stack.database_url)
+    port = free_port()  # nothing listens there yet
+    url = psycopg.conninfo.make_conninfo(stack.database_url, dbname=name, host="127.0.0.1",
+                                         port=str(port))
+    setup = subprocess.Popen([sys.executable, "-m", "launch", "migrate", "--wait", "120"],
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=stack.env(DATABASE_URL=url))
+    server = None
+    try:
+        assert setup.stderr is not None
+        said = setup.stderr.readline()
+        assert "PostgreSQL does not answer" in said and "trying again for" in said, said
+        server = relay(port, (str(real.get("host", "127.0.0.1")), int(real["port"])))
+        out, err = setup.communicate(timeout=120)
+        assert setup.returncode == 0, err
+        assert out.startswith("applied: 001_conversations"), out
+    finally:
+        setup.kill()
+        if server is not None:
+            server.close()
         with psycopg.connect(stack.database_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
