@@ -2,32 +2,39 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.metrics import LATENCY_BUCKETS
+from workers.engine import Engine
 from workers.history import HistoryMetrics
 
-if TYPE_CHECKING:
-    from workers.worker import Worker
+
+@dataclass(frozen=True)
+class Readings:
+    """What the worker's gauges read of it, each time they are scraped."""
+
+    waiting: Callable[[], int]  # prompts taken and not yet running in the engine
+    transactions: Callable[[], int]
+    history_chars: Callable[[], int]
+    live_records: Callable[[], int]
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry, worker: Worker) -> None:
-        engine = worker.engine
+    def __init__(self, registry: CollectorRegistry, engine: Engine, readings: Readings) -> None:
         model = engine.model_name
         Gauge("worker_running_sequences", "Generations the engine is running",
               registry=registry).set_function(engine.running)
         Gauge("worker_waiting_sequences", "Prompts taken but not yet running in the engine",
-              registry=registry).set_function(
-                  lambda: max(len(worker.flights) - engine.running(), 0) + len(worker.waiting))
+              registry=registry).set_function(readings.waiting)
         Gauge("worker_batch_utilisation", "Running sequences / max_num_seqs",
               registry=registry).set_function(lambda: engine.running() / engine.max_num_seqs)
         Gauge("worker_kv_cache_usage", "KV-cache usage as the engine reports it (0-1)",
               registry=registry).set_function(lambda: engine.kv_cache_usage() or 0.0)
         Gauge("worker_transactions", "Transactions committed", registry=registry
-              ).set_function(lambda: worker.writer.transactions if worker.writer else 0)
+              ).set_function(readings.transactions)
         Gauge("worker_model_info", "The model this worker serves", ["model"],
               registry=registry).labels(model).set(1)
         self.in_flight_peak = Gauge("worker_in_flight_peak",
@@ -72,8 +79,8 @@ class WorkerMetrics:
                                "Histories unlike what their prompt said (logged)",
                                registry=registry))
         Gauge("worker_history_cache_chars", "Characters of history kept",
-              registry=registry).set_function(lambda: worker.histories.chars)
+              registry=registry).set_function(readings.history_chars)
         Gauge("worker_live_records", "chat.live records written", registry=registry
-              ).set_function(lambda: worker.output.records if worker.output else 0)
+              ).set_function(readings.live_records)
 
 

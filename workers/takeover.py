@@ -11,13 +11,12 @@ any of their prompts (on the consumer's thread, inside the rebalance).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from pipeline.codec import TP, decode_or_none
 from pipeline.kafka import (
@@ -32,10 +31,8 @@ from pipeline.kafka import (
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import CLOCK_SKEW_MS, CONTROL, GENERATIONS, LIVE, PROMPTS, WORKERS_GROUP
 from workers.control import ControlBook
+from workers.flights import Flights
 from workers.recovery import Found, LiveFolder, LogFolder
-
-if TYPE_CHECKING:
-    from workers.worker import Worker
 
 log = logging.getLogger(__name__)
 _quiet = QuietLog(log)
@@ -102,54 +99,47 @@ def read_handover(bootstrap: str, consumer: AsyncConsumer, prompts: list[int],
     return Handover({p: o for (_, p), o in committed.items()}, found, control_ends)
 
 
+class Owner(Protocol):
+    """What a worker's rebalances change in the worker, and no more of it."""
+
+    def took_over(self, handover: Handover, group: object) -> None:
+        """Partitions handed over (``group``: the new generation, for its transactions)."""
+
+    def give_up(self, partitions: list[int]) -> None:
+        """Prompt partitions taken away: returns once their turns are abandoned."""
+
+
 class Rebalances:
     """A worker's side of its group's rebalances (on the consumer's thread, inside a
     poll): partitions handed to it are taken over (``read_handover``), and the turns of
     those taken away are abandoned to their next owner."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    def __init__(self, owner: Owner, bootstrap: str, consumer: AsyncConsumer,
+                 flights: Flights, recovery_window_s: float,
+                 transaction_timeout_ms: int) -> None:
+        self.owner, self.bootstrap, self.consumer, self.flights = (
+            owner, bootstrap, consumer, flights)
+        self.recovery_window_s = recovery_window_s
+        self.transaction_timeout_ms = transaction_timeout_ms
 
     def on_assign(self, assigned: list[TP]) -> dict[TP, int]:
         """Take partitions over; where to read them from."""
         return retrying(lambda: self._take_over(assigned))
 
     def _take_over(self, assigned: list[TP]) -> dict[TP, int]:
-        w = self.worker
-        assert w.consumer is not None and w.writer is not None
         prompts = [p for t, p in assigned if t == PROMPTS]
         controls = [p for t, p in assigned if t == CONTROL]
         handover = read_handover(
-            w.bootstrap, w.consumer, prompts, controls, w.flights.book,
-            w.flights.running, recovery_window_s=w.settings.recovery_window_s,
-            transaction_timeout_ms=w.settings.transaction_timeout_ms)
-        for p, offset in handover.committed.items():
-            w.tracker.start((PROMPTS, p), offset)
-        w.recovered = handover.found  # an assignment is whole: earlier findings are stale
-        w.ledgers.assign(handover.committed)
-        # The new generation, for every transaction from now.
-        w.writer.set_group(w.consumer.group_metadata_sync())
-        w.assignments += 1
-        w.metrics.assigned.set(len(prompts))
+            self.bootstrap, self.consumer, prompts, controls, self.flights.book,
+            self.flights.running, recovery_window_s=self.recovery_window_s,
+            transaction_timeout_ms=self.transaction_timeout_ms)
+        self.owner.took_over(handover, self.consumer.group_metadata_sync())
         log.info("assigned prompts %s; recent: %s", prompts, handover.found.describe())
         return {**{(PROMPTS, p): o for p, o in handover.committed.items()},
                 **{(CONTROL, p): o for p, o in handover.control_ends.items()}}
 
     def on_revoke(self, revoked: list[TP]) -> None:
-        w = self.worker
-        assert w.loop is not None and w.writer is not None
-        partitions = [p for t, p in revoked if t == PROMPTS]
-        abandon = asyncio.run_coroutine_threadsafe(w.abandon(partitions), w.loop)
-        abandon.result(timeout=30)
-        # Nothing is committed here: the rebalance waits for this callback, and a
-        # transaction's group check waits for the rebalance. Records not yet in a
-        # transaction are dropped; one in flight either passed its check before the
-        # generation ended (its records were in the log before that, so the next owner's
-        # scan waits for it) or is refused. The next owner regenerates what was dropped.
-        w.writer.new_epoch()
-        w.tracker.forget([(PROMPTS, p) for p in partitions])
-        w.ledgers.drop(partitions)
-        w.metrics.assigned.set(len(w.ledgers))
+        self.owner.give_up([p for t, p in revoked if t == PROMPTS])
 
 
 def scan_starts(bootstrap: str, committed: dict[TP, int],

@@ -96,12 +96,11 @@ class Runner:
 
     def __init__(self, engine: Engine, output: Output, writer: TransactionalProducer,
                  histories: Histories, metrics: WorkerMetrics, worker: str,
-                 coalesce_s: float, wrote: Callable[[], None],
-                 served: Callable[..., None]) -> None:
+                 coalesce_s: float, served: Callable[..., None]) -> None:
         self.engine, self.output, self.writer = engine, output, writer
         self.histories, self.metrics = histories, metrics
         self.worker, self.coalesce_s = worker, coalesce_s
-        self._wrote, self._served = wrote, served
+        self._served = served
 
     async def run(self, turn: Turn) -> Final:
         """The turn's end: finished (stopped, at its length, or aborted), or failed.
@@ -163,7 +162,7 @@ class Runner:
             text, token_ids = delta
             self.output.delta(partition, offset, len(progress.parts), text, token_ids,
                               turn.epoch)
-            self._wrote()
+            self.output.gather_soon()
             progress.parts.append(text)
             progress.token_ids.extend(token_ids)
 

@@ -69,13 +69,13 @@ from workers.flights import Flights, InFlight
 from workers.history import Histories, LogReader
 from workers.intake import Intake
 from workers.ledger import Ledgers
-from workers.metrics import WorkerMetrics
+from workers.metrics import Readings, WorkerMetrics
 from workers.offsets import OffsetTracker
 from workers.output import Output
 from workers.plan import Action, plan_start
 from workers.recovery import Found
 from workers.settings import WorkerSettings
-from workers.takeover import Rebalances, logged_at
+from workers.takeover import Handover, Rebalances, logged_at
 from workers.turn import Runner, Traced, Turn, Waiting
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,10 @@ class Worker:
         self.writer: TransactionalProducer | None = None
         self.output: Output | None = None
         self.runner: Runner | None = None
-        self.metrics = WorkerMetrics(registry, self)
+        self.metrics = WorkerMetrics(registry, engine, Readings(
+            lambda: max(len(self.flights) - engine.running(), 0) + len(self.waiting),
+            lambda: self.writer.transactions if self.writer else 0,
+            lambda: self.histories.chars, lambda: self.output.records if self.output else 0))
         self._history_reader = LogReader(bootstrap, f"worker-history-{self.name}")
         self.histories = Histories(self._history_reader, self.metrics.histories,
                                    settings.history_cache_chars)
@@ -139,9 +142,8 @@ class Worker:
 
     @property
     def capacity(self) -> int:
-        """Prompts taken at most: those the engine runs, and ``read_ahead`` waiting for a
-        slot (at least a few per 8 slots): the fair share chooses among those read, so
-        it reads as far ahead as the backlog a gateway admits."""
+        """Prompts taken at most: those the engine runs, and ``read_ahead`` waiting (a
+        few per 8 slots at least): the fair share chooses among those read."""
         slots = self.engine.max_num_seqs
         return slots + max(self.settings.read_ahead, slots * PREFETCH_PER_8_SLOTS // 8)
 
@@ -168,7 +170,6 @@ class Worker:
         self.output = Output(self.writer, self.name)
         self.runner = Runner(self.engine, self.output, self.writer, self.histories,
                              self.metrics, self.name, self.settings.coalesce_ms / 1000,
-                             self.output.gather_soon,
                              self.waiting.served)
         await asyncio.to_thread(self.writer.start)
         # Ready means a turn starts without waiting for the engine's first batches: the
@@ -182,7 +183,9 @@ class Worker:
         heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name,
                               self.engine.max_model_len, self.engine.max_token_bytes,
                               load=self.waiting.load)
-        rebalances = Rebalances(self)
+        rebalances = Rebalances(self, self.bootstrap, consumer, self.flights,
+                                self.settings.recovery_window_s,
+                                self.settings.transaction_timeout_ms)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=rebalances.on_assign,
                            on_revoke=rebalances.on_revoke)
         paused: bool | None = None  # as applied to the assignment of version `applied`
@@ -443,7 +446,31 @@ class Worker:
             self._start_waiting()  # the slot is free now, not at the loop's next turn
         return flight
 
-    # -- partitions taken away, transactions refused -------------------------
+    # -- partitions handed over and taken away (``Rebalances``), transactions refused
+    def took_over(self, handover: Handover, group: object) -> None:
+        """On the consumer's thread: where prompts start, what earlier owners left."""
+        assert self.writer is not None
+        for p, offset in handover.committed.items():
+            self.tracker.start((PROMPTS, p), offset)
+        self.recovered = handover.found  # an assignment is whole: earlier findings are stale
+        self.ledgers.assign(handover.committed)
+        self.writer.set_group(group)  # the new generation, for every transaction from now
+        self.assignments += 1
+        self.metrics.assigned.set(len(handover.committed))
+
+    def give_up(self, partitions: list[int]) -> None:
+        """On the consumer's thread: abandon the partitions' turns, committing nothing
+        (the rebalance waits for this; a transaction's group check, for the rebalance).
+        What was not yet in a transaction is dropped, and one in flight passed its check
+        before the generation ended (the next owner's scan waits for it) or is refused:
+        the next owner regenerates the rest."""
+        assert self.loop is not None and self.writer is not None
+        asyncio.run_coroutine_threadsafe(self.abandon(partitions), self.loop).result(30)
+        self.writer.new_epoch()
+        self.tracker.forget([(PROMPTS, p) for p in partitions])
+        self.ledgers.drop(partitions)
+        self.metrics.assigned.set(len(self.ledgers))
+
     async def abandon(self, partitions: list[int]) -> None:
         """Stop this worker's turns in ``partitions``; their next owner resumes them."""
         # Prompts being taken, then waiting ones: a turn that ends meanwhile starts the
