@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -47,6 +46,8 @@ from pipeline.kek import (
     parse_record_key,
     record_key,
 )
+from pipeline.keycache import GONE, KeyCache
+from pipeline.keyindex import legacy_index
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff, QuietLog
 from pipeline.rotations import Rotation, find_moved, read_rotations
@@ -64,7 +65,6 @@ KEY_CACHE = 16_384
 # successor). Content older than the window may have outlived its key: not found then
 # means destroyed.
 MISSING_WAIT_S = 120.0
-_GONE = object()
 _REFUSED = object()  # its conversation is erased
 _FOREIGN = object()  # wrapped by a KEK this process does not have
 # How long a keyring goes on with the rotations it read before a key not where its
@@ -90,13 +90,27 @@ class NewKey:
     partition: int
 
 
+@dataclass(frozen=True)
+class KeyringLimits:
+    """How long a keyring waits for Kafka (``wait_s``) and for a key not yet where its
+    reference says (``missing_wait_s``, see ``MISSING_WAIT_S``); the erasure window;
+    the keys it holds at most; whether it keeps the keys a fetch brings besides the one
+    asked (``read_ahead``: for a process that reads the log in order, the projector or a
+    replay, those are the next conversations' keys, mostly)."""
+
+    wait_s: float = 15.0
+    erasure_window_s: float = 86_400.0
+    missing_wait_s: float = MISSING_WAIT_S
+    cache: int = KEY_CACHE
+    read_ahead: bool = False
+
+
 class Keyring:
     """See the module. ``start`` reads ``chat.erasures`` and checks the key-encryption
     key against the newest keys; look-ups then read ``chat.keys`` at the places asked."""
 
-    def __init__(self, bootstrap: str, kek: bytes, name: str, *, wait_s: float = 15.0,
-                 erasure_window_s: float = 86_400.0, missing_wait_s: float = MISSING_WAIT_S,
-                 cache: int = KEY_CACHE, read_ahead: bool = False,
+    def __init__(self, bootstrap: str, kek: bytes, name: str,
+                 limits: KeyringLimits = KeyringLimits(),
                  previous: Sequence[bytes] = ()) -> None:
         # ``previous``: the KEKs a rotation replaces, accepted to unwrap meanwhile.
         self._kek = Kek(kek, previous)
@@ -104,19 +118,11 @@ class Keyring:
         self.digests = Digester(kek, previous)  # what the log keeps of a client's words
         self._rotations: list[Rotation] = []
         self._rotations_read = 0.0  # when (monotonic)
-        self._bootstrap, self._name = bootstrap, name
-        self._wait_s = wait_s
-        self._erasure_window_s = erasure_window_s
-        self._missing_wait_s = missing_wait_s
-        self._capacity = cache
-        # A process that reads the log in order (the projector, a replay) keeps the keys
-        # its fetches bring besides the one asked: the next conversations' keys, mostly.
-        self._read_ahead = read_ahead
-        self._erasures = Erasures(bootstrap, name, 2 * erasure_window_s, wait_s)
-        self._lock = threading.Lock()
-        self._keys: OrderedDict[str, sealing.DataKey] = OrderedDict()
-        self._current: OrderedDict[uuid.UUID, str] = OrderedDict()  # whose key seals next
-        self._gone: OrderedDict[str, None] = OrderedDict()  # looked for, not there
+        self._bootstrap, self._name, self._limits = bootstrap, name, limits
+        self._wait_s = limits.wait_s
+        self._erasures = Erasures(bootstrap, name, 2 * limits.erasure_window_s,
+                                  limits.wait_s)
+        self._cache = KeyCache(limits.cache, self._erasures.revoked)
         self._fetching = threading.Lock()  # one look-up at a time on the reader
         self._reader: PositionReader | None = None
         self._partitions = 0
@@ -211,13 +217,7 @@ class Keyring:
         it still holds it; ``"erased"`` if the conversation's keys were destroyed."""
         if self._erasures.revoked(conversation_id):
             return "erased"
-        with self._lock:
-            key_id = self._current.get(conversation_id)
-            key = self._keys.get(key_id) if key_id is not None else None
-            if key is not None:
-                self._keys.move_to_end(key.key_id)
-                self._current.move_to_end(conversation_id)
-            return key
+        return self._cache.current(conversation_id)
 
     def revoked(self, conversation_id: uuid.UUID) -> bool:
         return self._erasures.revoked(conversation_id)
@@ -226,7 +226,7 @@ class Keyring:
                     written_at: float | None = None) -> sealing.DataKey | None:
         held = self._held(key_id)
         if held is not None:
-            return None if held is _GONE else held  # type: ignore[return-value]
+            return None if held is GONE else held  # type: ignore[return-value]
         if not wait:
             raise sealing.KeyNotHeld(key_id, written_at)
         return self._look_up(key_id, written_at)
@@ -236,9 +236,7 @@ class Keyring:
         a writer that names the conversation's key it found in the store."""
         key = self.for_reading(key_id)
         if key is not None:
-            with self._lock:
-                self._current[key.conversation_id] = key.key_id
-                self._trim()
+            self._cache.seals(key)
         return key
 
     # -- what writers ask ------------------------------------------------------------
@@ -262,10 +260,7 @@ class Keyring:
         one this process seals the conversation's content with from now on."""
         key = sealing.DataKey(str(KeyRef(new.short_id, new.partition, offset)),
                               new.conversation_id, new.aead)
-        with self._lock:
-            self._hold(key)
-            self._current[key.conversation_id] = key.key_id
-            self._trim()
+        self._cache.hold(key, seals=True)
         return key
 
     # -- what deleters ask ------------------------------------------------------------
@@ -308,8 +303,7 @@ class Keyring:
         return self._erasures.catch_up()
 
     def size(self) -> int:
-        with self._lock:
-            return len(self._keys)
+        return len(self._cache)
 
     def erased(self) -> int:
         """The conversations erased within the horizon, as this process knows them."""
@@ -317,50 +311,20 @@ class Keyring:
 
     # -- holding --------------------------------------------------------------------
     def _held(self, key_id: str) -> sealing.DataKey | object | None:
-        """The key if held, ``_GONE`` if known destroyed, None if not known."""
-        if key_id == sealing.ERASED:
-            return _GONE
-        with self._lock:
-            key = self._keys.get(key_id)
-            if key is not None:
-                if self._erasures.revoked(key.conversation_id):
-                    del self._keys[key_id]
-                    self._forget(key_id)
-                    return _GONE
-                self._keys.move_to_end(key_id)
-                return key
-            if key_id in self._gone:
-                self._gone.move_to_end(key_id)
-                return _GONE
-        return None
-
-    def _hold(self, key: sealing.DataKey) -> None:
-        self._keys[key.key_id] = key
-        self._keys.move_to_end(key.key_id)
-        self._gone.pop(key.key_id, None)
-
-    def _forget(self, key_id: str) -> None:
-        self._gone[key_id] = None
-        while len(self._gone) > self._capacity:
-            self._gone.popitem(last=False)
-
-    def _trim(self) -> None:
-        while len(self._keys) > self._capacity:
-            self._keys.popitem(last=False)
-        while len(self._current) > 4 * self._capacity:
-            self._current.popitem(last=False)
+        """The key if held, ``GONE`` if known destroyed, None if not known."""
+        return GONE if key_id == sealing.ERASED else self._cache.get(key_id)
 
     # -- looking up -------------------------------------------------------------------
     def _look_up(self, key_id: str, written_at: float | None) -> sealing.DataKey | None:
         """Read the key where its reference says (see ``MISSING_WAIT_S``)."""
-        recent = written_at is not None and time.time() - written_at < self._erasure_window_s
-        deadline = time.monotonic() + (self._missing_wait_s if recent else 0.0)
+        recent = written_at is not None and time.time() - written_at < self._limits.erasure_window_s
+        deadline = time.monotonic() + (self._limits.missing_wait_s if recent else 0.0)
         backoff = Backoff(0.5, 5.0)
         while True:
             with self._fetching:
                 held = self._held(key_id)  # another thread may have brought it meanwhile
                 if held is not None:
-                    return None if held is _GONE else held  # type: ignore[return-value]
+                    return None if held is GONE else held  # type: ignore[return-value]
                 ref = KeyRef.parse(key_id) or self._legacy_ref(key_id)
                 if ref is None:
                     return self._destroyed(key_id)
@@ -418,17 +382,14 @@ class Keyring:
 
     def _held_now(self, key: sealing.DataKey | object, nearby: list[Record]
                   ) -> sealing.DataKey | object:
-        with self._lock:
-            if isinstance(key, sealing.DataKey):
-                if self._erasures.revoked(key.conversation_id):
-                    key = _REFUSED
-                else:
-                    self._hold(key)
-                    self._current.setdefault(key.conversation_id, key.key_id)
-            if self._read_ahead:
-                for other in nearby:
-                    self._hold_nearby(other)
-            self._trim()
+        if isinstance(key, sealing.DataKey):
+            if self._erasures.revoked(key.conversation_id):
+                key = _REFUSED
+            else:
+                self._cache.hold(key, seals_unless_set=True)
+        if self._limits.read_ahead:
+            for other in nearby:
+                self._hold_nearby(other)
         return key
 
     def _moved(self, ref: KeyRef, key_id: str) -> sealing.DataKey | None:
@@ -463,10 +424,10 @@ class Keyring:
         if parsed is None or record.value is None:
             return
         ref = str(KeyRef(parsed[1], record.position.partition, record.position.offset))
-        if ref in self._keys or self._erasures.revoked(parsed[0]):
+        if ref in self._cache or self._erasures.revoked(parsed[0]):
             return
         try:
-            self._hold(self._kek.unwrap(record.key, record.value, ref))
+            self._cache.hold(self._kek.unwrap(record.key, record.value, ref))
         except ValueError:
             return
 
@@ -493,8 +454,7 @@ class Keyring:
         else:
             self._quiet.warning("data key %s is not in %s where it was: what it sealed "
                                 "reads as erased", key_id, KEYS)
-        with self._lock:
-            self._forget(key_id)
+        self._cache.forget(key_id)
         return None
 
     def _legacy_ref(self, short_id: str) -> KeyRef | None:
@@ -502,31 +462,9 @@ class Keyring:
         their place): found in an index of such keys, made by reading ``chat.keys`` once,
         the first time one is asked for."""
         if self._legacy is None:
-            self._legacy = self._legacy_index()
+            self._legacy = legacy_index(self._bootstrap, self._reader_(), self._wait_s)
         place = self._legacy.get(short_id)
         return KeyRef(short_id, *place) if place is not None else None
-
-    def _legacy_index(self) -> dict[str, tuple[int, int]]:
-        from pipeline.kafka import iter_spans
-
-        reader = self._reader_()
-        spans = {p: (0, reader.bounds(p, self._wait_s)[1])
-                 for p in reader.partitions(self._wait_s)}
-        total = sum(end for _, end in spans.values())
-        log.warning("content names a data key written before keys named their place: "
-                    "reading %s once (%d records) to find such keys", KEYS, total)
-        index: dict[str, tuple[int, int]] = {}
-        started = time.monotonic()
-        for n, record in enumerate(iter_spans(self._bootstrap, KEYS, spans), 1):
-            parsed = parse_record_key(record.key)
-            if parsed is not None and record.value is not None \
-                    and b'"v": 2' not in record.value[:8]:
-                index[parsed[1]] = (record.position.partition, record.position.offset)
-            if n % 100_000 == 0:
-                log.info("read %d of %d records of %s (%.0f s)", n, total, KEYS,
-                         time.monotonic() - started)
-        log.warning("found %d data keys without a place in %s", len(index), KEYS)
-        return index
 
 
 def _info(record: Record) -> KeyInfo | None:
@@ -543,9 +481,10 @@ def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) ->
         previous = load_previous_keks(common)
     except KekError as exc:
         raise KeyringError(str(exc)) from None
-    return Keyring(common.kafka_bootstrap, kek, name, previous=previous,
-                   erasure_window_s=common.erasure_window_ms / 1000, cache=common.key_cache,
-                   read_ahead=read_ahead).start()
+    limits = KeyringLimits(erasure_window_s=common.erasure_window_ms / 1000,
+                           cache=common.key_cache, read_ahead=read_ahead)
+    return Keyring(common.kafka_bootstrap, kek, name, limits, previous).start()
 
 
-__all__ = ["KEY_CACHE", "Keyring", "KeyringError", "NewKey", "load_kek", "open_keyring"]
+__all__ = ["KEY_CACHE", "Keyring", "KeyringError", "KeyringLimits", "NewKey", "load_kek",
+           "open_keyring"]

@@ -20,7 +20,7 @@ from infra.process import free_port
 from pipeline.codec import conversation_key, decode, encode
 from pipeline.kafka.plain import PlainWriter
 from pipeline.kek import KeyRef
-from pipeline.keystore import Keyring, load_kek
+from pipeline.keystore import Keyring, KeyringLimits, load_kek
 from pipeline.settings import CommonSettings
 from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
 from schemas import (
@@ -233,7 +233,8 @@ def test_a_key_not_found_yet_for_recent_content_is_looked_for_again(
     once (its key and tombstone may both be compacted away)."""
     common = CommonSettings(kafka_bootstrap=pipeline.stack.bootstrap)
     kek = load_kek(common)
-    reader = Keyring(pipeline.stack.bootstrap, kek, "late-reader", missing_wait_s=60)
+    reader = Keyring(pipeline.stack.bootstrap, kek, "late-reader",
+                     KeyringLimits(missing_wait_s=60))
     writer = Keyring(pipeline.stack.bootstrap, kek, "late-writer")
     with reader, writer:
         new = writer.new_key(uuid.uuid4(), "t", None)

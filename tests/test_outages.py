@@ -53,7 +53,7 @@ from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.kafka.plain import PlainWriter
 from pipeline.kek import KeyRef
-from pipeline.keystore import Keyring, KeyringError, load_kek, open_keyring
+from pipeline.keystore import Keyring, KeyringError, KeyringLimits, load_kek, open_keyring
 from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import GENERATIONS, KEYS, PROMPTS, TopicPolicy, topic_specs
 from projections.migrate import migrate
@@ -564,7 +564,7 @@ def test_a_keyring_outlives_a_look_up_that_kafka_did_not_answer(fleet: Fleet) ->
         assert out.flush(30) == []
     offset = end_offsets(fleet.stack.bootstrap, KEYS)[new.partition] - 1
     ref = str(KeyRef(new.short_id, new.partition, offset))
-    keyring = Keyring(fleet.stack.bootstrap, kek, "paused-keys", wait_s=3)
+    keyring = Keyring(fleet.stack.bootstrap, kek, "paused-keys", KeyringLimits(wait_s=3))
     keyring.start()
     try:
         node = fleet.node(fleet.leader(KEYS, new.partition))

@@ -557,7 +557,7 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
     from pipeline.codec import conversation_key, encode
     from pipeline.kafka.plain import PlainWriter
     from pipeline.kek import KeyRef
-    from pipeline.keystore import Keyring, load_kek
+    from pipeline.keystore import Keyring, KeyringLimits, load_kek
     from pipeline.partitioning import partition_for
     from pipeline.settings import CommonSettings
     from pipeline.topics import DEADLETTER, KEYS
@@ -585,7 +585,7 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
                                model=model, sampling=SamplingParams(max_tokens=3),
                                messages=(ChatMessage(role="user", content=name),))
 
-    ring = Keyring(bootstrap, kek, f"intake-{model}", missing_wait_s=60)
+    ring = Keyring(bootstrap, kek, f"intake-{model}", KeyringLimits(missing_wait_s=60))
     worker = Worker(SimEngine(model, ttft_ms=0, tokens_per_s=50), bootstrap,
                     CollectorRegistry(), WorkerSettings(engine="sim", intake_timeout_s=6))
     stop = asyncio.Event()
