@@ -51,6 +51,7 @@ from pipeline.kafka import (
     EventProducer,
     KafkaException,
     TransactionalProducer,
+    TransactionSettings,
     topic_limits,
 )
 from pipeline.keystore import open_keyring
@@ -237,9 +238,10 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
                                      common.max_record_bytes)
     prompts = TransactionalProducer(
         bootstrap, f"chat-gateway-{socket.gethostname()}-{os.getpid()}-{label}",
-        timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
-        interval_ms=settings.transaction_interval_ms, max_record_bytes=limits[PROMPTS],
-        limits=limits, compression=common.compression)
+        TransactionSettings(
+            timeout_ms=max(int(settings.accept_timeout_s * 1000), 10_000),
+            interval_ms=settings.transaction_interval_ms, max_record_bytes=limits[PROMPTS],
+            limits=tuple(limits.items()), compression=common.compression))
     prompts.start()
     opened.push_async_callback(asyncio.to_thread, prompts.close, 10)
     store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,

@@ -16,6 +16,7 @@ from pipeline.kafka import (
     Fenced,
     RecordTooLarge,
     TransactionalProducer,
+    TransactionSettings,
     ensure_topics,
 )
 from pipeline.topics import GENERATIONS, LIVE, TopicSpec
@@ -54,8 +55,8 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
         member = await _assigned(sim_stack.bootstrap, group, source,
                                  **{"session.timeout.ms": 6000})
         writer = TransactionalProducer(
-            sim_stack.bootstrap, f"fence-writer-{suffix}", lambda: {(source, 0): 0},
-            on_committed=lambda _: None, on_fenced=on_fenced, timeout_ms=10_000)
+            sim_stack.bootstrap, f"fence-writer-{suffix}", TransactionSettings(timeout_ms=10_000),
+            lambda: {(source, 0): 0}, on_committed=lambda _: None, on_fenced=on_fenced)
         await asyncio.to_thread(writer.start)
         writer.set_group(await member.call(member.group_metadata_sync))
 
@@ -94,7 +95,7 @@ def test_transactions_begin_no_closer_than_the_interval_and_lose_nothing(
 
     async def scenario() -> tuple[int, float]:
         writer = TransactionalProducer(sim_stack.bootstrap, f"interval-{uuid.uuid4().hex[:8]}",
-                                       interval_ms=200)
+                                       TransactionSettings(interval_ms=200))
         writer.start()
         assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
         started = time.monotonic()
@@ -128,7 +129,7 @@ def test_a_sender_that_gathers_gets_one_transaction_for_each_burst_it_says_is_in
 
     async def scenario(gathers: bool) -> tuple[int, float]:
         writer = TransactionalProducer(sim_stack.bootstrap, f"gathered-{uuid.uuid4().hex[:8]}",
-                                       interval_ms=500, gathers=gathers)
+                                       TransactionSettings(interval_ms=500, gathers=gathers))
         writer.start()
         assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
         sent = []
@@ -171,7 +172,7 @@ def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_co
 
     async def scenario() -> tuple[bool, bool]:
         writer = TransactionalProducer(sim_stack.bootstrap, f"room-{uuid.uuid4().hex[:8]}",
-                                       max_queued=50)
+                                       TransactionSettings(max_queued=50))
         for i in range(50):  # not started yet: nothing takes them
             writer.send_nowait(sink, SessionCreated(conversation_id=uuid.uuid4(),
                                                     request_id=f"r{i}", title=str(i)))
@@ -202,7 +203,7 @@ def test_records_dropped_while_a_transaction_waits_for_its_floor_leave_the_write
 
     async def scenario() -> list[str]:
         writer = TransactionalProducer(sim_stack.bootstrap, f"dropped-{uuid.uuid4().hex[:8]}",
-                                       interval_ms=1000)
+                                       TransactionSettings(interval_ms=1000))
         writer.start()
         assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
         outcomes = []
@@ -243,7 +244,8 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         member = await _assigned(sim_stack.bootstrap, group, source,
                                  **{"session.timeout.ms": 6000})
         writer = TransactionalProducer(sim_stack.bootstrap, f"fence-live-{suffix}",
-                                       lambda: {(source, 0): 0}, timeout_ms=10_000)
+                                       TransactionSettings(timeout_ms=10_000),
+                                       lambda: {(source, 0): 0})
         await asyncio.to_thread(writer.start)
         writer.set_group(await member.call(member.group_metadata_sync))
         output = Output(writer, worker)
@@ -303,7 +305,8 @@ def test_a_record_larger_than_its_topic_takes_is_refused_alone_and_at_once(
 
     async def scenario() -> tuple[list[str], float, float]:
         writer = TransactionalProducer(sim_stack.bootstrap, f"sizes-{uuid.uuid4().hex[:8]}",
-                                       max_record_bytes=1_000_000, interval_ms=50)
+                                       TransactionSettings(max_record_bytes=1_000_000,
+                                                           interval_ms=50))
         writer.start()
         assert await asyncio.to_thread(writer.ready.wait, 60), "never registered"
         started = time.monotonic()

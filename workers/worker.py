@@ -42,6 +42,7 @@ from pipeline.kafka import (
     Record,
     StallWatch,
     TransactionalProducer,
+    TransactionSettings,
     topic_limits,
 )
 from pipeline.logs import turn_fields
@@ -159,14 +160,14 @@ class Worker:
                "fetch.wait.max.ms": FETCH_WAIT_MS})
         limits = await asyncio.to_thread(topic_limits, self.bootstrap, [GENERATIONS, LIVE],
                                          self.max_record_bytes)
+        writing = TransactionSettings(
+            self.settings.transaction_timeout_ms, not self.settings.transactional_id,
+            self.settings.transaction_interval_ms, gathers=True, compression=self.compression,
+            max_record_bytes=max(limits.values()), limits=tuple(limits.items()))
         self.writer = TransactionalProducer(
-            self.bootstrap, self.transactional_id, self.tracker.positions,
+            self.bootstrap, self.transactional_id, writing, self.tracker.positions,
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
-            timeout_ms=self.settings.transaction_timeout_ms,
-            own_id=not self.settings.transactional_id,
-            interval_ms=self.settings.transaction_interval_ms, gathers=True,
-            max_record_bytes=max(limits.values()), limits=limits,
-            offset_metadata=self.tracker.describe, compression=self.compression)
+            offset_metadata=self.tracker.describe)
         self.output = Output(self.writer, self.name)
         self.runner = Runner(self.engine, self.output, self.writer, self.histories,
                              self.metrics, self.name, self.settings.coalesce_ms / 1000,

@@ -84,6 +84,24 @@ _RECORD_REFUSED = {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LAR
                    KafkaError.INVALID_RECORD}
 
 
+@dataclass(frozen=True)
+class TransactionSettings:
+    """A ``TransactionalProducer``'s settings (see it): the transaction timeout; whether
+    its transactional id is its process's own (a fenced producer then takes it up again);
+    transactions' spacing, and whether the sender says when a step is ``gathered``; the
+    records queued before ``room()`` waits; the largest record by default and per topic
+    (``limits``: a topic's ``max.message.bytes``); the compression."""
+
+    timeout_ms: int = 10_000
+    own_id: bool = True
+    interval_ms: float = 0.0
+    gathers: bool = False
+    max_queued: int = 20_000
+    max_record_bytes: int = 8 * 2**20
+    limits: tuple[tuple[str, int], ...] = ()
+    compression: str = "zstd"
+
+
 class TransactionalProducer:
     """Produces in Kafka transactions; a record is visible to read_committed readers only
     once its transaction commits, and never if it aborts.
@@ -136,17 +154,16 @@ class TransactionalProducer:
 
     def __init__(
         self, bootstrap: str, transactional_id: str,
+        settings: TransactionSettings = TransactionSettings(),
         offsets: Callable[[], dict[TP, int]] | None = None, *,
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
-        on_fenced: Callable[[bool], None] = lambda _answered: None, timeout_ms: int = 10_000,
-        own_id: bool = True, interval_ms: float = 0.0, max_queued: int = 20_000,
-        gathers: bool = False, max_record_bytes: int = 8 * 2**20,
-        limits: dict[str, int] | None = None,
-        offset_metadata: Callable[[TP], str] | None = None, compression: str = "zstd",
+        on_fenced: Callable[[bool], None] = lambda _answered: None,
+        offset_metadata: Callable[[TP], str] | None = None,
     ) -> None:
+        timeout_ms, max_record_bytes = settings.timeout_ms, settings.max_record_bytes
         self._config = {
             **client_config(bootstrap),
-            "compression.type": compression,
+            "compression.type": settings.compression,
             "transactional.id": transactional_id,
             "transaction.timeout.ms": timeout_ms,
             "linger.ms": 1,
@@ -166,10 +183,10 @@ class TransactionalProducer:
         # Per topic, the largest record it takes (its max.message.bytes, as read from the
         # cluster); the others, ``max_record_bytes``. A larger record is refused alone.
         self._max_record_bytes = max_record_bytes
-        self._limits = dict(limits or {})
+        self._limits = dict(settings.limits)
         # A transactional id this process made for itself: if its producer is fenced, no
         # one else holds the id, so a new producer may take it up again.
-        self._own_id = own_id
+        self._own_id = settings.own_id
         self._offsets = offsets
         # What each committed offset says besides itself (the group's offset metadata).
         self._offset_metadata = offset_metadata
@@ -188,14 +205,14 @@ class TransactionalProducer:
         self._began: float | None = None  # when the open transaction began (monotonic)
         # A transaction begins at least this long after the previous one began, so that
         # more records share its fixed cost (its round trips and markers) on the broker.
-        self._interval_s = interval_ms / 1000
+        self._interval_s = settings.interval_ms / 1000
         self._last_began = 0.0
-        self._gathers = gathers  # see the class
+        self._gathers = settings.gathers  # see the class
         self._gathered = False
         self._first_queued = 0.0  # when the oldest queued record was queued (monotonic)
         self._generation = 0  # bumped when a stuck transaction thread is abandoned
         # Records queued past this bound make ``room()`` wait until a transaction takes them.
-        self._max_queued = max_queued
+        self._max_queued = settings.max_queued
         self._roomy: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._commit_wanted = False
         self._epoch = 0
