@@ -1,0 +1,64 @@
+"""The ``pipeline`` command: each command parsed has what runs it, a service down is
+said in one line, a metrics port in use is named."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry
+
+from infra.process import free_port
+from launch.cli import service_down
+from pipeline.metrics import serve_metrics
+from pipeline.settings import CommonSettings
+
+
+@pytest.mark.parametrize(("argv", "down"), [
+    (["keys", "list"], "PostgreSQL does not answer at DATABASE_URL"),
+    (["migrate"], "PostgreSQL does not answer at DATABASE_URL"),
+    (["audit", str(uuid.UUID(int=0))], "Kafka does not answer at 127.0.0.1:"),
+])
+def test_a_command_whose_service_is_down_says_so_in_one_line(argv: list[str],
+                                                            down: str) -> None:
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    env = {**os.environ, "DATABASE_URL": f"postgresql://u:secret@{closed}/db",
+           "PIPELINE_KAFKA_BOOTSTRAP": closed}
+    done = subprocess.run([sys.executable, "-m", "launch", *argv], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 3 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and down in done.stderr, done.stderr
+    assert "secret" not in done.stderr
+
+
+def test_the_local_database_being_down_points_at_infra_up() -> None:
+    settings = CommonSettings(database_url=f"postgresql://postgres@127.0.0.1:{free_port()}/x")
+    with pytest.raises(psycopg.OperationalError) as err:
+        psycopg.connect(settings.database_url, connect_timeout=5)
+    said = service_down(err.value, settings, external_db=False)
+    assert said is not None and said.endswith("`pipeline infra up` starts it")
+    assert service_down(ValueError("not a service"), settings, external_db=False) is None
+
+
+def test_metrics_port_in_use_is_named() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            serve_metrics(CollectorRegistry(), port)
+
+
+def test_every_command_the_cli_parses_has_what_runs_it() -> None:
+    import argparse
+
+    from launch.cli import COMMANDS
+    from launch.parser import parser
+
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == set(COMMANDS)

@@ -1,0 +1,96 @@
+"""The gateway's reading of requests and its guards, without a broker: chat requests
+(``gateway.openai_api``), usage queries, the auth guard's store calls, event streams'
+middleware."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.auth import Guard
+from gateway.errors import APIError
+from gateway.openai_api import parse_chat_request
+from gateway.usage_query import LATEST, UsageError, UsageQuery
+from pipeline.settings import CommonSettings
+from schemas import (
+    ChatMessage,
+)
+
+
+def test_chat_request_maps_sampling_parameters() -> None:
+    req = parse_chat_request(
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        b' {"type": "text", "text": "b"}]}], "max_tokens": 9, "temperature": 0.2, "top_p": 0.5,'
+        b' "stop": "END", "seed": 3, "stream_options": {"include_usage": true}}')
+    assert req.messages[0].to_event() == ChatMessage(role="user", content="ab")
+    sampling = req.sampling()
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.stop,
+            sampling.seed) == (9, 0.2, 0.5, ("END",), 3)
+    assert req.include_usage()
+
+
+@pytest.mark.parametrize("body", [b"", b"null", b'{"model": "m", "messages": [{"role": "user"}]}',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "stop": ["a", "b", "c", "d", "e"]}',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "logprobs": true}'])
+def test_chat_request_errors_are_400s(body: bytes) -> None:
+    with pytest.raises(APIError) as err:
+        parse_chat_request(body)
+    assert err.value.status == 400
+    assert err.value.body()["error"]["message"]  # type: ignore[index]
+
+
+def test_usage_query_pages_and_defaults() -> None:
+    now = 1_800_000_123
+    q = UsageQuery.build("t", None, now, "1d", now=now)
+    assert q.start % 86400 == 0 and q.page_end == now  # the current day is the last bucket
+    assert (now - q.start) // 86400 == 6  # 7 buckets by default
+    paged = UsageQuery.build("t", now - 100 * 60, now, "1m", limit=30)
+    assert paged.page_end == paged.start + 30 * 60
+    for bad in ({"bucket_width": "1w"}, {"limit": 0}, {"group_by": ["project_id"]},
+                {"page": "x"}, {"page": "-5"}, {"page": str(10**15)}):
+        with pytest.raises(UsageError):
+            UsageQuery.build("t", now - 60, now, **{"bucket_width": "1m", **bad})
+    # Far-off times are refused, not a 500 from datetime (year 11476 is out of range).
+    for start, end in ((300_000_000_000, 300_000_000_060), (now, 10**12), (-1, now)):
+        with pytest.raises(UsageError, match="Unix time from 0 to 253402300799"):
+            UsageQuery.build("t", start, end, "1d")
+    assert UsageQuery.build("t", LATEST - 60, LATEST + 1, "1m").page_end == LATEST + 1
+
+
+def test_the_guard_asks_the_store_once_for_many_requests_waiting_on_the_same_answer() -> None:
+    """10,000 streams opened at once each asked the store whether keys exist when the
+    cached answer expired, and the pool's queue turned them into 503s: one query now
+    serves every request waiting for it, and the next expiry asks again."""
+    asked = 0
+
+    async def ask() -> bool:
+        nonlocal asked
+        asked += 1
+        await asyncio.sleep(0.05)
+        return True
+
+    async def scenario() -> list[bool]:
+        guard = Guard(pool=None, require=False)  # type: ignore[arg-type]
+        together = await asyncio.gather(*(guard._once("enabled", ask) for _ in range(500)))
+        later = await guard._once("enabled", ask)
+        return [*together, later]
+
+    answers = asyncio.run(scenario())
+    assert all(answers) and len(answers) == 501 and asked == 2
+
+
+def test_event_streams_refuse_a_middleware_that_could_touch_their_bodies() -> None:
+    """SSE bodies go straight to the server's send, past every middleware: the app takes
+    only middleware that says it acts on the start message alone (ServerSend)."""
+    from starlette.middleware.gzip import GZipMiddleware
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    app = create_app(GatewaySettings(), CommonSettings())
+    assert len(app.user_middleware) == 6  # the gateway's own: each says START_ONLY
+    with pytest.raises(TypeError, match="START_ONLY"):
+        app.add_middleware(GZipMiddleware)

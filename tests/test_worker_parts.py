@@ -1,0 +1,180 @@
+"""The worker's parts without a broker: the offset watermark (``workers.offsets``),
+recovery's fold (``workers.recovery``), takeover's progress (``workers.takeover``), the
+SIMULATED engine's pace, and the engine's scheduling priority (``workers.host``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.codec import Position, encode
+from pipeline.kafka import Record
+from schemas import (
+    ChatMessage,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from workers.engine import EngineRequest
+from workers.host import AUTOGROUP_SWITCH, lower_session_priority
+from workers.offsets import OffsetTracker
+from workers.recovery import LogFolder, Recovered, fold, fold_values
+from workers.sim_engine import SimEngine, sim_token_text
+from workers.takeover import reported
+
+CONV = uuid.uuid4()
+
+
+def test_watermark_commits_below_the_oldest_in_flight_offset() -> None:
+    t = OffsetTracker()
+    tp = ("chat.prompts", 0)
+    for offset in (5, 6, 7):
+        t.taken(tp, offset)
+    t.done(tp, 6)
+    assert t.committable() == {tp: 5}  # 5 still in flight: nothing past it is safe
+    t.mark_committed({tp: 5})
+    assert t.committable() == {}
+    t.done(tp, 5)
+    assert t.committable() == {tp: 7}
+    t.done(tp, 7)
+    assert t.committable() == {tp: 8}
+    t.forget([tp])
+    assert t.committable() == {}
+
+
+def test_recovery_from_raw_records_equals_the_fold_of_every_decoded_event() -> None:
+    """The takeover scan decodes only terminal events and unfinished turns' records; it
+    must find what decoding everything finds, whatever text the deltas carry."""
+    tricky = 'x", "request_id":"done", "type":"GenerationFinished" \\" '
+
+    def turn(rid: str, deltas: int, end: str | None, attempt: int = 0) -> list[object]:
+        ids = {"conversation_id": CONV, "request_id": rid}
+        events: list[object] = [GenerationStarted(**ids, model="m", worker="w",
+                                                  attempt=attempt, reply_seq=1,
+                                                  prompt_tokens=3)]
+        events += [TokenDelta(**ids, attempt=attempt, seq=i, text=f"{tricky}{i}")
+                   for i in range(deltas)]
+        if end == "finished":
+            events.append(GenerationFinished(
+                **ids, model="m", reply_seq=1, finish_reason="stop", text="", deltas=deltas,
+                usage=Usage(prompt_tokens=3, completion_tokens=deltas), duration_ms=1))
+        elif end == "failed":
+            events.append(GenerationFailed(**ids, code="engine_dead", message="x"))
+        return events
+
+    events = [*turn("done", 5, "finished"), *turn("open", 3, None),
+              *turn("failed", 2, "failed"), *turn("open", 2, None, attempt=1),
+              *turn("chatcmpl-\\\"odd", 2, None)]
+    values: list[bytes | None] = [encode(e) for e in events]  # type: ignore[arg-type]
+    values += [None, b"not json", b'{"request_id":"open","type":"GenerationFinished"}']
+
+    expected = {rid: Recovered(ended=True) if rec.ended else rec
+                for rid, rec in fold(events).items()}  # type: ignore[arg-type]
+    found = fold_values(values)
+    assert found == expected
+    assert found["open"].attempt == 1 and [d.seq for d in found["open"].emitted()] == [0, 1, 2]
+    assert found["done"].ended and found["failed"].ended and not found["open"].ended
+
+
+def test_a_takeover_holds_only_the_records_of_turns_not_seen_to_end() -> None:
+    """A worker taking over folds a window of ``chat.generations`` as it reads it: the
+    records of a turn are dropped, undecoded, once its end is read. Kept whole, the
+    window of a busy log took a worker past 10 GB before it served anything."""
+    folder = LogFolder()
+    for t in range(200):
+        ids = {"conversation_id": uuid.uuid4(), "request_id": f"turn-{t}"}
+        folder.add(encode(GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
+                                            prompt_tokens=3)))
+        for i in range(50):
+            folder.add(encode(TokenDelta(**ids, seq=i, text=f"t{i} ")))
+        if t < 199:
+            folder.add(encode(GenerationFinished(
+                **ids, model="m", reply_seq=1, finish_reason="stop", text="", deltas=50,
+                usage=Usage(prompt_tokens=3, completion_tokens=50), duration_ms=1)))
+        assert folder.held == (51 if t == 199 else 0)
+    found = folder.result()
+    assert len(found) == 200 and sum(r.ended for r in found.values()) == 199
+    assert [d.seq for d in found["turn-199"].emitted()] == list(range(50))
+
+
+def test_a_long_takeover_read_logs_how_far_it_has_come(caplog: pytest.LogCaptureFixture) -> None:
+    since = int(time.time() * 1000) - 100_000
+    records = [Record(Position("chat.generations", 0, i), None, b"{}", since + i * 25_000)
+               for i in range(4)]
+    with caplog.at_level(logging.INFO, logger="workers.takeover"):
+        assert list(reported(records, since, "reading chat.generations", every_s=0)) == records
+    assert [r.getMessage() for r in caplog.records] == [
+        f"taking over: reading chat.generations: {i + 1} records in 0 s, {25 * i}% of the way "
+        "to now" for i in range(4)]
+
+
+def test_simulated_engine_keeps_its_pace_when_the_reader_runs_late() -> None:
+    """A GPU's steps do not wait for the reader: tokens due while the reader's event
+    loop was blocked arrive at once, and the sequence ends on time."""
+    engine = SimEngine(ttft_ms=0, tokens_per_s=50)  # a token every 20 ms
+    request = EngineRequest("r1", (ChatMessage(role="user", content="hi"),),
+                            SamplingParams(max_tokens=10))
+
+    async def read() -> tuple[list[str], float]:
+        texts, start = [], time.monotonic()
+        async for out in engine.generate(request):
+            if not texts:  # the reader's loop is busy for 150 ms: 7 tokens fall due
+                busy_until = time.monotonic() + 0.15
+                while time.monotonic() < busy_until:
+                    pass
+            texts.append(out.text)
+        return texts, time.monotonic() - start
+
+    texts, elapsed = asyncio.run(read())
+    assert texts == [sim_token_text(i) for i in range(10)]
+    # Due at 9 x 20 ms = 180 ms; a simulator that slept a step after each token
+    # would take the block on top (330 ms).
+    assert elapsed < 0.26
+
+
+def test_simulated_engine_steps_every_sequence_together_as_a_gpu_batch_does() -> None:
+    """Sequences started at different moments get their tokens at the same steps, so
+    the reader wakes once per step, not once per token."""
+    engine = SimEngine(ttft_ms=5, tokens_per_s=50)  # a step every 20 ms
+
+    async def times(request_id: str, after_s: float) -> list[float]:
+        await asyncio.sleep(after_s)
+        request = EngineRequest(request_id, (ChatMessage(role="user", content="hi"),),
+                                SamplingParams(max_tokens=4))
+        return [asyncio.get_running_loop().time() async for _ in engine.generate(request)]
+
+    async def both() -> list[list[float]]:
+        return list(await asyncio.gather(times("r1", 0.0), times("r2", 0.007)))
+
+    first, second = asyncio.run(both())
+    # A clock per sequence would give r2 each token 7 ms after r1's; one clock gives
+    # them together (r2's first token may come a step later than r1's).
+    together = [t for t in second if any(abs(t - u) < 0.002 for u in first)]
+    assert len(together) >= 3, (first, second)
+
+
+def test_session_priority_changes_only_a_session_of_its_own() -> None:
+    own = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    shared = subprocess.Popen(["sleep", "30"])  # in this session: left alone
+    try:
+        autogroup = AUTOGROUP_SWITCH.exists() and AUTOGROUP_SWITCH.read_text().strip() == "1"
+        before = Path(f"/proc/{shared.pid}/autogroup").read_text() if autogroup else ""
+        assert lower_session_priority(own.pid, 7) is autogroup
+        assert lower_session_priority(shared.pid, 7) is False
+        if autogroup:
+            assert Path(f"/proc/{own.pid}/autogroup").read_text().split()[-1] == "7"
+            assert Path(f"/proc/{shared.pid}/autogroup").read_text() == before
+    finally:
+        own.kill()
+        shared.kill()
+        own.wait()
+        shared.wait()
