@@ -58,24 +58,26 @@ class KeyCache:
                 self._current.move_to_end(conversation_id)
             return key
 
-    def hold(self, key: DataKey, seals: bool = False, seals_unless_set: bool = False) -> None:
-        """Hold ``key``; it seals its conversation's content from now on if ``seals``, or
-        if ``seals_unless_set`` and no other key does."""
+    def hold(self, key: DataKey, seals_unless_set: bool = False) -> None:
+        """Hold ``key``; if ``seals_unless_set`` and no other key seals its conversation's
+        content, it does from now on."""
         with self._lock:
-            self._keys[key.key_id] = key
-            self._keys.move_to_end(key.key_id)
-            self._gone.pop(key.key_id, None)
-            if seals:
-                self._current[key.conversation_id] = key.key_id
-            elif seals_unless_set:
+            self._hold(key)
+            if seals_unless_set:
                 self._current.setdefault(key.conversation_id, key.key_id)
             self._trim()
 
     def seals(self, key: DataKey) -> None:
-        """``key`` (held) seals its conversation's content from now on."""
+        """Hold ``key``: it seals its conversation's content from now on."""
         with self._lock:
+            self._hold(key)
             self._current[key.conversation_id] = key.key_id
             self._trim()
+
+    def _hold(self, key: DataKey) -> None:
+        self._keys[key.key_id] = key
+        self._keys.move_to_end(key.key_id)
+        self._gone.pop(key.key_id, None)
 
     def forget(self, key_id: str) -> None:
         """The key is destroyed: known so, not held."""

@@ -119,7 +119,6 @@ class Keyring:
         self._rotations: list[Rotation] = []
         self._rotations_read = 0.0  # when (monotonic)
         self._bootstrap, self._name, self._limits = bootstrap, name, limits
-        self._wait_s = limits.wait_s
         self._erasures = Erasures(bootstrap, name, 2 * limits.erasure_window_s,
                                   limits.wait_s)
         self._cache = KeyCache(limits.cache, self._erasures.revoked)
@@ -142,13 +141,13 @@ class Keyring:
             raise KeyringError(str(exc), unreachable=exc.unreachable) from None
         self._reader = PositionReader(self._bootstrap, KEYS, f"{self._name}-keys")
         try:
-            partitions = self._retrying(lambda: self._reader_().partitions(self._wait_s))
+            partitions = self._retrying(lambda: self._reader_().partitions(self._limits.wait_s))
             if not partitions:
                 raise KeyringError(f"the topic {KEYS} does not exist: `pipeline topics` "
                                    "makes it")
             self._partitions = len(partitions)
             self._rotations = self._retrying(
-                lambda: read_rotations(self._bootstrap, self._name, self._wait_s))
+                lambda: read_rotations(self._bootstrap, self._name, self._limits.wait_s))
             self._rotations_read = time.monotonic()
             self._check_kek(partitions)
         except KafkaException as exc:
@@ -165,7 +164,7 @@ class Keyring:
         newest = []
         for partition in partitions:
             low, high = self._retrying(
-                lambda p=partition: self._reader_().bounds(p, self._wait_s))  # type: ignore[misc]
+                lambda p=partition: self._reader_().bounds(p, self._limits.wait_s))  # type: ignore[misc]
             if high > low:
                 newest.append((partition, high - 1))
         replaced = {f for r in self._rotations for f in r.replaced}
@@ -185,7 +184,7 @@ class Keyring:
     def _retrying(self, call: Callable[[], T]) -> T:
         """``call``, asked again while Kafka says a leader is moving (a topic just made,
         a broker restarted), for up to the wait."""
-        deadline = time.monotonic() + self._wait_s
+        deadline = time.monotonic() + self._limits.wait_s
         while True:
             try:
                 return call()
@@ -260,7 +259,7 @@ class Keyring:
         one this process seals the conversation's content with from now on."""
         key = sealing.DataKey(str(KeyRef(new.short_id, new.partition, offset)),
                               new.conversation_id, new.aead)
-        self._cache.hold(key, seals=True)
+        self._cache.seals(key)
         return key
 
     # -- what deleters ask ------------------------------------------------------------
@@ -362,7 +361,7 @@ class Keyring:
         reader = self._reader_()
         self.fetches += 1
         try:
-            return reader.read(wanted, self._wait_s)
+            return reader.read(wanted, self._limits.wait_s)
         except (TimeoutError, KafkaException) as exc:
             raise KeyringError(f"could not read {KEYS}: {exc}", unreachable=True) from None
 
@@ -397,7 +396,7 @@ class Keyring:
         of each rotation since it was made, newest first; None if none did."""
         if time.monotonic() - self._rotations_read > ROTATIONS_FRESH_S:
             try:
-                self._rotations = read_rotations(self._bootstrap, self._name, self._wait_s)
+                self._rotations = read_rotations(self._bootstrap, self._name, self._limits.wait_s)
             except (KafkaException, TimeoutError) as exc:
                 raise KeyringError(f"could not read the rotations: {exc}",
                                    unreachable=True) from None
@@ -407,7 +406,7 @@ class Keyring:
             if window is None or window[0] <= ref.offset:
                 continue  # made after the rotation began: never moved by it
             end = window[1] if window[1] is not None else self._reader_().bounds(
-                ref.partition, self._wait_s)[1]
+                ref.partition, self._limits.wait_s)[1]
             with self._fetching:
                 record = find_moved(self._read, ref.partition, (window[0], end), ref.offset,
                                     ref.short_id)
@@ -462,7 +461,7 @@ class Keyring:
         their place): found in an index of such keys, made by reading ``chat.keys`` once,
         the first time one is asked for."""
         if self._legacy is None:
-            self._legacy = legacy_index(self._bootstrap, self._reader_(), self._wait_s)
+            self._legacy = legacy_index(self._bootstrap, self._reader_(), self._limits.wait_s)
         place = self._legacy.get(short_id)
         return KeyRef(short_id, *place) if place is not None else None
 
