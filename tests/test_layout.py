@@ -102,7 +102,7 @@ MAX_LINES = 500
 MAX_COLLABORATORS = 8
 # Known, and to be split (the third reorganising step): nothing may be added here.
 STILL_OVER = {
-    "lines": {"gateway/chat.py", "pipeline/kafka/transactions.py"},
+    "lines": {"gateway/chat.py"},
     "collaborators": {"gateway/chat.py:ChatService"},
 }
 SERVICES = [package for package in PACKAGES if package != "bench"]

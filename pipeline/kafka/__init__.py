@@ -6,7 +6,9 @@ holds every other module to that). One concept per module:
 * ``producer``: ``EventProducer``, idempotent and ``acks=all``; ``send`` returns an
   asyncio future that resolves once Kafka acknowledged the record.
 * ``transactions``: ``TransactionalProducer``, records and the reading group's offsets in
-  one Kafka transaction, fenced by the transactional id's epoch.
+  one Kafka transaction, fenced by the transactional id's epoch; its parts are
+  ``outbox`` (the queue, its epochs and backpressure), ``transaction_loop`` (the thread
+  that commits) and ``watchdog`` (deadlines, stuck transactions).
 * ``consumer``: ``AsyncConsumer``, a consumer whose blocking calls run one at a time on a
   thread of its own; its coroutines are what asyncio services await.
 * ``scans``: reading outside any group: committed offsets, watermarks, ranges.
@@ -45,6 +47,7 @@ from pipeline.kafka.client import (
 )
 from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.kafka.consumer import QUICK_ASSIGN, AsyncConsumer, StallWatch
+from pipeline.kafka.outbox import NotAccepted
 from pipeline.kafka.producer import EventProducer
 from pipeline.kafka.scans import (
     GroupStatus,
@@ -55,7 +58,7 @@ from pipeline.kafka.scans import (
     read_spans,
     scan_partitions,
 )
-from pipeline.kafka.transactions import NotAccepted, TransactionalProducer, TransactionSettings
+from pipeline.kafka.transactions import TransactionalProducer, TransactionSettings
 
 __all__ = [
     "BEGINNING",
