@@ -122,9 +122,9 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
         try:
             log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
                      engine.model_name, engine.max_num_seqs)
-            worker = Worker(engine, common.kafka_bootstrap, registry, settings,
-                            max_record_bytes=common.max_record_bytes,
-                            compression=common.compression)
+            worker = await Worker.opened(engine, common.kafka_bootstrap, registry, settings,
+                                         max_record_bytes=common.max_record_bytes,
+                                         compression=common.compression)
             serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
             await worker.run(stop)

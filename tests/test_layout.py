@@ -143,3 +143,12 @@ def test_no_part_of_the_worker_imports_the_worker() -> None:
             if "workers.worker" in names:
                 importers.append(str(path.relative_to(REPO_ROOT)))
     assert importers == []
+
+
+def test_the_worker_is_built_whole_by_its_constructor() -> None:
+    """Its writer, output, runner and consumer were once made in ``run()``, and an
+    ``assert self.writer is not None`` stood in for construction in each method."""
+    path = REPO_ROOT / "workers" / "worker.py"
+    standing_in = [n for n, line in enumerate(path.read_text().splitlines(), 1)
+                   if re.search(r"assert self\.\w+ is not None", line)]
+    assert standing_in == []

@@ -497,10 +497,11 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
     asyncio.run(ghost.close())  # it leaves: its generation is gone
 
     registry = CollectorRegistry()
-    worker = Worker(SimEngine(model, ttft_ms=0, tokens_per_s=20), sim_stack.bootstrap,
-                    registry, WorkerSettings(engine="sim", transaction_interval_ms=20))
-    stop = asyncio.Event()
     loop = asyncio.new_event_loop()
+    worker = loop.run_until_complete(Worker.opened(
+        SimEngine(model, ttft_ms=0, tokens_per_s=20), sim_stack.bootstrap, registry,
+        WorkerSettings(engine="sim", transaction_interval_ms=20)))
+    stop = asyncio.Event()
     runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
                               daemon=True)
     runner.start()
@@ -586,10 +587,11 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
                                messages=(ChatMessage(role="user", content=name),))
 
     ring = Keyring(bootstrap, kek, f"intake-{model}", KeyringLimits(missing_wait_s=60))
-    worker = Worker(SimEngine(model, ttft_ms=0, tokens_per_s=50), bootstrap,
-                    CollectorRegistry(), WorkerSettings(engine="sim", intake_timeout_s=6))
-    stop = asyncio.Event()
     loop = asyncio.new_event_loop()
+    worker = loop.run_until_complete(Worker.opened(
+        SimEngine(model, ttft_ms=0, tokens_per_s=50), bootstrap, CollectorRegistry(),
+        WorkerSettings(engine="sim", intake_timeout_s=6)))
+    stop = asyncio.Event()
     runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
                               daemon=True)
     # This process's other rings aside: with several, a key not found is gone at once.

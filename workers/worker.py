@@ -30,6 +30,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
@@ -96,15 +97,27 @@ PREFETCH_PER_8_SLOTS = 1
 
 
 class Worker:
-    """``settings``: the worker's (``WORKER_*``); ``max_record_bytes`` and ``compression``:
-    the pipeline's (``PIPELINE_*``)."""
+    """``settings``: the worker's (``WORKER_*``); ``limits``: the largest record each topic
+    it writes takes; ``compression``: the pipeline's (``PIPELINE_COMPRESSION``). Built on
+    the event loop that runs it (``opened`` reads the limits first), whole."""
+
+    @classmethod
+    async def opened(cls, engine: Engine, bootstrap: str, registry: CollectorRegistry,
+                     settings: WorkerSettings, *, name: str = "",
+                     max_record_bytes: int = 8 * 2**20, compression: str = "zstd") -> Worker:
+        """A worker whose writer knows its topics' limits (``max_record_bytes`` where the
+        cluster says none: ``PIPELINE_MAX_RECORD_BYTES``)."""
+        limits = await asyncio.to_thread(topic_limits, bootstrap, [GENERATIONS, LIVE],
+                                         max_record_bytes)
+        return cls(engine, bootstrap, registry, settings, name=name, limits=limits,
+                   compression=compression)
 
     def __init__(self, engine: Engine, bootstrap: str, registry: CollectorRegistry,
-                 settings: WorkerSettings, *, name: str = "",
-                 max_record_bytes: int = 8 * 2**20, compression: str = "zstd") -> None:
+                 settings: WorkerSettings, *, name: str, limits: Mapping[str, int],
+                 compression: str) -> None:
         self.engine, self.bootstrap, self.settings = engine, bootstrap, settings
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.max_record_bytes, self.compression = max_record_bytes, compression
+        self.loop = asyncio.get_running_loop()
         # Unique per process unless configured: a stable id (one per worker slot) lets a
         # restarted worker fence its predecessor's open transaction at once.
         self.transactional_id = (settings.transactional_id
@@ -123,23 +136,35 @@ class Worker:
         self.peak_in_flight = 0
         self.recovered = Found()
         self.ledgers = Ledgers(bootstrap)
-        self.writer: TransactionalProducer | None = None
-        self.output: Output | None = None
-        self.runner: Runner | None = None
+        self.consumer = AsyncConsumer(
+            bootstrap, workers_group(engine.model_name),
+            **{"session.timeout.ms": settings.session_timeout_ms,
+               "client.id": worker_client_id(engine.model_name),
+               # A worker owns the same partition number of both topics.
+               "partition.assignment.strategy": "range", "fetch.wait.max.ms": FETCH_WAIT_MS})
+        writing = TransactionSettings(
+            settings.transaction_timeout_ms, not settings.transactional_id,
+            settings.transaction_interval_ms, gathers=True, compression=compression,
+            max_record_bytes=max(limits.values()), limits=tuple(limits.items()))
+        self.writer = TransactionalProducer(
+            bootstrap, self.transactional_id, writing, self.tracker.positions,
+            on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
+            offset_metadata=self.tracker.describe)
+        self.output = Output(self.writer, self.name)
         self.metrics = WorkerMetrics(registry, engine, Readings(
             lambda: max(len(self.flights) - engine.running(), 0) + len(self.waiting),
-            lambda: self.writer.transactions if self.writer else 0,
-            lambda: self.histories.chars, lambda: self.output.records if self.output else 0))
+            lambda: self.writer.transactions, lambda: self.histories.chars,
+            lambda: self.output.records))
         self._history_reader = LogReader(bootstrap, f"worker-history-{self.name}")
         self.histories = Histories(self._history_reader, self.metrics.histories,
                                    settings.history_cache_chars)
+        self.runner = Runner(engine, self.output, self.writer, self.histories, self.metrics,
+                             self.name, settings.coalesce_ms / 1000, self.waiting.served)
         self.assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
         self._rejoin = False  # a refusal that no rebalance answers: leave and rejoin
         self._fatal: BaseException | None = None
         self._stopping = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.consumer: AsyncConsumer | None = None
 
     @property
     def capacity(self) -> int:
@@ -150,28 +175,7 @@ class Worker:
 
     # -- the loop ---------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        self.loop = asyncio.get_running_loop()
-        consumer = self.consumer = AsyncConsumer(
-            self.bootstrap, workers_group(self.engine.model_name),
-            **{"session.timeout.ms": self.settings.session_timeout_ms,
-               "client.id": worker_client_id(self.engine.model_name),
-               # A worker owns the same partition number of both topics.
-               "partition.assignment.strategy": "range",
-               "fetch.wait.max.ms": FETCH_WAIT_MS})
-        limits = await asyncio.to_thread(topic_limits, self.bootstrap, [GENERATIONS, LIVE],
-                                         self.max_record_bytes)
-        writing = TransactionSettings(
-            self.settings.transaction_timeout_ms, not self.settings.transactional_id,
-            self.settings.transaction_interval_ms, gathers=True, compression=self.compression,
-            max_record_bytes=max(limits.values()), limits=tuple(limits.items()))
-        self.writer = TransactionalProducer(
-            self.bootstrap, self.transactional_id, writing, self.tracker.positions,
-            on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
-            offset_metadata=self.tracker.describe)
-        self.output = Output(self.writer, self.name)
-        self.runner = Runner(self.engine, self.output, self.writer, self.histories,
-                             self.metrics, self.name, self.settings.coalesce_ms / 1000,
-                             self.waiting.served)
+        consumer = self.consumer
         await asyncio.to_thread(self.writer.start)
         # Ready means a turn starts without waiting for the engine's first batches: the
         # worker joins its group (and says it is alive) only once it has run its own.
@@ -270,7 +274,6 @@ class Worker:
         counted taken (``tracker.taken``) when it was polled."""
         topic, partition, offset = record.position.topic, record.position.partition, \
             record.position.offset
-        assert self.output is not None
         try:
             event, key = await decode_keyed_async(record.value)
         except DecodeError as exc:
@@ -312,7 +315,6 @@ class Worker:
     async def _stalled(self, record: Record) -> None:
         """A prompt whose taking passed WORKER_INTAKE_TIMEOUT_S: dead-lettered, so its
         partition's next prompts go on."""
-        assert self.output is not None
         reason = (f"taking it passed WORKER_INTAKE_TIMEOUT_S ({self.intake.timeout_s:g} s): "
                   "its key or its partition's ledger could not be read")
         log.error("dead-lettering %s: %s", record.position, reason)
@@ -358,7 +360,6 @@ class Worker:
 
     def _start(self, item: Waiting) -> bool:
         """Start a turn (False: it needs not run: it ran, or runs, already)."""
-        assert self.writer is not None
         prompt, tp, offset, traced, seal = item.prompt, item.tp, item.offset, item.trace, \
             item.seal
         rid = prompt.request_id
@@ -381,7 +382,6 @@ class Worker:
     # -- one turn ----------------------------------------------------------------
     async def _run_turn(self, turn: Turn, run: bool) -> None:
         """Run the turn (``run``; else end it unstarted), then write its end."""
-        assert self.runner is not None
         self.flights.on_engine(turn.prompt.request_id, run)
         try:
             final = await self.runner.run(turn) if run else self.runner.unstarted(turn)
@@ -408,7 +408,6 @@ class Worker:
     async def _finish(self, turn: Turn, final: GenerationFinished | GenerationFailed) -> None:
         """Write the turn's end (its live entry and its durable event, in one transaction);
         once it is committed, so is (in the next transaction) the prompt's offset."""
-        assert self.output is not None
         prompt, tp, offset = turn.prompt, turn.tp, turn.offset
         try:
             written = self.output.end(tp[1], offset, final,
@@ -450,7 +449,6 @@ class Worker:
     # -- partitions handed over and taken away (``Rebalances``), transactions refused
     def took_over(self, handover: Handover, group: object) -> None:
         """On the consumer's thread: where prompts start, what earlier owners left."""
-        assert self.writer is not None
         for p, offset in handover.committed.items():
             self.tracker.start((PROMPTS, p), offset)
         self.recovered = handover.found  # an assignment is whole: earlier findings are stale
@@ -465,7 +463,6 @@ class Worker:
         What was not yet in a transaction is dropped, and one in flight passed its check
         before the generation ended (the next owner's scan waits for it) or is refused:
         the next owner regenerates the rest."""
-        assert self.loop is not None and self.writer is not None
         asyncio.run_coroutine_threadsafe(self.abandon(partitions), self.loop).result(30)
         self.writer.new_epoch()
         self.tracker.forget([(PROMPTS, p) for p in partitions])
@@ -486,8 +483,7 @@ class Worker:
         for flight in flights:  # cancelled before their task began: nothing forgot them
             if self.flights.running.get(flight.prompt.request_id) is flight:
                 self._forget(flight.prompt.request_id)
-        if self.output is not None:  # what they wrote but did not yet queue
-            self.output.drop(partitions)
+        self.output.drop(partitions)  # what they wrote but did not yet queue
         if flights:
             log.info("handed %d unfinished turns to the next owner", len(flights))
 
@@ -496,5 +492,4 @@ class Worker:
         an assignment under way, or made since, starts the dropped turns again."""
         self.metrics.fenced.inc()
         self._rejoin = self._rejoin or not answered
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._fenced.set)
+        self.loop.call_soon_threadsafe(self._fenced.set)
