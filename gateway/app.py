@@ -20,9 +20,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import completions, memories, page, sessions, usage
+from gateway.accept import Accept
+from gateway.admission import Admission
 from gateway.auth import Authenticate, Guard
-from gateway.chat import ChatService
 from gateway.connections import ConnectionLimits
+from gateway.conversation_keys import ConversationKeys
 from gateway.dependencies import Health
 from gateway.edge import LOOPBACK_HOSTS, AllowedHosts, ClientAddress, JsonOnly, networks
 from gateway.errors import (
@@ -35,12 +37,14 @@ from gateway.errors import (
 )
 from gateway.eventstream import ServerSend, Streams
 from gateway.fleet import Fleet
+from gateway.follow import Follow
 from gateway.http import Resources, resources
 from gateway.memory import MemoryClient
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestIds, RequestMetrics
 from gateway.openapi import openapi_spec
 from gateway.problems import Problem, StoreUnavailable
+from gateway.session_log import Sessions
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.tail import GenerationTail
@@ -64,7 +68,7 @@ log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> Response:
-    models = resources(request).chat.models
+    models = resources(request).admission.models
     return JSONResponse({"object": "list", "data": [
         {"id": m, "object": "model", "created": 0, "owned_by": "chat-pipeline"} for m in models
     ]})
@@ -94,7 +98,7 @@ async def readyz(request: Request) -> Response:
     if res.health.down:
         return await health(request)
     if not res.ready:
-        missing = sorted(set(res.settings.models) - res.chat.fleet.models)
+        missing = sorted(set(res.settings.models) - res.admission.fleet.models)
         if missing:
             return JSONResponse(
                 {"status": "warming", "waiting_for": {
@@ -264,13 +268,17 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     await _say_whether_keys_are_required(guard)
     memory = MemoryClient(settings.memory_url, settings.memory_timeout_s)
     opened.push_async_callback(memory.close)
-    chat = ChatService(settings, producer, prompts, tail, store, fleet, guard, metrics,
-                       settings.models, keyring, memory)
+    # A new turn: admitted, built and committed (``accept``); then followed (``follow``).
+    follow = Follow(settings, producer, tail, store, metrics)
+    admission = Admission(settings, fleet, guard, follow.check_streams)
+    keys = ConversationKeys(settings, keyring, producer)
+    accept = Accept(settings, prompts, store, follow, admission, metrics, keys, memory)
     # Open streams: on shutdown, drained first (``GATEWAY_DRAIN_S``).
     streams = Streams(settings.send_timeout_s)
     streams.start()
     opened.push_async_callback(streams.stop)
-    return Resources(chat, guard, registry, settings, health, streams)
+    return Resources(accept, follow, Sessions(settings, producer, store, keys), admission,
+                     store, memory, guard, registry, settings, health, streams)
 
 
 async def _partitions(meta: AsyncConsumer, timeout_s: float) -> int:

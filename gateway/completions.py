@@ -11,9 +11,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.chat import Following
 from gateway.edge import idempotency_key
 from gateway.errors import api_error
+from gateway.follow import Following
 from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
 from gateway.openai_api import ChatRequest, parse_chat_request
@@ -67,7 +67,7 @@ async def respond(request: Request, chat_request: ChatRequest,
         with trace.use_span(span, end_on_exit=False):
             carried = record_headers()  # the worker's spans go in this request's
             with TRACER.start_as_current_span("chat.accept"):
-                following = await res.chat.accept(
+                following = await res.accept.accept(
                     chat_request, session, caller_of(request),
                     idempotency_key(request.headers.get("Idempotency-Key")), carried)
     except BaseException as exc:
@@ -79,11 +79,11 @@ async def respond(request: Request, chat_request: ChatRequest,
     span.set_attributes({"chat.request_id": following.completion_id,
                          "chat.model": following.model})
     if chat_request.stream:  # data lines only, as vllm serve and OpenAI send
-        events = sse_stream(res.chat, following, chat_request.include_usage())
+        events = sse_stream(res.follow, following, chat_request.include_usage())
         return sse_response(request, traced(events, span, following),
                             stream_headers(following))
     try:
-        body = await completion(res.chat, following)
+        body = await completion(res.follow, following)
     except Problem as exc:  # the turn exists (timed out, failed): its ids go with the answer
         error = api_error(exc)
         return JSONResponse(error.body(), status_code=error.status,
@@ -139,17 +139,17 @@ async def stream(request: Request) -> Response:
     res = resources(request)
     completion = request.path_params["completion_id"]
     if request.method == "HEAD":  # a GET's headers, without attaching to the turn
-        view, _ = await res.chat.find_turn(completion, tenant_of(request))
+        view, _ = await res.follow.find_turn(completion, tenant_of(request))
         return Response(media_type="text/event-stream", headers={
             SESSION_HEADER: str(view.id), "X-Request-Id": completion,
             RESUME_HEADER: resume_url(completion)})
     raw = (request.headers.get("last-event-id") or request.query_params.get("last_event_id")
            or request.query_params.get("starting_after"))
-    following: Following = await res.chat.attach(
+    following: Following = await res.follow.attach(
         completion, tenant_of(request), parse_event_id(raw) if raw else None, stream=True)
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     # With id lines, so that an EventSource sends the last one back when it reconnects.
-    return sse_response(request, sse_stream(res.chat, following, include_usage, id_lines=True),
+    return sse_response(request, sse_stream(res.follow, following, include_usage, id_lines=True),
                         stream_headers(following))
 
 
@@ -157,7 +157,7 @@ async def retrieve(request: Request) -> Response:
     """A turn's status, and its reply once it has one."""
     res = resources(request)
     completion = request.path_params["completion_id"]
-    view, turn = await res.chat.find_turn(completion, tenant_of(request))
+    view, turn = await res.follow.find_turn(completion, tenant_of(request))
     reply = next((m for m in view.messages.values()
                   if m.request_id == completion and m.role == "assistant"), None)
     body: dict[str, Any] = {
@@ -175,7 +175,7 @@ async def retrieve(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     res = resources(request)
     completion = request.path_params["completion_id"]
-    status = await res.chat.cancel(completion, tenant_of(request))
+    status = await res.follow.cancel(completion, tenant_of(request))
     return JSONResponse({"id": completion, "object": "chat.completion.cancellation",
                          "status": status,
                          "cancelling": status in ("pending", "running")})

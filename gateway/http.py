@@ -8,17 +8,27 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 
+from gateway.accept import Accept
+from gateway.admission import Admission
 from gateway.auth import OPEN, Caller, Guard
-from gateway.chat import ChatService
 from gateway.dependencies import Health
 from gateway.errors import APIError
 from gateway.eventstream import Streams
+from gateway.follow import Follow
+from gateway.memory import MemoryClient
+from gateway.session_log import Sessions
 from gateway.settings import GatewaySettings
+from gateway.store import ConversationStore
 
 
 @dataclass
 class Resources:
-    chat: ChatService
+    accept: Accept  # a new turn (admit, build, commit)
+    follow: Follow  # a turn followed (attach, follow, collect, detach)
+    sessions: Sessions
+    admission: Admission  # the models served, and what a turn may ask
+    store: ConversationStore
+    memory: MemoryClient
     guard: Guard
     registry: CollectorRegistry
     settings: GatewaySettings

@@ -24,7 +24,7 @@ def _user(request: Request) -> str:
 
 
 async def _relay(request: Request, method: str, path: str) -> Response:
-    client = resources(request).chat.memory
+    client = resources(request).memory
     params = {"tenant": tenant_of(request), "user": _user(request)}
     response = await client._call(method, path, params=params)
     return JSONResponse(response.json(), status_code=response.status_code)

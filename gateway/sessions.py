@@ -48,7 +48,7 @@ async def create(request: Request) -> Response:
     res = resources(request)
     body = await read_body(request, res.settings.max_body_bytes)
     new = validate(NewSession, load_json(body) if body.strip() else {})
-    event = await res.chat.create_session(tenant_of(request), new.title, new.user,
+    event = await res.sessions.create(tenant_of(request), new.title, new.user,
                                           new.memory)
     created = session_json(event.conversation_id, new.title, event.occurred_at,
                            event.occurred_at)
@@ -69,28 +69,28 @@ async def list_sessions(request: Request) -> Response:
     except ValueError:
         raise APIError(400, "after must be a session id.", code="invalid_value",
                        param="after") from None
-    data, more = await res.chat.store.list_sessions(tenant_of(request), int(raw_limit), after)
+    data, more = await res.store.list_sessions(tenant_of(request), int(raw_limit), after)
     return JSONResponse({"object": "list", "data": data, "has_more": more})
 
 
 async def get(request: Request) -> Response:
     res = resources(request)
     session = parse_session_id(request.path_params["session_id"])
-    view = await res.chat.visible_view(session, tenant_of(request))
+    view = await res.sessions.visible_view(session, tenant_of(request))
     return JSONResponse(session_json(session, view.title, view.created_at, view.updated_at))
 
 
 async def delete(request: Request) -> Response:
     res = resources(request)
     session = parse_session_id(request.path_params["session_id"])
-    await res.chat.delete_session(session, tenant_of(request))
+    await res.sessions.delete(session, tenant_of(request))
     return JSONResponse({"id": str(session), "object": "session.deleted", "deleted": True})
 
 
 async def messages(request: Request) -> Response:
     res = resources(request)
     session = parse_session_id(request.path_params["session_id"])
-    view = await res.chat.visible_view(session, tenant_of(request))
+    view = await res.sessions.visible_view(session, tenant_of(request))
     data: list[dict[str, Any]] = [
         {"seq": seq, "role": m.role, "content": m.content, "request_id": m.request_id,
          "created_at": m.created_at.isoformat()}
@@ -111,8 +111,8 @@ async def append(request: Request) -> Response:
                                         if k in data})
         data["messages"] = [message.model_dump()]
     if "model" not in data:
-        view = await res.chat.visible_view(session, tenant_of(request))
+        view = await res.sessions.visible_view(session, tenant_of(request))
         used = sorted((t.submitted_at, t.model) for t in view.turns.values()
                       if t.submitted_at and t.model)
-        data["model"] = used[-1][1] if used else res.chat.models[0]
+        data["model"] = used[-1][1] if used else res.admission.models[0]
     return await respond(request, parse_chat_request(data), session)

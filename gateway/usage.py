@@ -40,7 +40,7 @@ async def get_usage(request: Request) -> Response:
                                  group_by, _int(request, "limit"), params.get("page"))
     except UsageError as exc:
         raise APIError(400, str(exc), code="invalid_value", param=exc.param) from None
-    store = res.chat.store
+    store = res.store
     async with from_store(store.pool, store.timeout_s) as conn, conn.transaction():
         await conn.execute(SNAPSHOT)
         rows = [await (await conn.execute(sql, args)).fetchall()

@@ -1,7 +1,7 @@
 """The wire format of a followed turn: OpenAI's chat completion chunks as server-sent
 events, or one chat completion for a client that waits for the whole reply.
 
-``ChatService`` deals in turns and their items (``schemas.live``); this module is where
+``gateway.follow`` deals in turns and their items (``schemas.live``); this module is where
 they become bytes a client reads, and where a problem met mid-stream becomes an OpenAI
 error body in the stream (the status line went out with the first byte).
 """
@@ -12,14 +12,14 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from gateway import openai_api
-from gateway.chat import ChatService, Following
 from gateway.cursor import DONE, KEEPALIVE, Cursor, sse
 from gateway.errors import api_error
+from gateway.follow import Follow, Following
 from gateway.problems import Problem, StreamLagging
 from gateway.tail import Overflow
 
 
-async def sse_stream(chat: ChatService, f: Following, include_usage: bool,
+async def sse_stream(follow: Follow, f: Following, include_usage: bool,
                      id_lines: bool = False) -> AsyncGenerator[bytes, None]:
     """The turn as SSE messages of OpenAI chunks, ending with ``[DONE]``; with
     ``id_lines``, each message that stands for a log event has an ``id`` line (what an
@@ -28,7 +28,7 @@ async def sse_stream(chat: ChatService, f: Following, include_usage: bool,
     cursor = Cursor(f.completion_id, f.created, f.model, include_usage, f.resume_after,
                     id_lines)
     complete = True
-    async with chat.following(f) as items:
+    async with follow.following(f) as items:
         try:
             async for item in items:
                 if item is None:
@@ -51,9 +51,9 @@ async def sse_stream(chat: ChatService, f: Following, include_usage: bool,
         yield DONE
 
 
-async def completion(chat: ChatService, f: Following) -> dict[str, Any]:
+async def completion(follow: Follow, f: Following) -> dict[str, Any]:
     """The whole reply as one OpenAI chat completion (``Problem`` if the turn failed or
     timed out)."""
-    reply = await chat.collect(f)
+    reply = await follow.collect(f)
     return openai_api.completion(f.completion_id, f.created, f.model, reply.text,
                                  reply.finish_reason, reply.usage)

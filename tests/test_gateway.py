@@ -238,7 +238,7 @@ def test_a_resume_from_the_partitions_start_reads_the_turn_alone(gw: Gateways) -
     session = httpx.post(f"{gw.url}/v1/sessions", json={}, timeout=30).json()["id"]
     partition = partition_for(conversation_key(uuid.UUID(session)), PARTITIONS)
     fill_live(gw.stack.bootstrap, partition, FILLER)
-    time.sleep(3)  # more than a worker's clock margin before the turn (gateway.chat)
+    time.sleep(3)  # more than a worker's clock margin before the turn (gateway.follow)
     done = stream_chat(gw.url, chat("bounded", 6), headers={"X-Session-Id": session})
     assert done.done and positions(done.ids)[0][0] == partition
     before = scrape(f"{gw.second}/metrics")
