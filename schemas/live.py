@@ -34,10 +34,11 @@ entry's position is its record's offset and its index in that order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from schemas.events import (
@@ -80,6 +81,19 @@ class LiveBatch(BaseModel):
 
 
 LIVE_ADAPTER: TypeAdapter[LiveBatch] = TypeAdapter(LiveBatch)
+_ENCODER = msgspec.json.Encoder()
+
+
+def write_batch(worker: str, at_ms: int, starts: Sequence[LiveStart],
+                deltas: Sequence[LiveDelta], ends: Sequence[LiveEnd],
+                failures: Sequence[LiveFailure], sealed: Sequence[tuple[int, str, str]]
+                ) -> bytes:
+    """A ``LiveBatch`` record's value, from its entries as the arrays it holds: no model
+    is built (a worker writes one per partition per engine step). ``LIVE_ADAPTER``
+    reads it back; ``tests/test_contract.py`` holds it to the published schema."""
+    return _ENCODER.encode({
+        "type": "LiveBatch", "v": 1, "worker": worker, "at": at_ms, "starts": starts,
+        "deltas": deltas, "ends": ends, "failures": failures, "sealed": sealed})
 
 
 # -- one turn's stream, as every reader sees it ----------------------------------------

@@ -75,7 +75,7 @@ def test_real_events_validate_against_the_json_schema() -> None:
 
 
 def test_live_records_the_worker_writes_validate_against_the_live_schema() -> None:
-    """What ``workers.output`` writes (its own encoder, not pydantic's) is what the
+    """What ``workers.output`` writes (``schemas.live.write_batch``, not pydantic) is what the
     published schema describes, and what the schema refuses the code refuses too."""
     import asyncio
 

@@ -30,6 +30,7 @@ from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import Fenced, Outgoing, Record, TransactionalProducer
 from pipeline.topics import DEADLETTER, GENERATIONS, LIVE, WORKERS_GROUP
 from schemas import GenerationFailed, GenerationFinished, GenerationStarted
+from schemas.live import LiveDelta, LiveEnd, LiveFailure, LiveStart, write_batch
 
 # What an entry costs in a batch besides its text (its reference, seq and brackets).
 ENTRY_BYTES = 48
@@ -40,10 +41,10 @@ _encoder = msgspec.json.Encoder()
 class _Open:
     """One partition's batch being built, and what waits for it."""
 
-    starts: list[tuple[int, int, str]] = field(default_factory=list)
-    deltas: list[tuple[int, int, str, tuple[int, ...]]] = field(default_factory=list)
-    ends: list[tuple[int, int, str, int, int]] = field(default_factory=list)
-    failures: list[tuple[int, str, str]] = field(default_factory=list)
+    starts: list[LiveStart] = field(default_factory=list)
+    deltas: list[LiveDelta] = field(default_factory=list)
+    ends: list[LiveEnd] = field(default_factory=list)
+    failures: list[LiveFailure] = field(default_factory=list)
     durable: list[tuple[bytes, bytes, asyncio.Future[Position] | None]] = field(
         default_factory=list)
     size: int = 0
@@ -143,11 +144,8 @@ class Output:
         records = []
         if batch.starts or batch.deltas or batch.ends or batch.failures:
             deltas, sealed = self._sealed(partition, batch.deltas)
-            value = _encoder.encode({
-                "type": "LiveBatch", "v": 1, "worker": self.worker,
-                "at": int(time.time() * 1000), "starts": batch.starts,
-                "deltas": deltas, "ends": batch.ends, "failures": batch.failures,
-                "sealed": sealed})
+            value = write_batch(self.worker, int(time.time() * 1000), batch.starts, deltas,
+                                batch.ends, batch.failures, sealed)
             records.append(Outgoing(LIVE, None, value, partition))
             self.records += 1
             for ref in [e[0] for e in batch.ends] + [f[0] for f in batch.failures]:
