@@ -90,9 +90,10 @@ class Turn:
 
 
 class Runner:
-    """Runs turns on ``engine``, writing their deltas to ``output``. ``wrote()`` is called
-    after each delta is queued; ``served(tenant, prompt_tokens, output_tokens)`` counts
-    what a tenant had served (``workers.fairness``)."""
+    """Runs turns on ``engine``, and writes each turn's records to ``output``: its start
+    and deltas as it runs, its end (``end``) once the worker has it.
+    ``served(tenant, prompt_tokens, output_tokens)`` counts what a tenant had served
+    (``workers.fairness``)."""
 
     def __init__(self, engine: Engine, output: Output, writer: TransactionalProducer,
                  histories: Histories, metrics: WorkerMetrics, worker: str,
@@ -212,6 +213,17 @@ class Runner:
     def _failed(self, turn: Turn, code: str, message: str) -> GenerationFailed:
         return GenerationFailed(**turn.ids, ref=turn.offset,
                                 attempt=turn.progress.attempt, code=code, message=message)
+
+    async def end(self, turn: Turn, final: Final) -> Final:
+        """Write the turn's end (its live entry and its durable event, in one transaction,
+        as ``fits`` has it) and wait until that is committed; the end as written. Raises
+        as ``TransactionalProducer.send`` does (``Fenced``: the partition moved on)."""
+        final = self.fits(final, turn.seal)
+        written = self.output.end(turn.tp[1], turn.offset, final,
+                                  conversation_key(turn.prompt.conversation_id), turn.seal)
+        self.output.gather_soon()
+        await written
+        return final
 
     def fits(self, final: Final, seal: SealWith) -> Final:
         """``final``, or, if the log would not take it (a reply larger than its topic's

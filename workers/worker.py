@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from prometheus_client import CollectorRegistry
 
 from pipeline import sealing
-from pipeline.codec import TP, DecodeError, conversation_key, decode_keyed_async
+from pipeline.codec import TP, DecodeError, decode_keyed_async
 from pipeline.kafka import (
     AsyncConsumer,
     Fenced,
@@ -403,17 +403,14 @@ class Worker:
             raise
         if isinstance(final, GenerationFailed) and final.code == "engine_dead":
             self._fatal = EngineDead(final.message)
-        await self._finish(turn, self.runner.fits(final, turn.seal))
+        await self._finish(turn, final)
 
     async def _finish(self, turn: Turn, final: GenerationFinished | GenerationFailed) -> None:
-        """Write the turn's end (its live entry and its durable event, in one transaction);
-        once it is committed, so is (in the next transaction) the prompt's offset."""
+        """Write the turn's end (``Runner.end``); once it is committed, so is (in the next
+        transaction) the prompt's offset."""
         prompt, tp, offset = turn.prompt, turn.tp, turn.offset
         try:
-            written = self.output.end(tp[1], offset, final,
-                                      conversation_key(prompt.conversation_id), turn.seal)
-            self.output.gather_soon()
-            await written
+            final = await self.runner.end(turn, final)
         except asyncio.CancelledError:
             self._forget(prompt.request_id)
             raise
