@@ -41,7 +41,8 @@ from pipeline.deadletter import dead_letter
 from pipeline.digests import Digester
 from pipeline.kafka import AsyncConsumer, EventProducer, Record
 from pipeline.metrics import LATENCY_BUCKETS
-from pipeline.retry import Backoff, QuietLog
+from pipeline.projecting import Rounds, run_projection
+from pipeline.retry import QuietLog
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS
 from schemas import GenerationFinished, MemoryForgotten, PromptSubmitted, SessionDeleted
 from schemas.conversation import storable
@@ -110,6 +111,7 @@ class MemoryService:
             database_url, min_size=1, max_size=settings.pool_size, open=False,
             check=AsyncConnectionPool.check_connection, kwargs={"connect_timeout": 10})
         self._quiet = QuietLog(log)
+        self._last_lag = 0.0  # when the lag was last read (monotonic)
         # Recalls run a few at once, their places shared fairly between tenants.
         self.recalls = Recalls(settings.pool_size, settings.max_waiting_recalls_per_tenant)
 
@@ -125,45 +127,43 @@ class MemoryService:
 
     # -- the consumer ----------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
+        """Make memories of the log's turns until ``stop`` (``pipeline.projecting``): a
+        batch the database does not take is taken again after a backoff."""
         window_s = self.settings.batch_max_ms / 1000
         consumer = AsyncConsumer(self.bootstrap, self.settings.group,
                                  **{"session.timeout.ms": self.settings.session_timeout_ms})
         consumer.subscribe(list(CONVERSATION_TOPICS))
-        backoff = Backoff(0.2, 10.0)
-        records: list[Record] = []
-        last_lag = 0.0
+
+        def retrying(exc: BaseException, records: int, delay: float) -> None:
+            self.metrics.retries.inc()
+            self._quiet.warning("could not apply %d records (retrying in %.1f s): %s",
+                                records, delay, exc)
+
         try:
-            while not stop.is_set():
-                if not records:
-                    records = await consumer.poll_window(self.settings.batch_max_events,
-                                                         0.1, window_s)
-                if records:
-                    try:
-                        await self._apply(records)
-                    except (psycopg.Error, PoolTimeout, OSError, TimeoutError) as exc:
-                        self.metrics.retries.inc()
-                        delay = backoff.next()
-                        self._quiet.warning("could not apply %d records (retrying in %.1f "
-                                            "s): %s", len(records), delay, exc)
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(stop.wait(), delay)
-                        continue
-                    backoff.reset()
-                    offsets: dict[tuple[str, int], int] = {}
-                    for r in records:
-                        offsets[(r.position.topic, r.position.partition)] = \
-                            r.position.offset + 1
-                    records = []
-                    try:
-                        await consumer.commit(offsets)
-                    except Exception as exc:  # a rebalance: read again, and adds nothing
-                        log.warning("could not commit memory offsets: %s", exc)
-                if time.monotonic() - last_lag > 1.0:
-                    last_lag = time.monotonic()
-                    with contextlib.suppress(Exception):
-                        self.metrics.lag_events.set(sum((await consumer.lag()).values()))
+            await run_projection(consumer, self,
+                                 Rounds(self.settings.batch_max_events, 0.1, window_s), stop,
+                                 (psycopg.Error, PoolTimeout, OSError, TimeoutError), retrying)
         finally:
             await consumer.close()
+
+    async def project_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+        if records:
+            await self._apply(records)
+
+    async def after_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+        """The batch's offsets committed; the lag, once a second."""
+        if records:
+            offsets: dict[tuple[str, int], int] = {}
+            for r in records:
+                offsets[(r.position.topic, r.position.partition)] = r.position.offset + 1
+            try:
+                await consumer.commit(offsets)
+            except Exception as exc:  # a rebalance: read again, and adds nothing
+                log.warning("could not commit memory offsets: %s", exc)
+        if time.monotonic() - self._last_lag > 1.0:
+            self._last_lag = time.monotonic()
+            with contextlib.suppress(Exception):
+                self.metrics.lag_events.set(sum((await consumer.lag()).values()))
 
     async def _apply(self, records: Sequence[Record]) -> None:
         events = []

@@ -15,7 +15,6 @@ before, and this makes the deletion alone enough.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -37,6 +36,7 @@ from pipeline.kafka import (
 )
 from pipeline.kek import parse_record_key
 from pipeline.keystore import Keyring, KeyringError
+from pipeline.projecting import Rounds, run_projection
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import KEYS, STORE_TOPICS
 from projections.keys import DOOMED, DROP, key_writes
@@ -291,6 +291,9 @@ class Projector:
         # projector that starts at the log's end moves none, and lag tools saw the group
         # where an earlier process had left it).
         self._unmirrored: dict[TP, int] = {}
+        self._conn: psycopg.AsyncConnection | None = None
+        self._producer = EventProducer(self.bootstrap)  # parks what cannot be applied
+        self._last_report = self._last_skip = 0.0
 
     def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
         """Start every assigned partition at the position stored with the rows (waiting,
@@ -311,66 +314,67 @@ class Projector:
         return start
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Project until ``stop``. A batch the database does not take (other than for
-        one event's content, see ``apply_batch``) is retried with backoff, reconnecting
-        when the connection is gone, until it is taken: the store catches up by itself
-        once the database is back."""
-        producer = EventProducer(self.bootstrap)
+        """Project until ``stop`` (``pipeline.projecting``). A batch the database does
+        not take (other than for one event's content, see ``apply_batch``) is retried
+        with backoff, reconnecting when the connection is gone, until it is taken: the
+        store catches up by itself once the database is back."""
         window_s = self.settings.batch_max_ms / 1000
         consumer = AsyncConsumer(self.bootstrap, self.group,
                                  **{"session.timeout.ms": self.settings.session_timeout_ms,
                                     "fetch.min.bytes": FETCH_MIN_BYTES,
                                     "fetch.wait.max.ms": max(int(window_s * 1000), 1)})
         consumer.subscribe(list(self.topics), on_assign=self._on_assign)
-        conn: psycopg.AsyncConnection | None = None
-        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
-        records: list[Record] = []  # polled, not yet applied
-        last_report = last_skip = 0.0
+
+        def retrying(exc: BaseException, records: int, delay: float) -> None:
+            self.metrics.retries.inc()
+            self._quiet.warning("could not apply a batch of %d records (retrying in %.1f s): "
+                                "%s", records, delay, exc)
+
         try:
-            while not stop.is_set():
-                if not records:
-                    records = await consumer.poll_window(self.settings.batch_max_events,
-                                                         IDLE_WAIT_S, window_s)
-                newest = records[-1].timestamp_ms / 1000 if records else time.time()
-                try:
-                    if conn is None:
-                        conn = await psycopg.AsyncConnection.connect(
-                            self.database_url, connect_timeout=10, autocommit=True)
-                    if records:
-                        positions = await self._apply(conn, producer, records)
-                        self._positions.update(positions)
-                        self._unmirrored.update(positions)
-                        records = []
-                    if time.monotonic() - last_skip > SKIPPED_INTERVAL_S:
-                        # Also while records keep coming: a turn streaming for seconds
-                        # would hold back ``GET /v1/sessions`` that long otherwise.
-                        self._unmirrored.update(await self._store_skipped(conn, consumer))
-                        last_skip = time.monotonic()
-                    backoff.reset()
-                except (psycopg.Error, OSError, ProduceError, KeyringError) as exc:
-                    self.metrics.retries.inc()
-                    if conn is not None and (conn.broken or conn.closed):
-                        await conn.close()
-                        conn = None
-                    delay = backoff.next()
-                    self._quiet.warning("could not apply a batch of %d records (retrying in "
-                                        "%.1f s): %s", len(records), delay, exc)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), delay)
-                    continue
-                if time.monotonic() - last_report < REPORT_INTERVAL_S:
-                    continue
-                last_report = time.monotonic()
-                unmirrored, self._unmirrored = self._unmirrored, {}
-                await self._commit_for_lag_tools(consumer, unmirrored)
-                behind = sum((await consumer.lag()).values())
-                self.metrics.lag_events.set(behind)
-                self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)
+            await run_projection(
+                consumer, self, Rounds(self.settings.batch_max_events, IDLE_WAIT_S, window_s,
+                                       RETRY_MIN_S, RETRY_MAX_S),
+                stop, (psycopg.Error, OSError, ProduceError, KeyringError), retrying)
         finally:
-            if conn is not None:
-                await conn.close()
+            if self._conn is not None:
+                await self._conn.close()
             await consumer.close()
-            producer.close()
+            self._producer.close()
+
+    async def project_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+        """Apply ``records``, and store the positions moved past records never delivered,
+        on a connection made again if the last one broke."""
+        try:
+            if self._conn is None:
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self.database_url, connect_timeout=10, autocommit=True)
+            conn = self._conn
+            if records:
+                positions = await self._apply(conn, self._producer, records)
+                self._positions.update(positions)
+                self._unmirrored.update(positions)
+            if time.monotonic() - self._last_skip > SKIPPED_INTERVAL_S:
+                # Also while records keep coming: a turn streaming for seconds would hold
+                # back ``GET /v1/sessions`` that long otherwise.
+                self._unmirrored.update(await self._store_skipped(conn, consumer))
+                self._last_skip = time.monotonic()
+        except (psycopg.Error, OSError, ProduceError, KeyringError):
+            if self._conn is not None and (self._conn.broken or self._conn.closed):
+                await self._conn.close()
+                self._conn = None
+            raise
+
+    async def after_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+        """Once a second: the positions mirrored into Kafka for lag tools, and the lag."""
+        if time.monotonic() - self._last_report < REPORT_INTERVAL_S:
+            return
+        newest = records[-1].timestamp_ms / 1000 if records else time.time()
+        self._last_report = time.monotonic()
+        unmirrored, self._unmirrored = self._unmirrored, {}
+        await self._commit_for_lag_tools(consumer, unmirrored)
+        behind = sum((await consumer.lag()).values())
+        self.metrics.lag_events.set(behind)
+        self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)
 
     async def _store_skipped(self, conn: psycopg.AsyncConnection,
                              consumer: AsyncConsumer) -> dict[TP, int]:
