@@ -83,7 +83,7 @@ class Following:
     attachment: str
     resume_after: tuple[str, int, int] | None = None
     accepted_at: float = 0.0
-    ended: bool = False  # the client has had the turn's end
+    ended: bool = False  # the turn's end went to the client (set by ``Follow`` only)
 
 
 @dataclass(frozen=True)
@@ -353,6 +353,8 @@ class Follow:
         async for item in self._events(f):
             if item is not None:
                 self._observe(f, item)
+                if isinstance(item.item, TERMINAL):
+                    f.ended = True  # the client is not detached from an ended turn
             yield item
 
     async def collect(self, f: Following) -> Reply:

@@ -45,8 +45,6 @@ async def sse_stream(follow: Follow, f: Following, include_usage: bool,
             yield sse(api_error(StreamLagging(
                 "The stream fell too far behind and was dropped; reconnect with "
                 "Last-Event-ID to continue.")).body())
-        finally:
-            f.ended = cursor.done
     if complete:
         yield DONE
 
