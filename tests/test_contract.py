@@ -106,12 +106,12 @@ def test_live_records_the_worker_writes_validate_against_the_live_schema() -> No
         output.start(1, 7, GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
                                              prompt_tokens=3), b"k", 0, None)
         output.delta(1, 7, 0, 'he said "\u2603"\n', (5, 6), 0)
-        output.end(1, 7, GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop",
-                                            text="x", usage=Usage(prompt_tokens=3,
-                                                                  completion_tokens=2),
-                                            deltas=1, duration_ms=2.0), b"k", None)
-        output.end(2, 8, GenerationFailed(**ids, code="engine_dead", message="gone"), b"k",
-                   None)
+        finished = GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop",
+                                      text="x", usage=Usage(prompt_tokens=3, completion_tokens=2),
+                                      deltas=1, duration_ms=2.0)
+        output.end(1, 7, finished, b"k", encode(finished))
+        failed = GenerationFailed(**ids, code="engine_dead", message="gone")
+        output.end(2, 8, failed, b"k", encode(failed))
         output.flush(0)
         return recorder.values
 

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from pipeline.codec import encode
 from pipeline.kafka import (
     AsyncConsumer,
     Fenced,
@@ -260,10 +261,10 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         await member.close()  # the member leaves and another takes the partition
         successor = await _assigned(sim_stack.bootstrap, group, source)
         output.delta(0, 7, 1, "after", (3,), writer.epoch)
-        ended = output.end(0, 7, GenerationFinished(
+        finished = GenerationFinished(
             **ids, ref=7, model="m", reply_seq=1, finish_reason="stop", text="before after",
-            usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1), key,
-            None)
+            usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1)
+        ended = output.end(0, 7, finished, key, encode(finished))
         output.flush(writer.epoch)
         try:
             await ended

@@ -90,9 +90,10 @@ class Output:
         self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
 
     def end(self, partition: int, ref: int, final: GenerationFinished | GenerationFailed,
-            key: bytes, seal: SealWith) -> asyncio.Future[Position]:
-        """Add the turn's end; the future resolves once its transaction committed (or
-        fails as ``send`` would: ``Fenced``, ``RecordTooLarge``...)."""
+            key: bytes, value: bytes) -> asyncio.Future[Position]:
+        """Add the turn's end, ``value`` its durable event as encoded (and sealed) for the
+        log; the future resolves once its transaction committed (or fails as ``send``
+        would: ``Fenced``, ``RecordTooLarge``...)."""
         batch = self._batch(partition)
         if isinstance(final, GenerationFinished):
             batch.ends.append((ref, final.deltas, final.finish_reason,
@@ -100,7 +101,7 @@ class Output:
         else:
             batch.failures.append((ref, final.code, final.message))
         answer: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
-        batch.durable.append((key, encode(final, seal), answer))
+        batch.durable.append((key, value, answer))
         return answer
 
     def _grown(self, partition: int, batch: _Open, added: int, epoch: int) -> None:

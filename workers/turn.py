@@ -218,25 +218,27 @@ class Runner:
         """Write the turn's end (its live entry and its durable event, in one transaction,
         as ``fits`` has it) and wait until that is committed; the end as written. Raises
         as ``TransactionalProducer.send`` does (``Fenced``: the partition moved on)."""
-        final = self.fits(final, turn.seal)
+        final, value = self.fits(final, turn.seal)
         written = self.output.end(turn.tp[1], turn.offset, final,
-                                  conversation_key(turn.prompt.conversation_id), turn.seal)
+                                  conversation_key(turn.prompt.conversation_id), value)
         self.output.gather_soon()
         await written
         return final
 
-    def fits(self, final: Final, seal: SealWith) -> Final:
-        """``final``, or, if the log would not take it (a reply larger than its topic's
-        records), a failure that says so: the turn ends alone, never retried."""
+    def fits(self, final: Final, seal: SealWith) -> tuple[Final, bytes]:
+        """``final`` and its record, or, if the log would not take it (a reply larger
+        than its topic's records), a failure that says so and its record: the turn ends
+        alone, never retried."""
         limit = self.writer.limit(GENERATIONS)
-        size = len(encode(final, seal))
-        if size <= limit - 1024:
-            return final
-        return GenerationFailed(
+        value = encode(final, seal)
+        if len(value) <= limit - 1024:
+            return final, value
+        failed = GenerationFailed(
             conversation_id=final.conversation_id, request_id=final.request_id,
             tenant=final.tenant, ref=final.ref, attempt=final.attempt, code="reply_too_large",
-            message=f"The reply ({size:,} bytes) is larger than the log takes ({limit:,} "
-                    "bytes: PIPELINE_MAX_RECORD_BYTES).")
+            message=f"The reply ({len(value):,} bytes) is larger than the log takes "
+                    f"({limit:,} bytes: PIPELINE_MAX_RECORD_BYTES).")
+        return failed, encode(failed, seal)
 
     def _trace_start(self, turn: Turn) -> Span | None:
         """The turn's ``chat.queue`` span (from the log's append until now, when the
