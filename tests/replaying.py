@@ -79,11 +79,18 @@ def replay_into_new_schema(stack: Stack, *extra: str) -> str:
     return schema
 
 
-def differences(stack: Stack) -> list[str]:
-    """The tables where the live store and a replay of the whole log differ (the
-    projector must have caught up first), contested conversations left out."""
+def differences(stack: Stack) -> dict[str, dict[str, list[tuple[Any, ...]]]]:
+    """Where the live store and a replay of the whole log differ (the projector must
+    have caught up first), contested conversations left out: per table, the first rows
+    only the live store holds and the first only the replay holds."""
     schema = replay_into_new_schema(stack)
     leave_out = contested(stack)
     live = snapshot(stack.database_url, "public", leave_out)
     rebuilt = snapshot(stack.database_url, schema, leave_out)
-    return [table for table in TABLES if live[table] != rebuilt[table]]
+    out = {}
+    for table in TABLES:
+        if live[table] != rebuilt[table]:
+            only_live = [r for r in live[table] if r not in rebuilt[table]]
+            only_replay = [r for r in rebuilt[table] if r not in live[table]]
+            out[table] = {"live only": only_live[:5], "replay only": only_replay[:5]}
+    return out

@@ -249,7 +249,7 @@ def test_the_projector_waits_out_a_database_restart(acc: Accepting, tmp_path: Pa
         assert retries >= 1
         for i, session in enumerate(sessions):
             assert stored(own.url, session) == [("user", f"down {i}"), ("assistant", expected(3))]
-        assert differences(stack) == []
+        assert differences(stack) == {}
     finally:
         projector.stop()
         own.stop()

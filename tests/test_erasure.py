@@ -148,7 +148,7 @@ def test_content_is_sealed_in_the_log_and_erasure_makes_it_unreadable(
     audit = cli(pipeline.stack, "audit", session, "--json")
     assert audit.returncode == 0 and '"sealed"' in audit.stdout, audit.stderr
     assert secret not in audit.stdout and (len(reply) < 8 or reply not in audit.stdout)
-    assert differences(pipeline.stack) == []
+    assert differences(pipeline.stack) == {}
 
     # The other conversation is untouched.
     assert contents(pipeline, kept) == [f"keep {kept_secret}", kept_reply]
@@ -425,7 +425,7 @@ def test_a_destroyed_key_is_unreadable_to_every_reader_at_once(slow: Pipeline) -
     assert audit.returncode == 0 and "read me never again" not in audit.stdout, audit.stderr
     slow.wait_projected()
     assert httpx.get(f"{slow.url}/v1/sessions/{session}", timeout=30).status_code == 404
-    assert differences(slow.stack) == []
+    assert differences(slow.stack) == {}
 
 
 def keys_in_log_at(pipeline: Pipeline, ref: str) -> bool:

@@ -426,7 +426,7 @@ def check(fleet: Fleet, clients: Clients, fault: str, frozen_s: float = 0.0
         report
     assert len(accepted) >= CLIENTS, report  # the load went on around the fault
     assert all(code is None for code in fleet.alive().values()), fleet.logs()
-    assert differences(fleet.stack) == []
+    assert differences(fleet.stack) == {}
     return report
 
 
