@@ -132,7 +132,7 @@ class ConversationView:
         if isinstance(event, SessionCreated):
             self._touch(event)
             if not self.deleted:
-                self.title = self.title or title(event.title)
+                self.title = title(event.title) or self.title  # its own title wins
                 self.memory_user = self.memory_user or event.memory_user
         elif isinstance(event, PromptSubmitted):
             self._apply_prompt(event, offset)

@@ -52,19 +52,23 @@ def write(sql: str, params: tuple[Any, ...] | dict[str, Any]) -> Write:
     return Write(sql, _storable_value(params))
 
 # An event of another tenant than its conversation's changes nothing of it (one that
-# would add a turn is refused outright, by the turn's foreign key).
-_UPSERT_CONVERSATION = """
+# would add a turn is refused outright, by the turn's foreign key). A session's own
+# title wins over the one its first message gives, whichever topic is read first (a
+# replay reads chat.control and chat.prompts in no set order between them).
+_UPSERT = """
 INSERT INTO conversations (id, tenant, title, created_at, updated_at, memory_user)
 VALUES (%s, %s, %s, %s, %s, %s)
 ON CONFLICT (id) DO UPDATE SET
     title = CASE WHEN conversations.deleted THEN NULL
-                 ELSE COALESCE(conversations.title, EXCLUDED.title) END,
+                 ELSE COALESCE({first}.title, {then}.title) END,
     memory_user = CASE WHEN conversations.deleted THEN NULL
                        ELSE COALESCE(conversations.memory_user, EXCLUDED.memory_user) END,
     created_at = LEAST(conversations.created_at, EXCLUDED.created_at),
     updated_at = GREATEST(conversations.updated_at, EXCLUDED.updated_at)
 WHERE conversations.tenant = EXCLUDED.tenant
 """
+_UPSERT_CONVERSATION = _UPSERT.format(first="conversations", then="EXCLUDED")
+_UPSERT_SESSION = _UPSERT.format(first="EXCLUDED", then="conversations")
 
 # A deleted session takes no more messages, whichever topic is read first.
 _INSERT_MESSAGE = """
@@ -227,8 +231,8 @@ def project(event: Event, offset: int | None = None,
                 write(_DELETE_MESSAGES, (conv, conv)), write(_DELETE_USERS, (conv, conv)),
                 write(_FORGET_TURNS, (conv, conv))]
     memory_user = event.memory_user if isinstance(event, SessionCreated) else None
-    writes = [write(_UPSERT_CONVERSATION, (conv, event.tenant, _title(event), at, at,
-                                           memory_user))]
+    upsert = _UPSERT_SESSION if isinstance(event, SessionCreated) else _UPSERT_CONVERSATION
+    writes = [write(upsert, (conv, event.tenant, _title(event), at, at, memory_user))]
     if memory_user is not None:
         writes.append(write(_NAMED_USER, {"conv": conv, "tenant": event.tenant,
                                           "user": memory_user}))

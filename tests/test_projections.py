@@ -3,6 +3,7 @@ killed mid-load and sharing a group, and events the store refuses (real Kafka, P
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import subprocess
@@ -261,8 +262,9 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
 
     prompts = [  # chat.prompts, offsets 0..
         prompt(a, "a1", ["  first\x00  message  "], None),
-        prompt(a, "a2", ["first\x00  message", "racing"], 1, history=1),
-        prompt(a, "a3", ["first\x00  message", "too late"], 1, history=1),  # void
+        prompt(a, "a2", ["first\x00  message", "reply\x00 one", "racing"], 1, history=2),
+        prompt(a, "a3", ["first\x00  message", "reply\x00 one", "too late"], 1,
+               history=2),  # void
         prompt(a, "a9", ["intruder"], None, tenant="mallory"),
         prompt(b, "b1", ["b's"], None),
         prompt(gone, "g1", ["to go"], None),
@@ -279,25 +281,43 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
         finished(gone, "g1", 1, "lost"),
     ]
     logs = {PROMPTS: prompts, "chat.control": control, GENERATIONS: generations}
-    views = {conv: ConversationView(conv) for conv in (a, b, c, gone)}
-    records = []
-    for topic, events in logs.items():
-        for offset, event in enumerate(events):
-            views[event.conversation_id].apply(event, offset)
-            records.append(Record(Position(topic, 0, offset), None, encode(event), 0))
 
-    schema = f"rules_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(stack.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-    url = in_schema(stack.database_url, schema)
-    migrate(stack.database_url, schema=schema)
+    def read_in(order: tuple[str, ...]) -> tuple[dict[uuid.UUID, ConversationView], str]:
+        """The views and a schema of the store, each fed every topic whole in ``order``
+        (a replay reads the topics in no set order between them)."""
+        views = {conv: ConversationView(conv) for conv in (a, b, c, gone)}
+        records = []
+        for topic in order:
+            for offset, event in enumerate(logs[topic]):
+                views[event.conversation_id].apply(event, offset)
+                records.append(Record(Position(topic, 0, offset), None, encode(event), 0))
+        schema = f"rules_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(stack.database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        migrate(stack.database_url, schema=schema)
 
-    async def project_all() -> None:
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await apply_batch(conn, records)
+        async def project_all() -> None:
+            async with await psycopg.AsyncConnection.connect(
+                    in_schema(stack.database_url, schema), autocommit=True) as conn:
+                await apply_batch(conn, records)
 
-    asyncio.run(project_all())
-    with psycopg.connect(url) as conn:
+        asyncio.run(project_all())
+        return views, schema
+
+    def shown(view: ConversationView) -> tuple[object, ...]:
+        return (view.tenant, view.title, view.deleted, view.created_at, view.updated_at,
+                view.memory_user, view.messages, view.void,
+                {r: t.status for r, t in view.turns.items()})
+
+    orders = list(itertools.permutations(logs))
+    views, schema = read_in(orders[0])
+    for order in orders[1:]:  # every order of the topics: the same views, the same rows
+        other_views, other_schema = read_in(order)
+        assert {c: shown(v) for c, v in other_views.items()} == \
+            {c: shown(v) for c, v in views.items()}, order
+        assert snapshot(stack.database_url, other_schema) == \
+            snapshot(stack.database_url, schema), order
+    with psycopg.connect(in_schema(stack.database_url, schema)) as conn:
         stored_titles = dict(conn.execute("SELECT id, title FROM conversations").fetchall())
         stored_messages = conn.execute("SELECT conversation_id, seq, role, content FROM messages"
                                        " ORDER BY 1, 2").fetchall()
@@ -308,8 +328,8 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
                   for seq, m in v.messages.items()) == stored_messages
     assert {r: t.status for v in views.values() for r, t in v.turns.items()} == stored_statuses
     assert {conv for conv, v in views.items() if v.deleted} == deleted == {gone}
-    # What the rules say, spelled out (the first title a session gets is kept):
-    assert stored_titles[a] == "first\ufffd message" and stored_titles[b] == "b's"
+    # What the rules say, spelled out (a session's own title, else its first message's):
+    assert stored_titles[a] == "first\ufffd message" and stored_titles[b] == "b\ufffd title"
     assert stored_titles[c] == "c\ufffd title"
     assert "a3" not in stored_statuses and views[a].void == {"a3": "a2"}  # void: no trace
     assert "a9" not in stored_statuses  # another tenant's turn changes nothing
