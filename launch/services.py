@@ -115,7 +115,11 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
     setup_tracing("worker")
 
     async def main(stop: asyncio.Event) -> None:
-        keyring = await asyncio.to_thread(open_keyring, common, "worker")
+        # A worker reads its prompt partitions in order, and a conversation's key is in
+        # the same partition of chat.keys, just before its first prompt: a fetch for one
+        # new conversation brings the next ones' keys.
+        keyring = await asyncio.to_thread(open_keyring, common, "worker",
+                                          read_ahead=True)
         engine = make_engine(common, settings)
         if isinstance(engine, SimEngine):  # fault injection, simulated engine only
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.crash)

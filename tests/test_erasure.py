@@ -258,6 +258,51 @@ def test_a_key_not_found_yet_for_recent_content_is_looked_for_again(
         assert time.monotonic() - started < 10
 
 
+def test_a_reader_that_reads_ahead_holds_the_keys_its_fetch_brought(
+        stack: Stack) -> None:
+    """A keyring that reads ahead (a worker, the projector, a replay: each reads a chat
+    topic's partition in order, and finds its keys in that order in ``chat.keys``) holds
+    the keys its one fetch brought past the one asked, but for an erased conversation's:
+    the next conversations' first prompts cost no fetch more."""
+    from pipeline import sealing
+    from pipeline.topics import ERASURES
+
+    common = CommonSettings(kafka_bootstrap=stack.bootstrap)
+    kek = load_kek(common)
+    with Keyring(stack.bootstrap, kek, "ahead-writer") as writer:
+        partition = writer.partition_of(uuid.uuid4())
+        conversations = []
+        while len(conversations) < 8:
+            conversation = uuid.uuid4()
+            if writer.partition_of(conversation) == partition:
+                conversations.append(conversation)
+        out = PlainWriter(stack.bootstrap, "ahead-keys")
+        out.send(ERASURES, *writer.erasure(conversations[5], "t"))
+        assert out.flush(30) == []
+        start = end_offsets(stack.bootstrap, KEYS)[partition]
+        refs = []
+        for n, conversation in enumerate(conversations):  # one producer: offsets in a row
+            new = writer.new_key(conversation, "t", None)
+            out.send(KEYS, new.record_key, new.value, new.partition)
+            refs.append(str(KeyRef(new.short_id, partition, start + n)))
+        assert out.flush(30) == []
+    for read_ahead in (True, False):
+        with Keyring(stack.bootstrap, kek, f"ahead-{read_ahead}",
+                     KeyringLimits(read_ahead=read_ahead)) as reader:
+            first = reader.for_reading(refs[0])
+            assert first is not None and first.conversation_id == conversations[0]
+            fetches = reader.fetches
+            for n, ref in enumerate(refs[1:], start=1):
+                if not read_ahead or n == 5:  # not brought, or refused: not held
+                    with pytest.raises(sealing.KeyNotHeld):
+                        reader.for_reading(ref, wait=False)
+                    continue
+                key = reader.for_reading(ref, wait=False)
+                assert key is not None and key.conversation_id == conversations[n]
+            assert reader.fetches == fetches
+            assert reader.for_reading(refs[5]) is None  # fetched, and refused
+
+
 def test_a_process_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:
     from pipeline import sealing
 

@@ -32,8 +32,8 @@ class Lookup:
     missing: set[tuple[int, int]] = field(default_factory=set)
     # At or past the partition's end, as its leader answered.
     beyond: set[tuple[int, int]] = field(default_factory=set)
-    # Records read on the way (the same fetches brought them), for a caller that reads
-    # ahead.
+    # The other records the same fetches brought, on the way to the wanted ones and
+    # past them (no fetch more is made for them), for a caller that reads ahead.
     nearby: list[Record] = field(default_factory=list)
 
 
@@ -117,11 +117,13 @@ class PositionReader:
     def _take(self, record: Record, todo: dict[int, list[int]], sought: dict[int, int],
               out: Lookup) -> None:
         partition, offset = record.position.partition, record.position.offset
-        offsets = todo.get(partition)
-        if not offsets or offset < sought[partition]:  # fetched before the last seek
+        if offset < sought.get(partition, offset + 1):  # fetched before the last seek
             return
         if len(out.nearby) < NEARBY_MAX:
             out.nearby.append(record)
+        offsets = todo.get(partition)
+        if not offsets:  # past what was wanted of it: brought by the same fetch
+            return
         while offsets and offsets[0] < offset:  # passed over: compacted away
             out.missing.add((partition, offsets.pop(0)))
         if offsets and offsets[0] == offset:
