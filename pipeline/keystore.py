@@ -95,8 +95,8 @@ class KeyringLimits:
     """How long a keyring waits for Kafka (``wait_s``) and for a key not yet where its
     reference says (``missing_wait_s``, see ``MISSING_WAIT_S``); the erasure window;
     the keys it holds at most; whether it keeps the keys a fetch brings besides the one
-    asked (``read_ahead``: for a process that reads the log in order, the projector or a
-    replay, those are the next conversations' keys, mostly)."""
+    asked (``read_ahead``: for a process that reads the log in order, a worker, the
+    projector or a replay, those are the next conversations' keys, mostly)."""
 
     wait_s: float = 15.0
     erasure_window_s: float = 86_400.0
