@@ -42,8 +42,8 @@ What a turn counts as:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, decode
 from pipeline.metrics import LATENCY_BUCKETS
+from pipeline.projecting import until_taken
 from pipeline.retry import Backoff
 from projections.projector import caused_by_event
 from schemas import (
@@ -71,6 +72,9 @@ from schemas.sketch import bin_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# What a batch is tried again for: the database away, or refusing for a moment.
+RETRYABLE = (psycopg.OperationalError, psycopg.InterfaceError,
+             psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 # How far back "active sessions" looks, for the gauge.
 ACTIVE_WINDOW_MINUTES = 5
 
@@ -303,28 +307,27 @@ class AnalyticsStore:
         """Apply the events of ``items`` (in log order per partition); returns, once they
         are stored, the items whose event the tables refuse for what it holds (a NUL in
         a tenant, a count past a column's range: ``caused_by_event``), with the reason,
-        for the dead-letter topic. Any other database error is retried until it passes."""
-        backoff = Backoff(0.2, 10.0)
-        while True:
-            try:
-                try:
-                    await self._apply_batch([event for _, event in items])
-                    return []
-                except psycopg.Error as exc:
-                    if not caused_by_event(exc):
-                        raise
-                    return await self._apply_each(items)
-            except (psycopg.OperationalError, psycopg.InterfaceError,
-                    psycopg.errors.DeadlockDetected,
-                    psycopg.errors.SerializationFailure) as exc:
-                self.metrics.retries.inc()
-                delay = backoff.next()
-                log.warning("could not write analytics (%s); retrying in %.1f s", exc, delay)
-                if self._conn is not None:
-                    with contextlib.suppress(Exception):
-                        await self._conn.close()
-                    self._conn = None
-                await asyncio.sleep(delay)
+        for the dead-letter topic. Any other database error is retried until it passes
+        (``pipeline.projecting.until_taken``)."""
+        return await until_taken(functools.partial(self._apply_once, items), RETRYABLE,
+                                 self._retrying, Backoff(0.2, 10.0))
+
+    async def _apply_once(self, items: Sequence[tuple[T, Event]]) -> list[tuple[T, str]]:
+        try:
+            await self._apply_batch([event for _, event in items])
+            return []
+        except psycopg.Error as exc:
+            if not caused_by_event(exc):
+                raise
+            return await self._apply_each(items)
+
+    async def _retrying(self, exc: BaseException, delay: float) -> None:
+        self.metrics.retries.inc()
+        log.warning("could not write analytics (%s); retrying in %.1f s", exc, delay)
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+            self._conn = None
 
     async def _apply_batch(self, events: Sequence[Event]) -> None:
         started = time.monotonic()

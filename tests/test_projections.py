@@ -474,3 +474,50 @@ def test_a_setup_step_waits_for_a_database_that_answers_late(stack: Stack) -> No
             server.close()
         with psycopg.connect(stack.database_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_a_refused_batch_is_taken_again_until_it_passes_and_stop_ends_the_wait() -> None:
+    """The step every consumer that writes to PostgreSQL takes a batch with: tried again
+    after each refusal the caller names (told of each, with its delay), its result once
+    it passes; any other error at once; and a wait cut short by stop."""
+    import asyncio
+
+    from pipeline.projecting import Stopped, until_taken
+    from pipeline.retry import Backoff
+
+    told: list[tuple[str, float]] = []
+
+    async def retrying(exc: BaseException, delay: float) -> None:
+        told.append((str(exc), delay))
+
+    async def run() -> None:
+        tries = iter([ConnectionError("away"), ConnectionError("still away"), "stored"])
+
+        async def step() -> str:
+            outcome = next(tries)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        backoff = Backoff(0.01, 0.02)
+        assert await until_taken(step, (ConnectionError,), retrying, backoff) == "stored"
+        assert [why for why, _ in told] == ["away", "still away"]
+        assert 0.008 <= told[0][1] <= 0.012 and 0.016 <= told[1][1] <= 0.024  # doubling
+
+        async def broken() -> str:
+            raise ValueError("the event's own fault")
+
+        with pytest.raises(ValueError):
+            await until_taken(broken, (ConnectionError,), retrying, backoff)
+
+        async def refused() -> str:
+            raise ConnectionError("down for good")
+
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        started = time.monotonic()
+        with pytest.raises(Stopped):
+            await until_taken(refused, (ConnectionError,), retrying, Backoff(60, 60), stop)
+        assert time.monotonic() - started < 5  # not the minute's backoff
+
+    asyncio.run(run())
