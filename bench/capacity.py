@@ -40,7 +40,7 @@ from bench.loadgen import Request, chat_body, closed_loop, http_client, percenti
 from bench.stack import wait_projected
 from infra.process import free_port, wait_http
 from pipeline.codec import decode, decode_live
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer
+from pipeline.kafka import QUICK_ASSIGN, LogReader
 from pipeline.topics import GENERATIONS, LIVE
 from schemas import TokenDelta
 from schemas.live import entries
@@ -219,7 +219,7 @@ def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
         parts = event_id.split("-")
         topic = LIVE if len(parts) == 3 else GENERATIONS
         wanted.setdefault((topic, int(parts[0])), set()).add(int(parts[1]))
-    reader = AsyncConsumer(bootstrap, "bench-capacity-reader")
+    reader = LogReader(bootstrap, "bench-capacity-reader")
     times = {}
     try:
         for (topic, p), offsets in wanted.items():
@@ -245,7 +245,7 @@ def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
     """For ``seconds``: each new delta's delay from its writing in the worker to a plain
     consumer in a process of its own (the Kafka hop alone, no gateway), in ms: each
     delta of a live record, or each ``TokenDelta`` (the code before the live stream)."""
-    consumer = AsyncConsumer(bootstrap, "bench-kafka-hop", **QUICK_ASSIGN)
+    consumer = LogReader(bootstrap, "bench-kafka-hop", **QUICK_ASSIGN)
     try:
         consumer.follow_from_end_sync(LIVE)
         consumer.follow_from_end_sync(GENERATIONS)

@@ -23,7 +23,7 @@ import psycopg
 from prometheus_client import CollectorRegistry
 from psycopg import sql
 
-from pipeline.kafka import AsyncConsumer, EventProducer, delete_topics, ensure_topics
+from pipeline.kafka import EventProducer, LogReader, delete_topics, ensure_topics
 from pipeline.topics import TopicSpec
 from projections.migrate import in_schema, migrate
 from projections.projector import Projector
@@ -89,7 +89,7 @@ async def produce_turns(producer: EventProducer, topics: tuple[str, str], turns:
 
 
 async def _log_end(bootstrap: str, topics: tuple[str, str]) -> dict[tuple[str, int], int]:
-    consumer = AsyncConsumer(bootstrap, f"bench-{uuid.uuid4().hex[:8]}")
+    consumer = LogReader(bootstrap, f"bench-{uuid.uuid4().hex[:8]}")
     try:
         def ends() -> dict[tuple[str, int], int]:
             return {(t, p): consumer.watermarks_sync(t, p)[1]

@@ -38,7 +38,7 @@ from bench.history import Written, build
 from infra.kafka_broker import KafkaBroker
 from infra.postgres import PostgresServer
 from infra.process import free_port
-from pipeline.kafka import AsyncConsumer, GroupStatus, ensure_topics, wait_for_broker
+from pipeline.kafka import GroupConsumer, GroupStatus, ensure_topics, wait_for_broker
 from pipeline.settings import REPO_ROOT
 from pipeline.topics import (
     CONVERSATION_TOPICS,
@@ -312,7 +312,7 @@ def _settled(stack: Stack, groups: list[str]) -> None:
     """Let these groups start at the log's end, as though they had read the history."""
     bootstrap = stack.broker.bootstrap
     for group in groups:
-        consumer = AsyncConsumer(bootstrap, group)
+        consumer = GroupConsumer(bootstrap, group)
         try:
             ends = {(t, p): consumer.watermarks_sync(t, p)[1]
                     for t in CONVERSATION_TOPICS for p in range(PARTITIONS)}

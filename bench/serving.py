@@ -68,7 +68,7 @@ from bench.stack import wait_projected
 from gateway.ids import completion_id
 from infra.process import free_port, wait_http
 from pipeline.codec import decode, decode_live
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, EventProducer
+from pipeline.kafka import QUICK_ASSIGN, EventProducer, LogReader
 from pipeline.topics import GENERATIONS, LIVE, PROMPTS
 from schemas import (
     ChatMessage,
@@ -231,7 +231,7 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int, prompt: str =
     """Prompts into ``chat.prompts``; each turn's first token read from its start entry in
     ``chat.live`` (written with its first delta), its end from ``chat.generations``."""
     producer = EventProducer(bootstrap, linger_ms=0)
-    reader = AsyncConsumer(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", **QUICK_ASSIGN)
+    reader = LogReader(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", **QUICK_ASSIGN)
     waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
 
     def first_tokens(value: bytes | None, now: float) -> None:

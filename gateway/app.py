@@ -51,9 +51,9 @@ from gateway.tail import GenerationTail
 from pipeline import runtime
 from pipeline.kafka import (
     QUICK_ASSIGN,
-    AsyncConsumer,
     EventProducer,
     KafkaException,
+    LogReader,
     TransactionalProducer,
     TransactionSettings,
     topic_limits,
@@ -212,9 +212,9 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     await pool.open(wait=False)
     opened.push_async_callback(pool.close)
     # Partition counts and watermarks; the records of a conversation, read on request.
-    meta = AsyncConsumer(bootstrap, f"gateway-meta-{label}")
+    meta = LogReader(bootstrap, f"gateway-meta-{label}")
     opened.push_async_callback(meta.close)
-    reader = AsyncConsumer(bootstrap, f"gateway-reader-{label}", **QUICK_ASSIGN)
+    reader = LogReader(bootstrap, f"gateway-reader-{label}", **QUICK_ASSIGN)
     opened.push_async_callback(reader.close)
     # The workers alive, and the backlog admission counts.
     fleet = Fleet(bootstrap, settings.max_backlog, configured=settings.models,
@@ -281,7 +281,7 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
                      store, memory, guard, registry, settings, health, streams)
 
 
-async def _partitions(meta: AsyncConsumer, timeout_s: float) -> int:
+async def _partitions(meta: LogReader, timeout_s: float) -> int:
     """The chat topics' partition count, waiting (with backoff) for Kafka to answer."""
     deadline = time.monotonic() + timeout_s
     backoff = Backoff(0.5, 5.0)

@@ -21,7 +21,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from gateway.problems import LogUnavailable, StoreUnavailable
-from pipeline.kafka import AsyncConsumer, KafkaException, ProduceError, unreachable
+from pipeline.kafka import KafkaException, LogReader, ProduceError, unreachable
 from pipeline.retry import QuietLog
 from pipeline.topics import PROMPTS
 
@@ -99,7 +99,7 @@ class Health:
     """Whether Kafka and PostgreSQL answer, checked every ``every_s`` (never on a request's
     path): what ``/readyz`` reports, by name."""
 
-    def __init__(self, meta: AsyncConsumer, pool: AsyncConnectionPool, timeout_s: float,
+    def __init__(self, meta: LogReader, pool: AsyncConnectionPool, timeout_s: float,
                  every_s: float = 2.0) -> None:
         self.meta = meta
         self.pool = pool

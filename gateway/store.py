@@ -23,7 +23,7 @@ from gateway.dependencies import from_log, from_store
 from gateway.problems import StoreLagging
 from gateway.view import ConversationView, Message, TurnState
 from pipeline.codec import DecodeError, conversation_key, decode_async, decode_live_async
-from pipeline.kafka import AsyncConsumer, Record
+from pipeline.kafka import LogReader, Record
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, LIVE, PROMPTS
@@ -38,7 +38,7 @@ MAX_KEYS = 64
 
 class ConversationStore:
     def __init__(
-        self, pool: AsyncConnectionPool, meta: AsyncConsumer, reader: AsyncConsumer,
+        self, pool: AsyncConnectionPool, meta: LogReader, reader: LogReader,
         partitions: int, wait_s: float, max_unprojected: int = 10_000,
         timeout_s: float = 5.0, reads: Counter | None = None,
     ) -> None:

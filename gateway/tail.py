@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from gateway.dependencies import from_log
 from pipeline.codec import DecodeError, Position, decode_async, decode_live, open_live_async
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, Record
+from pipeline.kafka import QUICK_ASSIGN, LogReader, Record
 from pipeline.retry import QuietLog
 from pipeline.topics import GENERATIONS, LIVE
 from schemas import GenerationEvent, TokenDelta
@@ -174,7 +174,7 @@ class GenerationTail:
         self._timeout_s = timeout_s
         self._quiet = QuietLog(log)
         # Partitions are assigned, not subscribed: the group id is only a label.
-        self._consumer = AsyncConsumer(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}",
+        self._consumer = LogReader(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}",
                                        **QUICK_ASSIGN)
         self._end_of = end_of
         self._linger_s = linger_s

@@ -39,7 +39,7 @@ from memory.store import Remembered
 from pipeline.codec import DecodeError, decode, decode_async
 from pipeline.deadletter import dead_letter
 from pipeline.digests import Digester
-from pipeline.kafka import AsyncConsumer, EventProducer, Record
+from pipeline.kafka import EventProducer, GroupConsumer, Record
 from pipeline.metrics import LATENCY_BUCKETS
 from pipeline.projecting import Rounds, run_projection
 from pipeline.retry import QuietLog
@@ -130,7 +130,7 @@ class MemoryService:
         """Make memories of the log's turns until ``stop`` (``pipeline.projecting``): a
         batch the database does not take is taken again after a backoff."""
         window_s = self.settings.batch_max_ms / 1000
-        consumer = AsyncConsumer(self.bootstrap, self.settings.group,
+        consumer = GroupConsumer(self.bootstrap, self.settings.group,
                                  **{"session.timeout.ms": self.settings.session_timeout_ms})
         consumer.subscribe(list(CONVERSATION_TOPICS))
 
@@ -146,11 +146,11 @@ class MemoryService:
         finally:
             await consumer.close()
 
-    async def project_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+    async def project_batch(self, consumer: GroupConsumer, records: list[Record]) -> None:
         if records:
             await self._apply(records)
 
-    async def after_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+    async def after_batch(self, consumer: GroupConsumer, records: list[Record]) -> None:
         """The batch's offsets committed; the lag, once a second."""
         if records:
             offsets: dict[tuple[str, int], int] = {}

@@ -19,7 +19,7 @@ from pipeline.codec import (
     decode_live,
     open_live,
 )
-from pipeline.kafka import AsyncConsumer, Record
+from pipeline.kafka import LogReader, Record
 from pipeline.partitioning import partition_for
 from pipeline.topics import CLOCK_SKEW_MS, CONVERSATION_TOPICS, LIVE, PROMPTS
 from schemas import (
@@ -80,7 +80,7 @@ def _digest_matches(prompt: PromptSubmitted, model_input: History | None) -> boo
     return digest(model_input[:prompt.history_len]) == prompt.history_digest
 
 
-def _scan(consumer: AsyncConsumer, starts: dict[tuple[str, int], int],
+def _scan(consumer: LogReader, starts: dict[tuple[str, int], int],
           keep: Callable[[Record], bool], ends: dict[tuple[str, int], int] | None = None
           ) -> list[Record]:
     """The committed records ``keep`` takes, of these partitions from these offsets up to
@@ -105,7 +105,7 @@ def _scan(consumer: AsyncConsumer, starts: dict[tuple[str, int], int],
     return kept
 
 
-def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID,
+def read_history(consumer: LogReader, conversation_id: uuid.UUID,
                  since_ms: int | None = None) -> tuple[list[Entry], list[LiveEntry]]:
     """Every record keyed by the conversation, from every topic of the durable record
     (from ``since_ms`` on, if given: its first event's time), and its turns' entries in
@@ -153,7 +153,7 @@ def read_history(consumer: AsyncConsumer, conversation_id: uuid.UUID,
     return entries_, live
 
 
-def _live_span(consumer: AsyncConsumer, partition: int,
+def _live_span(consumer: LogReader, partition: int,
                entries_: list[Entry]) -> tuple[int, int] | None:
     """Where the conversation's turns lie in the live stream: from shortly before the
     first started (by its worker's clock) to shortly after the last ended, or to the
@@ -269,7 +269,7 @@ def audit(bootstrap: str, conversation_id: uuid.UUID, since_ms: int | None = Non
 
     async def run() -> tuple[list[Entry], list[LiveEntry]]:
         # Only the session's records are kept: a small prefetch keeps the rest brief.
-        consumer = AsyncConsumer(bootstrap, f"audit-{uuid.uuid4().hex[:12]}",
+        consumer = LogReader(bootstrap, f"audit-{uuid.uuid4().hex[:12]}",
                                  **{"queued.max.messages.kbytes": 8192})
         try:
             return await consumer.call(read_history, consumer, conversation_id, since_ms)

@@ -28,8 +28,8 @@ from pipeline.codec import TP, DecodeError, decode_async
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import (
     BEGINNING,
-    AsyncConsumer,
     EventProducer,
+    GroupConsumer,
     KafkaException,
     ProduceError,
     Record,
@@ -319,7 +319,7 @@ class Projector:
         with backoff, reconnecting when the connection is gone, until it is taken: the
         store catches up by itself once the database is back."""
         window_s = self.settings.batch_max_ms / 1000
-        consumer = AsyncConsumer(self.bootstrap, self.group,
+        consumer = GroupConsumer(self.bootstrap, self.group,
                                  **{"session.timeout.ms": self.settings.session_timeout_ms,
                                     "fetch.min.bytes": FETCH_MIN_BYTES,
                                     "fetch.wait.max.ms": max(int(window_s * 1000), 1)})
@@ -341,7 +341,7 @@ class Projector:
             await consumer.close()
             self._producer.close()
 
-    async def project_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+    async def project_batch(self, consumer: GroupConsumer, records: list[Record]) -> None:
         """Apply ``records``, and store the positions moved past records never delivered,
         on a connection made again if the last one broke."""
         try:
@@ -364,7 +364,7 @@ class Projector:
                 self._conn = None
             raise
 
-    async def after_batch(self, consumer: AsyncConsumer, records: list[Record]) -> None:
+    async def after_batch(self, consumer: GroupConsumer, records: list[Record]) -> None:
         """Once a second: the positions mirrored into Kafka for lag tools, and the lag."""
         if time.monotonic() - self._last_report < REPORT_INTERVAL_S:
             return
@@ -377,7 +377,7 @@ class Projector:
         self.metrics.lag_seconds.set(max(time.time() - newest, 0) if behind else 0)
 
     async def _store_skipped(self, conn: psycopg.AsyncConnection,
-                             consumer: AsyncConsumer) -> dict[TP, int]:
+                             consumer: GroupConsumer) -> dict[TP, int]:
         """Store the positions the consumer moved past records it never delivers
         (transaction markers, aborted records), so the stored positions reach the end of
         the log (``GET /v1/sessions`` waits for that); return them (every record polled
@@ -397,7 +397,7 @@ class Projector:
         self.metrics.keys_destroyed.inc(await asyncio.to_thread(keyring.destroy, doomed))
 
     async def _commit_for_lag_tools(
-        self, consumer: AsyncConsumer, positions: dict[TP, int]
+        self, consumer: GroupConsumer, positions: dict[TP, int]
     ) -> None:
         """Mirror the positions into Kafka for lag tools; Postgres holds the real ones."""
         try:

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 from tqdm import tqdm
 
-from pipeline.kafka import AsyncConsumer
+from pipeline.kafka import LogReader
 from pipeline.topics import STORE_TOPICS
 from projections.migrate import in_schema, migrate
 from projections.projector import apply_batch, store_positions
@@ -71,7 +71,7 @@ async def replay(
     topics: tuple[str, ...] = STORE_TOPICS,
 ) -> ReplayStats:
     prepare_target(database_url, schema)
-    consumer = AsyncConsumer(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")
+    consumer = LogReader(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")
     records_seen = applied = undecodable = 0
 
     def keep(event: Event) -> bool:
@@ -111,7 +111,7 @@ async def replay(
                        undecodable, time.perf_counter() - started)
 
 
-def _count_to_read(consumer: AsyncConsumer, ends: dict[tuple[str, int], int]) -> int:
+def _count_to_read(consumer: LogReader, ends: dict[tuple[str, int], int]) -> int:
     return sum(end - consumer.watermarks_sync(t, p)[0] for (t, p), end in ends.items())
 
 

@@ -7,7 +7,8 @@
 
 and rules across them: only the Kafka adapter (``pipeline/kafka/``) imports
 confluent_kafka (tests may: they write records no service would, to see them refused);
-every retry's delay comes from ``pipeline.retry.Backoff``, none doubled by hand.
+every retry's delay comes from ``pipeline.retry.Backoff``, none doubled by hand; a Kafka
+consumer is made as a group's member or as a reader of the log, never as both.
 
 And the size of what a newcomer reads: no module of the services over ``MAX_LINES``, no
 constructor taking more than ``MAX_COLLABORATORS``, no module of ``workers/`` importing
@@ -147,3 +148,15 @@ def test_the_worker_is_built_whole_by_its_constructor() -> None:
     standing_in = [n for n, line in enumerate(path.read_text().splitlines(), 1)
                    if re.search(r"assert self\.\w+ is not None", line)]
     assert standing_in == []
+
+
+def test_a_consumer_is_a_groups_member_or_a_reader_of_the_log() -> None:
+    """One class once held both roles (46 methods): a member that subscribed could be
+    asked to read a range, and a reader to commit. Each is made as what it is."""
+    adapter = REPO_ROOT / "pipeline" / "kafka"
+    made = [f"{path.relative_to(REPO_ROOT)}:{n}" for package in PACKAGES
+            for path in sorted((REPO_ROOT / package).rglob("*.py"))
+            if adapter not in path.parents
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if re.search(r"\bAsyncConsumer\(", line)]
+    assert made == [], made

@@ -13,8 +13,8 @@ import pytest
 
 from pipeline.codec import encode
 from pipeline.kafka import (
-    AsyncConsumer,
     Fenced,
+    GroupConsumer,
     RecordTooLarge,
     TransactionalProducer,
     TransactionSettings,
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.integration
 
 
 async def _assigned(bootstrap: str, group: str, source: str, **config: object
-                    ) -> AsyncConsumer:
+                    ) -> GroupConsumer:
     """A member of ``group`` subscribed to ``source``, once the group has assigned it."""
-    member = AsyncConsumer(bootstrap, group, **config)
+    member = GroupConsumer(bootstrap, group, **config)
     member.subscribe([source])
     deadline = time.monotonic() + 30
     while not await member.call(member.assignment_sync):

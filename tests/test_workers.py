@@ -22,7 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from infra.process import free_port
-from pipeline.kafka import AsyncConsumer, EventProducer
+from pipeline.kafka import EventProducer, GroupConsumer
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
 from schemas import (
     ChatMessage,
@@ -487,7 +487,7 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
     generation of a member that has left."""
     model = f"rejoin-{uuid.uuid4().hex[:8]}"
     group = workers_group(model)
-    ghost = AsyncConsumer(sim_stack.bootstrap, group)
+    ghost = GroupConsumer(sim_stack.bootstrap, group)
     ghost.subscribe([PROMPTS, CONTROL])
     deadline = time.monotonic() + 60
     while not ghost.assignment_sync():

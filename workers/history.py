@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from pipeline.codec import DecodeError, decode_async
-from pipeline.kafka import QUICK_ASSIGN, AsyncConsumer, KafkaException, Record
+from pipeline.kafka import QUICK_ASSIGN, KafkaException, LogReader, Record
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import GenerationFailed, GenerationFinished, PromptSubmitted
@@ -63,18 +63,18 @@ class HistoryMetrics:
     mismatches: Counter
 
 
-class LogReader:
+class HistoryReader:
     """Records at exact positions, for histories, on a consumer of its own (made at its
     first read); retried while Kafka is away: the turn waits for its history."""
 
     def __init__(self, bootstrap: str, name: str) -> None:
         self.bootstrap, self.name = bootstrap, name
-        self._reader: AsyncConsumer | None = None
+        self._reader: LogReader | None = None
         self._quiet = QuietLog(log)
 
     async def __call__(self, wanted: Sequence[Position3]) -> dict[Position3, Record | None]:
         if self._reader is None:
-            self._reader = AsyncConsumer(self.bootstrap, self.name, **QUICK_ASSIGN)
+            self._reader = LogReader(self.bootstrap, self.name, **QUICK_ASSIGN)
         backoff = Backoff()
         while True:
             try:

@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar
 
 from pipeline.codec import TP, decode_or_none
 from pipeline.kafka import (
-    AsyncConsumer,
+    GroupConsumer,
     KafkaException,
     Record,
     first_records,
@@ -60,7 +60,7 @@ def retrying(take: Callable[[], T]) -> T:
             time.sleep(delay)
 
 
-def read_handover(bootstrap: str, consumer: AsyncConsumer, prompts: list[int],
+def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
                   controls: list[int], book: ControlBook, running: Container[str], *,
                   recovery_window_s: float, transaction_timeout_ms: int) -> Handover:
     """What the new owner of ``prompts`` and ``controls`` needs; the control events read
@@ -114,7 +114,7 @@ class Rebalances:
     poll): partitions handed to it are taken over (``read_handover``), and the turns of
     those taken away are abandoned to their next owner."""
 
-    def __init__(self, owner: Owner, bootstrap: str, consumer: AsyncConsumer,
+    def __init__(self, owner: Owner, bootstrap: str, consumer: GroupConsumer,
                  flights: Flights, recovery_window_s: float,
                  transaction_timeout_ms: int) -> None:
         self.owner, self.bootstrap, self.consumer, self.flights = (

@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry
 from pipeline import sealing
 from pipeline.codec import TP, DecodeError, decode_keyed_async
 from pipeline.kafka import (
-    AsyncConsumer,
     Fenced,
+    GroupConsumer,
     Record,
     StallWatch,
     TransactionalProducer,
@@ -68,7 +68,7 @@ from schemas.history import turn_messages
 from workers.engine import Engine, EngineDead, EngineRejected, warm_up
 from workers.fairness import FairQueue
 from workers.flights import Flights, InFlight
-from workers.history import Histories, LogReader
+from workers.history import Histories, HistoryReader
 from workers.intake import Intake
 from workers.ledger import Ledgers
 from workers.metrics import Readings, WorkerMetrics
@@ -136,7 +136,7 @@ class Worker:
         self.peak_in_flight = 0
         self.recovered = Found()
         self.ledgers = Ledgers(bootstrap)
-        self.consumer = AsyncConsumer(
+        self.consumer = GroupConsumer(
             bootstrap, workers_group(engine.model_name),
             **{"session.timeout.ms": settings.session_timeout_ms,
                "client.id": worker_client_id(engine.model_name),
@@ -155,7 +155,7 @@ class Worker:
             lambda: max(len(self.flights) - engine.running(), 0) + len(self.waiting),
             lambda: self.writer.transactions, lambda: self.histories.chars,
             lambda: self.output.records))
-        self._history_reader = LogReader(bootstrap, f"worker-history-{self.name}")
+        self._history_reader = HistoryReader(bootstrap, f"worker-history-{self.name}")
         self.histories = Histories(self._history_reader, self.metrics.histories,
                                    settings.history_cache_chars)
         self.runner = Runner(engine, self.output, self.writer, self.histories, self.metrics,

@@ -10,7 +10,10 @@ holds every other module to that). One concept per module:
   ``outbox`` (the queue, its epochs and backpressure), ``transaction_loop`` (the thread
   that commits) and ``watchdog`` (deadlines, stuck transactions).
 * ``consumer``: ``AsyncConsumer``, a consumer whose blocking calls run one at a time on a
-  thread of its own; its coroutines are what asyncio services await.
+  thread of its own (its coroutines are what asyncio services await), and
+  ``GroupConsumer``, a member of a consumer group (subscribe, commit, pause, rejoin).
+* ``reader``: ``LogReader``, which reads the log where it is told (from a partition's
+  start or end, exact positions, ranges, offsets by time), outside any assignment.
 * ``scans``: reading outside any group: committed offsets, watermarks, ranges.
 * ``admin``: reaching the cluster, topics and their limits, SCRAM users.
 * ``config``: the operator's client properties file (``PIPELINE_KAFKA_CONFIG``).
@@ -46,9 +49,10 @@ from pipeline.kafka.client import (
     unreachable,
 )
 from pipeline.kafka.config import AccessRefused, ClientConfigError
-from pipeline.kafka.consumer import QUICK_ASSIGN, AsyncConsumer, StallWatch
+from pipeline.kafka.consumer import QUICK_ASSIGN, AsyncConsumer, GroupConsumer, StallWatch
 from pipeline.kafka.outbox import NotAccepted
 from pipeline.kafka.producer import EventProducer
+from pipeline.kafka.reader import LogReader
 from pipeline.kafka.scans import (
     GroupStatus,
     first_records,
@@ -71,8 +75,10 @@ __all__ = [
     "ClientConfigError",
     "EventProducer",
     "Fenced",
+    "GroupConsumer",
     "GroupStatus",
     "KafkaException",
+    "LogReader",
     "NotAccepted",
     "Outgoing",
     "ProduceError",

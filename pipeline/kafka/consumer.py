@@ -1,5 +1,6 @@
 """``AsyncConsumer``: a consumer whose blocking calls run, one at a time, on a
-dedicated thread, so an asyncio service can await them."""
+dedicated thread, so an asyncio service can await them; ``GroupConsumer``, a member of
+a consumer group (``pipeline.kafka.reader`` has the log reader)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from confluent_kafka import (
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class AsyncConsumer:
-    """A confluent-kafka consumer driven from asyncio.
+    """A confluent-kafka consumer driven from asyncio: what a group member
+    (``GroupConsumer``) and a reader of the log by position (``LogReader``) share.
 
     Every call to the underlying consumer runs on one dedicated thread, so calls
     never overlap and rebalance callbacks run on that thread too.
@@ -60,21 +62,114 @@ class AsyncConsumer:
         }
         config.update(extra)
         self._consumer = Consumer(config)
-        # What ``subscribe`` was given, for ``rejoin_sync``.
-        self._subscription: tuple[list[str], Callable[..., None], Callable[..., None]] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"kafka-consumer-{group_id}"
         )
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    # The methods below run on the consumer thread (from callbacks, or via ``call``).
+
+    def poll_batch_sync(self, max_records: int, timeout: float) -> list[Record]:
+        return poll_records(self._consumer, max_records, timeout)
+
+    async def poll_batch(self, max_records: int, wait_s: float) -> list[Record]:
+        return await self.call(self.poll_batch_sync, max_records, wait_s)
+
+    def poll_window_sync(self, max_records: int, wait_s: float, window_s: float) -> list[Record]:
+        """Up to ``max_records``: wait at most ``wait_s`` for the first, then gather what
+        arrives for ``window_s`` after it, so a busy reader takes fewer, larger batches."""
+        records = poll_records(self._consumer, max_records, wait_s)
+        if not records:
+            return records
+        deadline = time.monotonic() + window_s
+        while len(records) < max_records:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            records += poll_records(self._consumer, max_records - len(records), left)
+        return records
+
+    async def poll_window(self, max_records: int, wait_s: float,
+                          window_s: float) -> list[Record]:
+        return await self.call(self.poll_window_sync, max_records, wait_s, window_s)
+
+    def _wake_fetcher(self, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            with contextlib.suppress(KafkaException):  # only a wake-up: best effort
+                self._consumer.get_watermark_offsets(tp, timeout=5, cached=False)
+
+    def positions_sync(self, partitions: list[TP] | None = None) -> dict[TP, int]:
+        """The next offset to read of each partition (of the assignment if not given):
+        past transaction markers and aborted records too, which are never delivered."""
+        tps = ([TopicPartition(t, p) for t, p in partitions] if partitions is not None
+               else self._consumer.assignment())
+        return {(tp.topic, tp.partition): int(tp.offset)
+                for tp in self._consumer.position(tps) if tp.offset >= 0}
+
+    def lag_sync(self) -> dict[TP, int]:
+        """Records behind the end of each assigned partition (from cached watermarks)."""
+        lag = {}
+        for tp in self._consumer.position(self._consumer.assignment()):
+            _, high = self._consumer.get_watermark_offsets(tp, cached=True)
+            if tp.offset >= 0 and high >= 0:
+                lag[(tp.topic, tp.partition)] = max(int(high) - int(tp.offset), 0)
+        return lag
+
+    def watermarks_sync(self, topic: str, partition: int, timeout: float = 5.0) -> tuple[int, int]:
+        low, high = self._consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=timeout, cached=False
+        )
+        return int(low), int(high)
+
+    def partitions_sync(self, topic: str, timeout: float = 10.0) -> list[int]:
+        meta = self._consumer.list_topics(topic, timeout=timeout)
+        info = meta.topics.get(topic)
+        if info is None or info.error is not None:
+            raise KafkaException(info.error if info else f"no topic {topic}")
+        return sorted(info.partitions)
+
+    # The same, awaited: each runs on the consumer's thread (``request_s``: how long
+    # Kafka may take to answer, as ``timeout`` above).
+
+    async def positions(self, partitions: list[TP] | None = None) -> dict[TP, int]:
+        return await self.call(self.positions_sync, partitions)
+
+    async def lag(self) -> dict[TP, int]:
+        return await self.call(self.lag_sync)
+
+    async def partitions(self, topic: str, request_s: float = 10.0) -> list[int]:
+        return await self.call(self.partitions_sync, topic, request_s)
+
+    async def watermarks(self, topic: str, partition: int,
+                         request_s: float = 5.0) -> tuple[int, int]:
+        return await self.call(self.watermarks_sync, topic, partition, request_s)
+
+    async def close(self) -> None:
+        try:
+            await self.call(self._consumer.close)
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+class GroupConsumer(AsyncConsumer):
+    """A member of a consumer group: it subscribes, is given partitions by the group
+    (callbacks on the consumer's thread), commits the group's offsets, pauses and
+    resumes, and rejoins."""
+
+    def __init__(self, bootstrap: str, group_id: str, **extra: Any) -> None:
+        super().__init__(bootstrap, group_id, **extra)
+        # What ``subscribe`` was given, for ``rejoin_sync``.
+        self._subscription: tuple[list[str], Callable[..., None], Callable[..., None]] | None = None
+
 
     def group_metadata_sync(self) -> Any:
         """The group's generation and this member's id, for transactions. Read it on the
         consumer's thread (in a rebalance callback): from another thread the call waits
         for the consumer's poll to return (measured: a fifth of a busy worker's time)."""
         return self._consumer.consumer_group_metadata()
-
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
     def subscribe(
         self, topics: list[str], on_assign: OnAssign | None = None,
@@ -104,32 +199,6 @@ class AsyncConsumer:
         topics, assigned, revoked = self._subscription
         self._consumer.unsubscribe()
         self._consumer.subscribe(topics, on_assign=assigned, on_revoke=revoked)
-
-    # The methods below run on the consumer thread (from callbacks, or via ``call``).
-
-    def poll_batch_sync(self, max_records: int, timeout: float) -> list[Record]:
-        return poll_records(self._consumer, max_records, timeout)
-
-    async def poll_batch(self, max_records: int, wait_s: float) -> list[Record]:
-        return await self.call(self.poll_batch_sync, max_records, wait_s)
-
-    def poll_window_sync(self, max_records: int, wait_s: float, window_s: float) -> list[Record]:
-        """Up to ``max_records``: wait at most ``wait_s`` for the first, then gather what
-        arrives for ``window_s`` after it, so a busy reader takes fewer, larger batches."""
-        records = poll_records(self._consumer, max_records, wait_s)
-        if not records:
-            return records
-        deadline = time.monotonic() + window_s
-        while len(records) < max_records:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            records += poll_records(self._consumer, max_records - len(records), left)
-        return records
-
-    async def poll_window(self, max_records: int, wait_s: float,
-                          window_s: float) -> list[Record]:
-        return await self.call(self.poll_window_sync, max_records, wait_s, window_s)
 
     def commit_sync(self, offsets: dict[tuple[str, int], int]) -> None:
         """Commit ``next offset to read`` per (topic, partition); blocks until done."""
@@ -182,160 +251,10 @@ class AsyncConsumer:
                 out[(topic, partition)] = self.watermarks_sync(topic, partition)[0]
         return out
 
-    def _wake_fetcher(self, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            with contextlib.suppress(KafkaException):  # only a wake-up: best effort
-                self._consumer.get_watermark_offsets(tp, timeout=5, cached=False)
-
     def assignment_sync(self) -> list[TP]:
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
 
-    def positions_sync(self, partitions: list[TP] | None = None) -> dict[TP, int]:
-        """The next offset to read of each partition (of the assignment if not given):
-        past transaction markers and aborted records too, which are never delivered."""
-        tps = ([TopicPartition(t, p) for t, p in partitions] if partitions is not None
-               else self._consumer.assignment())
-        return {(tp.topic, tp.partition): int(tp.offset)
-                for tp in self._consumer.position(tps) if tp.offset >= 0}
-
-    def lag_sync(self) -> dict[TP, int]:
-        """Records behind the end of each assigned partition (from cached watermarks)."""
-        lag = {}
-        for tp in self._consumer.position(self._consumer.assignment()):
-            _, high = self._consumer.get_watermark_offsets(tp, cached=True)
-            if tp.offset >= 0 and high >= 0:
-                lag[(tp.topic, tp.partition)] = max(int(high) - int(tp.offset), 0)
-        return lag
-
-    def assign_partitions_sync(self, partitions: list[TP]) -> dict[TP, int]:
-        """Read ``partitions`` from their start up to the end they have now; return the
-        ends of those that hold anything."""
-        ends: dict[TP, int] = {}
-        starts = []
-        for topic, p in partitions:
-            low, high = self.watermarks_sync(topic, p)
-            if high > low:
-                ends[(topic, p)] = high
-                starts.append(TopicPartition(topic, p, low))
-        self._consumer.assign(starts)
-        return ends
-
-    def assign_at_sync(self, starts: dict[TP, int]) -> None:
-        """Read these partitions (only) from these offsets."""
-        self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in starts.items()])
-
-    def assign_from_start_sync(self, topics: list[str]) -> dict[TP, int]:
-        """Every partition of ``topics``, as ``assign_partitions_sync``."""
-        return self.assign_partitions_sync(
-            [(t, p) for t in topics for p in self.partitions_sync(t)])
-
-    def watermarks_sync(self, topic: str, partition: int, timeout: float = 5.0) -> tuple[int, int]:
-        low, high = self._consumer.get_watermark_offsets(
-            TopicPartition(topic, partition), timeout=timeout, cached=False
-        )
-        return int(low), int(high)
-
-    def partitions_sync(self, topic: str, timeout: float = 10.0) -> list[int]:
-        meta = self._consumer.list_topics(topic, timeout=timeout)
-        info = meta.topics.get(topic)
-        if info is None or info.error is not None:
-            raise KafkaException(info.error if info else f"no topic {topic}")
-        return sorted(info.partitions)
-
-    def add_partitions_sync(self, starts: dict[TP, int]) -> None:
-        """Also read these partitions, each from the given offset (the rest keep their
-        place), fetching them at once (see ``resume_sync``)."""
-        partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
-        self._consumer.incremental_assign(partitions)
-        self._wake_fetcher(partitions)
-
-    def follow_from_end_sync(self, topic: str) -> None:
-        """Read every partition of ``topic`` from the end it has now on."""
-        self.add_partitions_sync({(topic, p): self.watermarks_sync(topic, p)[1]
-                                  for p in self.partitions_sync(topic)})
-
-    def drop_partitions_sync(self, partitions: list[TP]) -> None:
-        self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
-
-    def read_range_sync(
-        self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0
-    ) -> list[Record]:
-        """The records of one partition from ``start`` up to (not including) ``end``."""
-        if start >= end:
-            return []
-        tp = TopicPartition(topic, partition, start)
-        self._consumer.assign([tp])
-        records: list[Record] = []
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                batch = poll_records(self._consumer, 5000, 0.2)
-                records += [r for r in batch if r.position.offset < end]
-                if batch and batch[-1].position.offset + 1 >= end:
-                    return records
-                if not batch and self._consumer.position([tp])[0].offset >= end:
-                    return records  # the range ends in offsets that hold no record
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"reading {topic}/{partition} [{start}, {end}) timed out")
-        finally:
-            self._consumer.unassign()
-
-    def read_at_sync(self, wanted: Sequence[tuple[str, int, int]],
-                     timeout: float = 30.0) -> dict[tuple[str, int, int], Record | None]:
-        """The records at these exact positions (topic, partition, offset), read at once;
-        None for a position that holds no committed record (an aborted one, a marker, or
-        one the topic no longer keeps)."""
-        todo = {(t, p): o for t, p, o in wanted}
-        if len(todo) != len(set(wanted)):
-            raise ValueError("read_at_sync reads one offset per partition")
-        found: dict[tuple[str, int, int], Record | None] = dict.fromkeys(wanted)
-        if not todo:
-            return found
-        self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in todo.items()])
-        deadline = time.monotonic() + timeout
-        try:
-            while todo:
-                for record in poll_records(self._consumer, 100, 0.2):
-                    pos = record.position
-                    want = todo.get((pos.topic, pos.partition))
-                    if want is None or pos.offset < want:
-                        continue
-                    if pos.offset == want:
-                        found[(pos.topic, pos.partition, want)] = record
-                    del todo[(pos.topic, pos.partition)]
-                for tp in self._consumer.position(
-                        [TopicPartition(t, p) for t, p in list(todo)]):
-                    if (tp.topic, tp.partition) in todo and tp.offset > todo[(tp.topic,
-                                                                              tp.partition)]:
-                        del todo[(tp.topic, tp.partition)]  # passed over: nothing there
-                for (t, p), o in list(todo.items()):
-                    low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p),
-                                                                      cached=True)
-                    if 0 <= high <= o or 0 <= o < low:
-                        # Not written yet, or gone, as the last fetch said: asked anew
-                        # before it counts (a record committed since is there).
-                        low, high = self._consumer.get_watermark_offsets(
-                            TopicPartition(t, p), timeout=max(deadline - time.monotonic(),
-                                                              1.0), cached=False)
-                    if 0 <= high <= o or 0 <= o < low:  # not written yet, or gone
-                        del todo[(t, p)]
-                if todo and time.monotonic() > deadline:
-                    raise TimeoutError(f"reading {sorted(todo)} timed out")
-        finally:
-            self._consumer.unassign()
-        return found
-
-    def offset_for_time_sync(self, topic: str, partition: int, ms: int,
-                             timeout: float = 10.0) -> int:
-        """The first offset at or after time ``ms`` (the end of the partition if none)."""
-        found = self._consumer.offsets_for_times([TopicPartition(topic, partition, ms)],
-                                                 timeout=timeout)[0]
-        if found.offset >= 0:
-            return int(found.offset)
-        return self.watermarks_sync(topic, partition)[1]
-
-    # The same, awaited: each runs on the consumer's thread (``request_s``: how long
-    # Kafka may take to answer, as ``timeout`` above).
+    # The same, awaited: each runs on the consumer's thread.
 
     async def rejoin(self) -> None:
         await self.call(self.rejoin_sync)
@@ -349,58 +268,13 @@ class AsyncConsumer:
     async def restart_fetch(self, partitions: list[TP]) -> None:
         await self.call(self.restart_fetch_sync, partitions)
 
-    async def positions(self, partitions: list[TP] | None = None) -> dict[TP, int]:
-        return await self.call(self.positions_sync, partitions)
-
-    async def lag(self) -> dict[TP, int]:
-        return await self.call(self.lag_sync)
-
-    async def assign_from_start(self, topics: list[str]) -> dict[TP, int]:
-        return await self.call(self.assign_from_start_sync, topics)
-
-    async def partitions(self, topic: str, request_s: float = 10.0) -> list[int]:
-        return await self.call(self.partitions_sync, topic, request_s)
-
-    async def add_partitions(self, starts: dict[TP, int]) -> None:
-        await self.call(self.add_partitions_sync, starts)
-
-    async def drop_partitions(self, partitions: list[TP]) -> None:
-        await self.call(self.drop_partitions_sync, partitions)
-
-    async def follow_from_end(self, topic: str) -> None:
-        await self.call(self.follow_from_end_sync, topic)
-
-    async def watermarks(self, topic: str, partition: int,
-                         request_s: float = 5.0) -> tuple[int, int]:
-        return await self.call(self.watermarks_sync, topic, partition, request_s)
-
-    async def offset_for_time(self, topic: str, partition: int, ms: int,
-                              request_s: float = 10.0) -> int:
-        return await self.call(self.offset_for_time_sync, topic, partition, ms, request_s)
-
-    async def read_range(self, topic: str, partition: int, start: int, end: int,
-                         request_s: float = 30.0) -> list[Record]:
-        return await self.call(self.read_range_sync, topic, partition, start, end, request_s)
-
-    async def read_at(self, wanted: Sequence[tuple[str, int, int]],
-                      request_s: float = 30.0) -> dict[tuple[str, int, int], Record | None]:
-        return await self.call(self.read_at_sync, wanted, request_s)
-
-    async def close(self) -> None:
-        try:
-            await self.call(self._consumer.close)
-        finally:
-            self._executor.shutdown(wait=True)
-
-
-
 
 class StallWatch:
     """Restarts the fetch of partitions that have records waiting but have not moved for
     ``stall_s`` while fetching: a fetcher stuck after a leader change (seen in the outage
-    suite; ``AsyncConsumer.restart_fetch_sync``)."""
+    suite; ``GroupConsumer.restart_fetch_sync``)."""
 
-    def __init__(self, consumer: AsyncConsumer, stall_s: float = 10.0) -> None:
+    def __init__(self, consumer: GroupConsumer, stall_s: float = 10.0) -> None:
         self.consumer, self.stall_s = consumer, stall_s
         self._progress: dict[TP, tuple[int | None, float]] = {}  # position, since when
 
