@@ -159,19 +159,25 @@ async def open_live_async(batch: LiveBatch, wanted: Container[int] | None = None
 
 async def _unblocked(call: Callable[..., T], *args: object) -> T:
     backoff = Backoff(0.1, 5.0)
+    looked_up: dict[str, sealing.DataKey | None] = {}  # used by ``call`` from then on
     while True:
+        token = sealing.LOOKED_UP.set(looked_up)
         try:
             return call(*args)
-        except sealing.KeyNotHeld as miss:
-            try:  # held, or known to be gone, after this (or it raises)
-                await asyncio.to_thread(sealing.reading_key, miss.key_id, miss.written_at)
-            except sealing.RingUnavailable as exc:
-                if not exc.unreachable:
-                    raise
-                pause = backoff.next()
-                log.warning("data key %s not readable yet, asking again in %.1f s: %s",
-                            miss.key_id, pause, exc)
-                await asyncio.sleep(pause)
+        except sealing.KeyNotHeld as exc:
+            miss = exc
+        finally:
+            sealing.LOOKED_UP.reset(token)  # for this call alone
+        try:  # the key, or None if it is gone (or it raises)
+            looked_up[miss.key_id] = await asyncio.to_thread(
+                sealing.reading_key, miss.key_id, miss.written_at)
+        except sealing.RingUnavailable as exc:
+            if not exc.unreachable:
+                raise
+            pause = backoff.next()
+            log.warning("data key %s not readable yet, asking again in %.1f s: %s",
+                        miss.key_id, pause, exc)
+            await asyncio.sleep(pause)
 
 
 def decode_or_none(data: bytes | None, open_sealed: bool = True) -> Event | None:

@@ -377,18 +377,20 @@ class Keyring:
         the way."""
         record = lookup.found.get((ref.partition, ref.offset))
         key = self._unwrapped(record, ref.short_id, key_id) if record is not None else None
-        return self._held_now(key, lookup.nearby)
+        return self._held_now(key, [r for r in lookup.nearby if r is not record])
 
     def _held_now(self, key: sealing.DataKey | object, nearby: list[Record]
                   ) -> sealing.DataKey | object:
+        # Keys read ahead first, at most an eighth of the cache, then the one asked: so
+        # they never push it, nor most of what is held, out of a small cache.
+        if self._limits.read_ahead:
+            for other in nearby[:max(self._limits.cache // 8, 1)]:
+                self._hold_nearby(other)
         if isinstance(key, sealing.DataKey):
             if self._erasures.revoked(key.conversation_id):
                 key = _REFUSED
             else:
                 self._cache.hold(key, seals_unless_set=True)
-        if self._limits.read_ahead:
-            for other in nearby:
-                self._hold_nearby(other)
         return key
 
     def _moved(self, ref: KeyRef, key_id: str) -> sealing.DataKey | None:

@@ -301,6 +301,13 @@ def test_a_reader_that_reads_ahead_holds_the_keys_its_fetch_brought(
                 assert key is not None and key.conversation_id == conversations[n]
             assert reader.fetches == fetches
             assert reader.for_reading(refs[5]) is None  # fetched, and refused
+    # A small cache takes an eighth of itself read ahead, then the key asked: what it
+    # brings never pushes that key out.
+    with Keyring(stack.bootstrap, kek, "ahead-small",
+                 KeyringLimits(read_ahead=True, cache=16)) as small:
+        assert small.for_reading(refs[0]) is not None
+        assert small.for_reading(refs[0], wait=False) is not None
+        assert small.size() == 16 // 8 + 1
 
 
 def test_a_process_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:

@@ -278,6 +278,42 @@ def test_a_key_not_held_yet_is_looked_for_off_the_event_loop() -> None:
         sealing.uninstall(other)
 
 
+class ForgetfulRing(Ring):
+    """Holds nothing it looked up: as a bounded cache does when other look-ups, or keys
+    read ahead, push a key out between its look-up and its use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups = 0
+
+    def for_reading(self, key_id: str, wait: bool = True,
+                    written_at: float | None = None) -> sealing.DataKey | None:
+        if not wait:
+            raise sealing.KeyNotHeld(key_id)
+        self.lookups += 1
+        return super().for_reading(key_id)
+
+
+def test_a_key_looked_up_opens_the_record_that_asked_whatever_the_cache_let_go() -> None:
+    """A decode that met a key not held looks it up on a thread, then runs again: it
+    uses the key looked up, not the cache (a small cache reading ahead let it go at
+    once, and the decode asked for it again, for ever)."""
+    forgetful = ForgetfulRing()
+    conversation = uuid.uuid4()
+    forgetful.add(conversation)
+    sealing.install(forgetful)
+    try:
+        written = prompt(conversation, "kept words")
+        raw = encode(written)
+        event = asyncio.run(asyncio.wait_for(decode_async(raw), 10))
+        assert event == written and forgetful.lookups == 1
+        # Looked up for that record alone: the next one looks again.
+        assert asyncio.run(asyncio.wait_for(decode_async(raw), 10)) == written
+        assert forgetful.lookups == 2
+    finally:
+        sealing.uninstall(forgetful)
+
+
 def test_a_key_reference_names_its_place_and_a_short_id_alone_is_a_legacy_one() -> None:
     ref = KeyRef("0123456789abcdef", 4, 918273)
     assert KeyRef.parse(str(ref)) == ref
