@@ -41,7 +41,7 @@ from gateway.problems import (
 )
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
-from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, legacy
+from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, legacy, release
 from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key
 from pipeline.kafka import EventProducer
@@ -338,12 +338,8 @@ class Follow:
             yield self._observed(f)
         finally:
             self.metrics.active_streams.dec()
-            self._open[f.conversation_id] -= 1
-            if self._open[f.conversation_id] <= 0:
-                del self._open[f.conversation_id]
-            self._streams[f.tenant] -= 1
-            if self._streams[f.tenant] <= 0:
-                del self._streams[f.tenant]
+            release(self._open, f.conversation_id)
+            release(self._streams, f.tenant)
             self.metrics.active_sessions.set(len(self._open))
             self.tail.unfollow(f.sub)
             if not f.ended:

@@ -28,8 +28,9 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gateway.dependencies import from_log
 from pipeline.codec import DecodeError, Position, decode_async, decode_live, open_live_async
@@ -75,6 +76,19 @@ def legacy(record: Record, event: GenerationEvent) -> Delivered | None:
         return None
     item = from_event(event)
     return Delivered(record.position, item) if item is not None else None
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def release(counts: dict[K, int], key: K) -> bool:
+    """One fewer of ``key`` in ``counts``, dropped at none: whether it is gone (a count
+    per key in flight that must not keep keys no longer used)."""
+    counts[key] -= 1
+    if counts[key] > 0:
+        return False
+    del counts[key]
+    return True
 
 
 class Overflow(Exception):
@@ -225,12 +239,8 @@ class GenerationTail:
             bound = self._ref_of.pop(sub.request_id, None)
             if bound is not None:
                 self._refs.pop(bound, None)
-        self._keys[sub.key] -= 1
-        if self._keys[sub.key] <= 0:
-            del self._keys[sub.key]
-        self._users[sub.partition] -= 1
-        if self._users[sub.partition] <= 0:
-            del self._users[sub.partition]
+        release(self._keys, sub.key)
+        if release(self._users, sub.partition):
             self._idle_since[sub.partition] = time.monotonic()
 
     def bind(self, sub: Subscription, ref: int) -> None:
