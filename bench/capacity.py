@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
 from bench.stack import wait_projected
 from infra.process import free_port, wait_http
-from pipeline.codec import decode, decode_live
+from pipeline.codec import parse, parse_live
 from pipeline.kafka import QUICK_ASSIGN, LogReader
 from pipeline.topics import GENERATIONS, LIVE
 from schemas import TokenDelta
@@ -229,11 +229,11 @@ def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
                 if at not in offsets:
                     continue
                 if topic == LIVE:
-                    batch = decode_live(record.value)
+                    batch = parse_live(record.value)  # times only
                     for entry, _, _ in entries(batch):
                         times[f"{p}-{at}-{entry}"] = batch.at / 1000
                 else:
-                    event = decode(record.value)
+                    event = parse(record.value)
                     if isinstance(event, TokenDelta):
                         times[f"{p}-{at}"] = event.occurred_at.timestamp()
     finally:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.process import free_port
-from pipeline.codec import conversation_key, decode, encode
+from pipeline.codec import CLEAR, conversation_key, parse
 from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.topics import GENERATIONS, PROMPTS
 from schemas import (
@@ -129,7 +129,7 @@ def _send(producer: PlainWriter, model: str, tenant: str, count: int, tokens: in
             messages=(ChatMessage(role="user", content=f"{tenant} turn {i}"),),
             sampling=SamplingParams(max_tokens=tokens, ignore_eos=True))
         turns[request_id] = Turn(tenant, time.time())
-        producer.send(PROMPTS, conversation_key(conversation), encode(prompt))
+        producer.send(PROMPTS, conversation_key(conversation), CLEAR.encode(prompt))
     failed = producer.flush(30)
     assert not failed, f"prompts not written: {failed[0]}"
 
@@ -150,7 +150,7 @@ def _follow(bootstrap: str, since_ms: int, turns: dict[str, Turn], timeout: floa
                 if msg.value is None:
                     continue
                 try:
-                    event = decode(msg.value)
+                    event = parse(msg.value)
                 except ValueError:
                     continue
                 turn = turns.get(event.request_id)

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from pipeline import sealing
-from pipeline.codec import conversation_key, encode
+from pipeline.codec import CLEAR, conversation_key
 from pipeline.digests import Digester
 from pipeline.kafka import ProduceError
 from pipeline.kafka.plain import PlainWriter
@@ -169,22 +169,22 @@ def _one(producer: PlainWriter, kek: Kek, digests: Digester, conversation: uuid.
     request_id = f"chatcmpl-{conversation.hex}{n:016x}"[:64]
     session = SessionCreated(conversation_id=conversation, request_id=f"session-{n}",
                              tenant=tenant, title=f"conversation {n}")
-    _produce(producer, CONTROL, partition, ckey, encode(session, key), offsets)
+    _produce(producer, CONTROL, partition, ckey, CLEAR.encode(session, key), offsets)
     prompt = PromptSubmitted(
         conversation_id=conversation, request_id=request_id, tenant=tenant, model="sim",
         messages=(ChatMessage(role="user", content=f"question {n}: what happened "
                               "a year ago, in a sentence or two?"),),
         sampling=SamplingParams(max_tokens=64))
-    ref = _produce(producer, PROMPTS, partition, ckey, encode(prompt, key), offsets)
+    ref = _produce(producer, PROMPTS, partition, ckey, CLEAR.encode(prompt, key), offsets)
     ids = EventIds(conversation_id=conversation, request_id=request_id, tenant=tenant)
     started = GenerationStarted(**ids, ref=ref, model="sim", worker="history",
                                 reply_seq=1, prompt_tokens=24)
-    _produce(producer, GENERATIONS, partition, ckey, encode(started, key), offsets)
+    _produce(producer, GENERATIONS, partition, ckey, CLEAR.encode(started, key), offsets)
     finished = GenerationFinished(**ids, ref=ref, model="sim", reply_seq=1,
                                   finish_reason="length", text=REPLY,
                                   usage=Usage(prompt_tokens=24, completion_tokens=64),
                                   deltas=4, duration_ms=800.0)
-    _produce(producer, GENERATIONS, partition, ckey, encode(finished, key), offsets)
+    _produce(producer, GENERATIONS, partition, ckey, CLEAR.encode(finished, key), offsets)
     quarter = len(REPLY) // 4
     texts = [(REPLY[i * quarter:(i + 1) * quarter], ()) for i in range(4)]
     box = sealing.seal(key, _encoder.encode(texts))

@@ -23,6 +23,7 @@ import psycopg
 from prometheus_client import CollectorRegistry
 from psycopg import sql
 
+from pipeline.codec import CLEAR, Position, key_of
 from pipeline.kafka import EventProducer, LogReader, delete_topics, ensure_topics
 from pipeline.topics import TopicSpec
 from projections.migrate import in_schema, migrate
@@ -31,6 +32,7 @@ from projections.replay import replay
 from projections.settings import ProjectorSettings
 from schemas import (
     ChatMessage,
+    Event,
     EventIds,
     GenerationFinished,
     GenerationStarted,
@@ -62,17 +64,22 @@ async def produce_turns(producer: EventProducer, topics: tuple[str, str], turns:
     prompts, generations = topics
     sent = 0
     futures = []
+
+    def put(topic: str, event: Event) -> asyncio.Future[Position]:
+        # Synthetic content, in the clear: no keyring is read or written here.
+        return producer.send_raw(topic, key_of(event), CLEAR.encode(event))
+
     started = time.perf_counter()
     for i in range(turns):
         ids = EventIds(conversation_id=uuid.uuid4(), request_id=f"bench-{uuid.uuid4().hex}")
-        futures.append(producer.send(prompts, PromptSubmitted(
+        futures.append(put(prompts, PromptSubmitted(
             **ids, model=MODEL,
             messages=(ChatMessage(role="user", content=f"synthetic turn {i}"),))))
-        futures.append(producer.send(generations, GenerationStarted(
+        futures.append(put(generations, GenerationStarted(
             **ids, model=MODEL, worker="bench", reply_seq=1, prompt_tokens=12)))
         for seq in range(deltas):
-            futures.append(producer.send(generations, TokenDelta(**ids, seq=seq, text=" tok")))
-        futures.append(producer.send(generations, GenerationFinished(
+            futures.append(put(generations, TokenDelta(**ids, seq=seq, text=" tok")))
+        futures.append(put(generations, GenerationFinished(
             **ids, model=MODEL, reply_seq=1, finish_reason="length", text=" tok" * deltas,
             usage=Usage(prompt_tokens=12, completion_tokens=deltas), deltas=deltas,
             ttft_ms=50.0, duration_ms=500.0)))
@@ -140,7 +147,7 @@ async def bench_projection(bootstrap: str, database_url: str, turns: int,
         finally:
             stop.set()
             await task
-        stats = await replay(bootstrap, database_url, schema=rebuilt, topics=topics)
+        stats = await replay(bootstrap, database_url, CLEAR, schema=rebuilt, topics=topics)
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             for schema in (live, rebuilt):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from pipeline import sealing
-from pipeline.codec import decode, decode_live, encode
+from pipeline.codec import CLEAR, Codec
 from schemas import GenerationFinished, Usage
 
 
@@ -51,10 +51,10 @@ class _Ring:
         return False
 
 
-def _live_case(turns: int, per_turn: int, ring: _Ring) -> Callable[[], int]:
+def _live_case(turns: int, per_turn: int, codec: Codec, ring: _Ring) -> Callable[[], int]:
     from workers.output import Output
 
-    output = Output(None, "bench")  # type: ignore[arg-type]  # only batches are made
+    output = Output(None, "bench", codec)  # type: ignore[arg-type]  # only batches are made
     conversations = [uuid.uuid4() for _ in range(turns)]
     for c in conversations:
         ring.add(c)
@@ -66,7 +66,7 @@ def _live_case(turns: int, per_turn: int, ring: _Ring) -> Callable[[], int]:
     def run() -> int:
         kept, boxes = output._sealed(0, deltas)
         value = encode_live(kept, boxes)
-        decode_live(value)
+        codec.decode_live(value)
         return len(deltas)
 
     return run
@@ -79,7 +79,7 @@ def encode_live(deltas: list[Any], sealed: list[Any]) -> bytes:
                                 "deltas": deltas, "sealed": sealed})
 
 
-def _end_case(tokens: int, ring: _Ring) -> Callable[[], int]:
+def _end_case(tokens: int, codec: Codec, ring: _Ring) -> Callable[[], int]:
     conversation = uuid.uuid4()
     ring.add(conversation)
     end = GenerationFinished(conversation_id=conversation, request_id="r", model="m",
@@ -88,16 +88,17 @@ def _end_case(tokens: int, ring: _Ring) -> Callable[[], int]:
                              deltas=tokens, duration_ms=1.0)
 
     def run() -> int:
-        decode(encode(end))
+        codec.decode(codec.encode(end))
         return tokens
 
     return run
 
 
-CASES: dict[str, Callable[[_Ring], Callable[[], int]]] = {
-    "live, one delta per turn (256 turns)": lambda ring: _live_case(256, 1, ring),
-    "live, 8 deltas per turn (32 turns)": lambda ring: _live_case(32, 8, ring),
-    "a turn's end (256 tokens)": lambda ring: _end_case(256, ring),
+# Each case, made with a codec (sealing through the ring, or ``CLEAR``) and the ring.
+CASES: dict[str, Callable[[Codec, _Ring], Callable[[], int]]] = {
+    "live, one delta per turn (256 turns)": lambda c, ring: _live_case(256, 1, c, ring),
+    "live, 8 deltas per turn (32 turns)": lambda c, ring: _live_case(32, 8, c, ring),
+    "a turn's end (256 tokens)": lambda c, ring: _end_case(256, c, ring),
 }
 
 
@@ -114,15 +115,12 @@ def run(quick: bool) -> dict[str, Any]:
     figures: dict[str, Any] = {"rounds": rounds, "cases": {}}
     for name, make in CASES.items():
         ring = _Ring()
-        case = make(ring)
+        sealing_case = make(Codec(sealing.Cipher(ring)), ring)
+        clear_case = make(CLEAR, ring)
         clear, sealed = [], []
         for _ in range(rounds):
-            sealing.install(ring)
-            try:
-                sealed.append(_per_token(case, seconds))
-            finally:
-                sealing.uninstall(ring)
-            clear.append(_per_token(case, seconds))
+            sealed.append(_per_token(sealing_case, seconds))
+            clear.append(_per_token(clear_case, seconds))
         figures["cases"][name] = {
             "clear_us_per_token": statistics.median(clear),
             "sealed_us_per_token": statistics.median(sealed),

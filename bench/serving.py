@@ -67,7 +67,7 @@ from bench.loadgen import (
 from bench.stack import wait_projected
 from gateway.ids import completion_id
 from infra.process import free_port, wait_http
-from pipeline.codec import decode, decode_live
+from pipeline.codec import CLEAR, key_of, parse, parse_live
 from pipeline.kafka import QUICK_ASSIGN, EventProducer, LogReader
 from pipeline.topics import GENERATIONS, LIVE, PROMPTS
 from schemas import (
@@ -235,7 +235,7 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int, prompt: str =
     waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
 
     def first_tokens(value: bytes | None, now: float) -> None:
-        for _, _, item in entries(decode_live(value)):
+        for _, _, item in entries(parse_live(value)):
             entry = waiting.get(item.request_id) if isinstance(item, Start) else None
             if entry is not None and entry[0].first is None:
                 entry[0].first = now
@@ -247,7 +247,7 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int, prompt: str =
                 if record.position.topic == LIVE:
                     first_tokens(record.value, now)
                     continue
-                event = decode(record.value)
+                event = parse(record.value)
                 entry = waiting.get(getattr(event, "request_id", ""))
                 if entry is None:
                     continue
@@ -269,7 +269,7 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int, prompt: str =
         done = asyncio.get_running_loop().create_future()
         waiting[submitted.request_id] = (request, done)
         try:
-            await producer.send(PROMPTS, submitted)
+            await producer.send_raw(PROMPTS, key_of(submitted), CLEAR.encode(submitted))
             await asyncio.wait_for(done, timeout=600)
         finally:
             del waiting[submitted.request_id]

@@ -46,7 +46,7 @@ from gateway.problems import (
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.view import ConversationView
-from pipeline.codec import conversation_key, encode
+from pipeline.codec import conversation_key
 from pipeline.kafka import ProduceError, RecordTooLarge, TransactionalProducer
 from pipeline.logs import bind_turn
 from pipeline.retry import Backoff
@@ -207,7 +207,8 @@ class Accept:
             raise PromptTooLarge(text, self.prompts.topic_limit(PROMPTS))
         # Its content is sealed with the conversation's data key, durable before it.
         data_key = await self.keys.for_content(conversation, admitted.tenant, end_user, view)
-        value = encode(prompt, data_key)  # sealed once: each encoding draws a new nonce
+        # Sealed once: each encoding draws a new nonce.
+        value = self.keys.codec.encode(prompt, data_key)
         size = len(value) + len(str(conversation))  # its value and its key
         if size > self.prompts.limit(PROMPTS):
             raise PromptTooLarge(size, self.prompts.topic_limit(PROMPTS))

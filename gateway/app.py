@@ -248,11 +248,11 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
             limits=tuple(limits.items()), compression=common.compression))
     prompts.start()
     opened.push_async_callback(asyncio.to_thread, prompts.close, 10)
-    store = ConversationStore(pool, meta, reader, partitions, settings.projection_wait_s,
-                              max_unprojected=settings.max_unprojected, timeout_s=timeout_s,
+    codec = keyring.codec  # content sealed and opened with the conversations' keys
+    store = ConversationStore(pool, meta, reader, partitions, codec, settings,
                               reads=metrics.log_reads)
     # The live stream and the durable record, tailed once for every client here.
-    tail = GenerationTail(bootstrap, store.end_of, settings.tail_linger_s,
+    tail = GenerationTail(bootstrap, codec, store.end_of, settings.tail_linger_s,
                           settings.stream_max_items, settings.stream_max_bytes,
                           timeout_s=timeout_s)
     await tail.start()

@@ -18,13 +18,14 @@ from pipeline.topics import KEYS
 
 
 class ConversationKeys:
-    """``keyring``: the process's data keys (``pipeline.keystore``); ``producer``
-    writes a new key to ``chat.keys``."""
+    """``keyring``: the process's data keys (``pipeline.keystore``), and ``codec`` seals
+    with them; ``producer`` writes a new key to ``chat.keys``."""
 
     def __init__(self, settings: GatewaySettings, keyring: Keyring,
                  producer: EventProducer) -> None:
         self.settings = settings
         self.keyring = keyring
+        self.codec = keyring.codec
         self.producer = producer
 
     async def for_content(self, conversation: uuid.UUID, tenant: str, user: str | None,

@@ -93,7 +93,7 @@ def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> in
     """Cancel the turns of ``key_id`` that have not ended (background ones included), as
     the store knows them: a ``GenerationCancelled`` each, to ``chat.control``, which their
     workers stop them on and their streams end with. The number cancelled."""
-    from pipeline.codec import conversation_key, encode
+    from pipeline.codec import bare, conversation_key
     from pipeline.kafka.plain import PlainWriter
     from pipeline.topics import CONTROL
     from schemas import GenerationCancelled
@@ -107,7 +107,7 @@ def stop_turns(conn: psycopg.Connection[Any], bootstrap: str, key_id: str) -> in
     for request_id, conversation_id, tenant in rows:
         event = GenerationCancelled(conversation_id=conversation_id, request_id=request_id,
                                     tenant=tenant, reason="api key revoked")
-        writer.send(CONTROL, conversation_key(conversation_id), encode(event))
+        writer.send(CONTROL, conversation_key(conversation_id), bare(event))
     failed = writer.flush(30)
     if failed:
         raise RuntimeError(f"cancellations of {len(rows)} turns not all written "

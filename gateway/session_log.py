@@ -13,7 +13,7 @@ from gateway.problems import LogUnavailable, SessionNotFound
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.view import ConversationView
-from pipeline.codec import encode, key_of
+from pipeline.codec import key_of
 from pipeline.kafka import EventProducer
 from pipeline.topics import CONTROL, ERASURES, KEYS
 from schemas import SessionCreated, SessionDeleted
@@ -44,7 +44,7 @@ class Sessions:
                                title=title, memory_user=user if memory else None)
         key = await self.keys.for_content(event.conversation_id, tenant, user, None)
         await from_log(lambda: self.producer.send_raw(CONTROL, key_of(event),
-                                                      encode(event, key)),
+                                                      self.keys.codec.encode(event, key)),
                        self.settings.dependency_timeout_s)
         return event
 

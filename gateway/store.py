@@ -21,8 +21,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from gateway.dependencies import from_log, from_store
 from gateway.problems import StoreLagging
+from gateway.settings import GatewaySettings
 from gateway.view import ConversationView, Message, TurnState
-from pipeline.codec import DecodeError, conversation_key, decode_async, decode_live_async
+from pipeline.codec import Codec, DecodeError, conversation_key
 from pipeline.kafka import LogReader, Record
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff
@@ -39,17 +40,18 @@ MAX_KEYS = 64
 class ConversationStore:
     def __init__(
         self, pool: AsyncConnectionPool, meta: LogReader, reader: LogReader,
-        partitions: int, wait_s: float, max_unprojected: int = 10_000,
-        timeout_s: float = 5.0, reads: Counter | None = None,
+        partitions: int, codec: Codec, settings: GatewaySettings,
+        reads: Counter | None = None,
     ) -> None:
         self.pool = pool
         self.meta = meta  # quick metadata calls (watermarks)
         self.reader = reader  # range reads, which may take longer
         self.partitions = partitions
-        self.wait_s = wait_s
-        self.max_unprojected = max_unprojected
+        self.codec = codec  # opens the content it reads
+        self.wait_s = settings.projection_wait_s
+        self.max_unprojected = settings.max_unprojected
         # Each call to Kafka or PostgreSQL waits at most this long (range reads twice).
-        self.timeout_s = timeout_s
+        self.timeout_s = settings.dependency_timeout_s
         self.reads = reads  # records read, by topic (gateway_log_read_records)
 
     def _read(self, topic: str, records: int) -> None:
@@ -89,7 +91,7 @@ class ConversationStore:
             for record in records:
                 if record.key == key:
                     with contextlib.suppress(DecodeError):
-                        out.append((record, await decode_async(record.value)))
+                        out.append((record, await self.codec.decode_async(record.value)))
                         continue
                 if not keyed:
                     out.append((record, None))
@@ -107,7 +109,7 @@ class ConversationStore:
             out = []
             for record in records:
                 with contextlib.suppress(DecodeError):
-                    out.append((record, await decode_live_async(record.value)))
+                    out.append((record, await self.codec.decode_live_async(record.value)))
             return out
 
         return await from_log(read, 2 * self.timeout_s)
@@ -120,7 +122,7 @@ class ConversationStore:
             record = (await self.reader.read_at([position], 2 * self.timeout_s))[position]
             self._read(topic, 1)
             try:
-                return await decode_async(record.value) if record is not None else None
+                return await self.codec.decode_async(record.value) if record is not None else None
             except DecodeError:
                 return None
 

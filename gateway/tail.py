@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.dependencies import from_log
-from pipeline.codec import DecodeError, Position, decode_async, decode_live, open_live_async
+from pipeline.codec import Codec, DecodeError, Position, parse_live
 from pipeline.kafka import QUICK_ASSIGN, LogReader, Record
 from pipeline.retry import QuietLog
 from pipeline.topics import GENERATIONS, LIVE
@@ -181,11 +181,12 @@ class Subscription:
 
 class GenerationTail:
     def __init__(
-        self, bootstrap: str, end_of: Callable[[str, int], Awaitable[int]],
+        self, bootstrap: str, codec: Codec, end_of: Callable[[str, int], Awaitable[int]],
         linger_s: float = 60.0, max_items: int = 1000, max_bytes: int = 4_000_000,
         timeout_s: float = 5.0,
     ) -> None:
         self._timeout_s = timeout_s
+        self._codec = codec  # opens the text of the turns followed here
         self._quiet = QuietLog(log)
         # Partitions are assigned, not subscribed: the group id is only a label.
         self._consumer = LogReader(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}",
@@ -307,12 +308,12 @@ class GenerationTail:
     async def _route_live(self, record: Record) -> None:
         partition = record.position.partition
         try:
-            batch = decode_live(record.value, open_sealed=False)
+            batch = parse_live(record.value)
             if batch.sealed:  # open the text of the turns followed here, no other's
                 followed = {ref for ref, *_ in batch.sealed if (partition, ref) in self._refs}
                 followed |= {ref for ref, _, request_id in batch.starts
                              if request_id in self._subs}
-                batch = await open_live_async(batch, followed)
+                batch = await self._codec.open_live_async(batch, followed)
         except DecodeError as exc:
             self.undecodable += 1
             self._quiet.warning("passing over %s, not a live batch: %s", record.position, exc)
@@ -334,7 +335,7 @@ class GenerationTail:
 
     async def _route_legacy(self, record: Record) -> None:
         try:
-            event = await decode_async(record.value)
+            event = await self._codec.decode_async(record.value)
         except DecodeError:
             return  # the projector dead-letters it
         subs = self._subs.get(event.request_id)

@@ -137,8 +137,9 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
         raise SystemExit("replay needs a target: --schema NAME or --target-url URL "
                          "(the live store is never overwritten)")
     try:
-        with open_keyring(common, "replay", read_ahead=True):
-            stats = run_replay(common.kafka_bootstrap, url, args.schema, args.until)
+        with open_keyring(common, "replay", read_ahead=True) as keyring:
+            stats = run_replay(common.kafka_bootstrap, url, keyring.codec, args.schema,
+                               args.until)
     except (ReplayError, ValueError) as exc:
         print(f"replay refused: {exc}", file=sys.stderr)
         return 2
@@ -188,11 +189,11 @@ def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from projections.audit import audit, format_text
 
     since = args.since or (None if args.from_beginning else _created(common, args.session_id))
-    with open_keyring(common, "audit"):
+    with open_keyring(common, "audit") as keyring:
         if since is None and not args.from_beginning:
             print("the store does not know when this session began: reading its "
                   "partitions from their start (--since bounds the read)", file=sys.stderr)
-        entries, live = audit(common.kafka_bootstrap, args.session_id,
+        entries, live = audit(common.kafka_bootstrap, keyring.codec, args.session_id,
                               None if since is None else int(since.timestamp() * 1000))
     if not entries:
         print(f"no events for session {args.session_id}", file=sys.stderr)

@@ -22,7 +22,7 @@ import uuid
 
 import psycopg
 
-from pipeline.codec import conversation_key, encode
+from pipeline.codec import bare, conversation_key
 from pipeline.digests import Digester
 from pipeline.kafka import GroupStatus, ProduceError
 from pipeline.kafka.plain import PlainWriter
@@ -138,7 +138,7 @@ def erase(keyring: Keyring, writer: PlainWriter,
     for start in range(0, len(targets), chunk):
         part = targets[start:start + chunk]
         for conversation, tenant, _ in part:
-            writer.send(CONTROL, conversation_key(conversation), encode(SessionDeleted(
+            writer.send(CONTROL, conversation_key(conversation), bare(SessionDeleted(
                 conversation_id=conversation, tenant=tenant, reason="erased",
                 request_id=f"erase-{uuid.uuid4().hex}")))
         failed = writer.flush(timeout)

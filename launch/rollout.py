@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.codec import DecodeError, decode
+from pipeline.codec import DecodeError, parse
 from pipeline.kafka.plain import PlainReader
 from pipeline.rollout import RolloutBook, publish
 from pipeline.roster import Roster
@@ -66,7 +66,7 @@ class Controller:
             while True:
                 for msg in reader.read(500, 0.5):
                     try:
-                        health.add(decode(msg.value))
+                        health.add(parse(msg.value))  # ids and counts only
                     except DecodeError:
                         continue
                 figures = health.figures()

@@ -127,7 +127,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
             log.info("worker ready: engine %s, model %s, max_num_seqs %d", settings.engine,
                      engine.model_name, engine.max_num_seqs)
             worker = await Worker.opened(engine, common.kafka_bootstrap, registry, settings,
-                                         max_record_bytes=common.max_record_bytes,
+                                         keyring.codec, max_record_bytes=common.max_record_bytes,
                                          compression=common.compression)
             serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
@@ -162,12 +162,12 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
     store.migrate(url)
     embedder = open_embedder(common, settings)
     registry = CollectorRegistry()
+    keyring = open_keyring(common, "memory")  # content is sealed
     service = MemoryService(settings, common.kafka_bootstrap, url, embedder, registry,
-                            Digester(load_kek(common)))
+                            Digester(load_kek(common)), keyring.codec)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:
-        keyring = await asyncio.to_thread(open_keyring, common, "memory")  # content is sealed
         await service.open()
         stop = asyncio.Event()
         consuming = asyncio.create_task(service.run(stop))
@@ -183,12 +183,14 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
                 await consuming
             await service.close()
             embedder.close()
-            keyring.close()
 
     app = service.app()
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                loop="uvloop", http="httptools")
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                    loop="uvloop", http="httptools")
+    finally:
+        keyring.close()
 
 
 def _stop_if_failed(task: asyncio.Task[None]) -> None:

@@ -36,7 +36,7 @@ from memory.embedder import Embedder
 from memory.recalls import Recalls, TenantBusy
 from memory.settings import MemorySettings
 from memory.store import Remembered
-from pipeline.codec import DecodeError, decode, decode_async
+from pipeline.codec import Codec, DecodeError, parse
 from pipeline.deadletter import dead_letter
 from pipeline.digests import Digester
 from pipeline.kafka import EventProducer, GroupConsumer, Record
@@ -99,8 +99,9 @@ def remembered(event: PromptSubmitted, max_chars: int) -> Remembered | None:
 class MemoryService:
     def __init__(self, settings: MemorySettings, bootstrap: str, database_url: str,
                  embedder: Embedder, registry: CollectorRegistry,
-                 digests: Digester) -> None:
+                 digests: Digester, codec: Codec) -> None:
         self.settings = settings
+        self.codec = codec  # opens the prompts a memory is made of
         self.digests = digests  # a forgetting names its user by digest in the log
         self.bootstrap = bootstrap
         self.embedder = embedder
@@ -171,9 +172,9 @@ class MemoryService:
             try:
                 # Content is opened only where a memory is made of it (no key looked
                 # for a conversation without memory).
-                event = decode(record.value, open_sealed=False)
+                event = parse(record.value)
                 if isinstance(event, PromptSubmitted) and event.memory and event.sealed:
-                    event = await decode_async(record.value)
+                    event = await self.codec.decode_async(record.value)
                 events.append(event)
             except DecodeError as exc:
                 self.metrics.dead_letters.inc()

@@ -29,7 +29,7 @@ from typing import Literal, TypeVar
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pipeline import sealing
-from pipeline.codec import conversation_key
+from pipeline.codec import Codec, conversation_key
 from pipeline.digests import Digester
 from pipeline.erasures import Erasures, ErasuresUnavailable, erasure_record
 from pipeline.kafka import KafkaException, ProduceError, Record
@@ -129,12 +129,15 @@ class Keyring:
         self._writer: PlainWriter | None = None
         self._quiet = QuietLog(log)
         self.fetches = 0  # look-ups that read chat.keys
+        # Seals and opens content with this ring's keys.
+        self.codec = Codec(sealing.Cipher(self))
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> Keyring:
         """Read ``chat.erasures`` to its end and check the key-encryption key against the
         newest record of each ``chat.keys`` partition (``KeyringError`` if another one
-        wrapped it); then seal and open this process's content with this ring."""
+        wrapped it). Its reader and writer of content seal and open with it through a
+        codec (``codec``)."""
         try:
             self._erasures.start()
         except ErasuresUnavailable as exc:
@@ -157,7 +160,6 @@ class Keyring:
         except BaseException:
             self.close()
             raise
-        sealing.install(self)
         return self
 
     def _check_kek(self, partitions: list[int]) -> None:
@@ -194,7 +196,6 @@ class Keyring:
                 time.sleep(0.2)
 
     def close(self) -> None:
-        sealing.uninstall(self)
         self._erasures.close()
         with self._fetching:
             if self._reader is not None:
@@ -476,7 +477,8 @@ def _info(record: Record) -> KeyInfo | None:
 
 
 def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) -> Keyring:
-    """This process's keyring, started and installed (see ``Keyring.start``)."""
+    """This process's keyring, started (see ``Keyring.start``): its ``codec`` seals and
+    opens the process's content."""
     try:
         kek = load_kek(common)
         previous = load_previous_keks(common)

@@ -9,11 +9,11 @@ counts, times and codes stay in the clear: the log stays readable for routing,
 ordering, analytics and audit of who did what, and a conversation whose key is gone
 keeps them.
 
-This module is the cipher and the registry of keyrings; it does no I/O. The codec
-(``pipeline.codec``) seals and opens through it, so every reader and writer of events
-does so without knowing: a process that installed a keyring (``install``) reads and
-writes sealed content, and one that did not writes content in the clear and reads
-sealed content as erased.
+This module is the cipher; it does no I/O. A ``Cipher`` holds the keyrings a reader or
+writer seals and opens with, and is given to the codec explicitly
+(``pipeline.codec.Codec``): a codec whose cipher holds a keyring reads and writes
+sealed content, and one whose cipher holds none (``CLEAR``) writes content in the clear
+and reads sealed content as erased.
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ class RingUnavailable(RuntimeError):
 
 
 class KeyNotHeld(Exception):
-    """A key no installed keyring holds yet, nor knows to be gone, asked for on a thread
-    that runs an event loop. Looking for it reads the key topic, which may take as long
-    as Kafka does to answer, and would stall every task of the loop meanwhile: the
-    caller looks for it on another thread (``pipeline.codec.decode_async``)."""
+    """A key no keyring of the cipher holds yet, nor knows to be gone, asked for on a
+    thread that runs an event loop. Looking for it reads the key topic, which may take
+    as long as Kafka does to answer, and would stall every task of the loop meanwhile:
+    the caller looks for it on another thread (``pipeline.codec.Codec.decode_async``)."""
 
     def __init__(self, key_id: str, written_at: float | None = None) -> None:
         super().__init__(f"data key {key_id} not held yet")
@@ -108,7 +108,7 @@ class Ring(Protocol):
     def for_writing(self, conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
         """The key this ring holds to seal the conversation's content with; ``"erased"``
         if its keys were destroyed; None if it holds none (the writer names its key:
-        ``pipeline.codec.encode``)."""
+        ``pipeline.codec.Codec.encode``)."""
 
     def for_reading(self, key_id: str, wait: bool = True,
                     written_at: float | None = None) -> DataKey | None:
@@ -121,7 +121,6 @@ class Ring(Protocol):
         """Whether the conversation's keys were destroyed (a set look-up: never waits)."""
 
 
-_rings: list[Ring] = []
 # The keys a coroutine looked up on another thread after ``KeyNotHeld`` (None: gone), for
 # the decode it then runs again: that decode uses them whatever the keyrings' bounded
 # caches let go meanwhile (other look-ups, keys read ahead), so it cannot miss again
@@ -130,69 +129,71 @@ LOOKED_UP: ContextVar[dict[str, DataKey | None] | None] = ContextVar("looked_up"
                                                                      default=None)
 
 
-def install(ring: Ring) -> None:
-    """Seal and open content in this process with ``ring``'s keys (asked before the
-    rings installed earlier)."""
-    if ring not in _rings:
-        _rings.insert(0, ring)
+class Cipher:
+    """The keyrings one reader or writer seals and opens content with, asked in the
+    order given. A process reading several clusters (an auditor, the tests) holds a ring
+    for each; a cipher with none seals nothing and opens nothing."""
 
+    __slots__ = ("rings",)
 
-def uninstall(ring: Ring) -> None:
-    if ring in _rings:
-        _rings.remove(ring)
+    def __init__(self, *rings: Ring) -> None:
+        self.rings = rings
 
+    def __bool__(self) -> bool:
+        return bool(self.rings)
 
-def active() -> bool:
-    return bool(_rings)
+    def __repr__(self) -> str:
+        return f"Cipher({len(self.rings)} rings)"
 
+    def revoked(self, conversation_id: uuid.UUID) -> bool:
+        """Whether a ring knows the conversation's keys destroyed."""
+        return any(ring.revoked(conversation_id) for ring in self.rings)
 
-def revoked(conversation_id: uuid.UUID) -> bool:
-    """Whether an installed ring knows the conversation's keys destroyed."""
-    return any(ring.revoked(conversation_id) for ring in _rings)
-
-
-def writing_key(conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
-    for ring in _rings:
-        found = ring.for_writing(conversation_id)
-        if found is not None:
-            return found
-    return None
-
-
-def reading_key(key_id: str, written_at: float | None = None) -> DataKey | None:
-    """The key of that id, or None if it is gone (``written_at``: when the content it
-    sealed was written). Never waits on a thread that runs an event loop: ``KeyNotHeld``
-    there if no keyring holds it or knows it gone yet."""
-    if key_id == ERASED:
+    def writing_key(self, conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
+        for ring in self.rings:
+            found = ring.for_writing(conversation_id)
+            if found is not None:
+                return found
         return None
-    looked_up = LOOKED_UP.get()
-    if looked_up is not None and key_id in looked_up:
-        return looked_up[key_id]
-    # A process reading several clusters (an auditor, the tests) holds a ring for each:
-    # the ring that holds the key answers before any other looks for it.
-    unknown = False
-    for ring in _rings:
-        try:
-            found = ring.for_reading(key_id, False, written_at)
-        except KeyNotHeld:
-            unknown = True
-            continue
-        if found is not None:
-            return found
-    if not unknown:
+
+    def reading_key(self, key_id: str, written_at: float | None = None) -> DataKey | None:
+        """The key of that id, or None if it is gone (``written_at``: when the content
+        it sealed was written). Never waits on a thread that runs an event loop:
+        ``KeyNotHeld`` there if no ring holds it or knows it gone yet."""
+        if key_id == ERASED:
+            return None
+        looked_up = LOOKED_UP.get()
+        if looked_up is not None and key_id in looked_up:
+            return looked_up[key_id]
+        # The ring that holds the key answers before any other looks for it.
+        unknown = False
+        for ring in self.rings:
+            try:
+                found = ring.for_reading(key_id, False, written_at)
+            except KeyNotHeld:
+                unknown = True
+                continue
+            if found is not None:
+                return found
+        if not unknown:
+            return None
+        if _on_a_loop():
+            raise KeyNotHeld(key_id, written_at)
+        if len(self.rings) > 1:
+            # Each ring would look for a recent key it does not hold for minutes (see
+            # ``pipeline.keystore``) though the key is another cluster's: a reader of
+            # several clusters takes a key not found as gone at once.
+            written_at = None
+        for ring in self.rings:
+            found = ring.for_reading(key_id, True, written_at)
+            if found is not None:
+                return found
         return None
-    if _on_a_loop():
-        raise KeyNotHeld(key_id, written_at)
-    if len(_rings) > 1:
-        # Each ring would look for a recent key it does not hold for minutes (see
-        # ``pipeline.keystore``) though the key is another cluster's: a process reading
-        # several clusters takes a key not found as gone at once.
-        written_at = None
-    for ring in _rings:
-        found = ring.for_reading(key_id, True, written_at)
-        if found is not None:
-            return found
-    return None
+
+
+# Seals nothing, opens nothing: content written in the clear, sealed content read as
+# erased.
+CLEAR = Cipher()
 
 
 def _on_a_loop() -> bool:

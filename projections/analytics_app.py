@@ -18,7 +18,7 @@ import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from prometheus_client import CollectorRegistry
 
-from pipeline.codec import DecodeError, Position, decode
+from pipeline.codec import DecodeError, Position, parse
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import EventProducer, KafkaException, Record, wait_for_broker
 from pipeline.kafka.config import ENV, ClientConfigError, client_properties
@@ -116,7 +116,7 @@ def build_app(settings: AnalyticsSettings, bootstrap: str, store: AnalyticsStore
                                 message.key, message.value, int(message.timestamp * 1000))
                 lag[message.tp] = message.offset
                 try:
-                    items.append((record, decode(message.value)))
+                    items.append((record, parse(message.value)))  # content left sealed
                 except DecodeError as exc:
                     await park(record, str(exc))
             for record, reason in await store.apply(items):

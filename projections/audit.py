@@ -11,14 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.codec import (
-    DecodeError,
-    Position,
-    conversation_key,
-    decode,
-    decode_live,
-    open_live,
-)
+from pipeline.codec import Codec, DecodeError, Position, conversation_key, parse_live
 from pipeline.kafka import LogReader, Record
 from pipeline.partitioning import partition_for
 from pipeline.topics import CLOCK_SKEW_MS, CONVERSATION_TOPICS, LIVE, PROMPTS
@@ -105,13 +98,14 @@ def _scan(consumer: LogReader, starts: dict[tuple[str, int], int],
     return kept
 
 
-def read_history(consumer: LogReader, conversation_id: uuid.UUID,
+def read_history(consumer: LogReader, codec: Codec, conversation_id: uuid.UUID,
                  since_ms: int | None = None) -> tuple[list[Entry], list[LiveEntry]]:
     """Every record keyed by the conversation, from every topic of the durable record
     (from ``since_ms`` on, if given: its first event's time), and its turns' entries in
     the live stream, read from shortly before each turn started to shortly after it
     ended (runs on the consumer thread). A conversation lives in one partition of each
-    topic, so only those are read; and only its records are decoded and held."""
+    topic, so only those are read; and only its records are decoded and held. Its
+    content is opened with ``codec``."""
     key = conversation_key(conversation_id)
     partitions = len(consumer.partitions_sync(PROMPTS))
     p = partition_for(key, partitions)
@@ -121,7 +115,7 @@ def read_history(consumer: LogReader, conversation_id: uuid.UUID,
     entries_: list[Entry] = []
     for record in _scan(consumer, starts, lambda r: r.key == key):
         try:
-            entries_.append(Entry(record.position, decode(record.value)))
+            entries_.append(Entry(record.position, codec.decode(record.value)))
         except DecodeError as exc:
             entries_.append(Entry(record.position, None, str(exc)))
     prompts = [(e.position.offset, e.event) for e in entries_
@@ -140,10 +134,10 @@ def read_history(consumer: LogReader, conversation_id: uuid.UUID,
         for record in _scan(consumer, {(LIVE, p): span[0]}, lambda _r: True,
                             {(LIVE, p): span[1]}):
             try:
-                batch = decode_live(record.value, open_sealed=False)
+                batch = parse_live(record.value)
                 if not any(ref in refs for _, ref, _ in entries(batch)):
                     continue  # other conversations' turns: their keys are not fetched
-                batch = open_live(batch, refs)
+                batch = codec.open_live(batch, refs)
             except DecodeError:
                 continue
             live += [LiveEntry(record.position, index, refs[ref], item)
@@ -263,8 +257,8 @@ def _summary(event: Event) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def audit(bootstrap: str, conversation_id: uuid.UUID, since_ms: int | None = None
-          ) -> tuple[list[Entry], list[LiveEntry]]:
+def audit(bootstrap: str, codec: Codec, conversation_id: uuid.UUID,
+          since_ms: int | None = None) -> tuple[list[Entry], list[LiveEntry]]:
     import asyncio
 
     async def run() -> tuple[list[Entry], list[LiveEntry]]:
@@ -272,7 +266,8 @@ def audit(bootstrap: str, conversation_id: uuid.UUID, since_ms: int | None = Non
         consumer = LogReader(bootstrap, f"audit-{uuid.uuid4().hex[:12]}",
                                  **{"queued.max.messages.kbytes": 8192})
         try:
-            return await consumer.call(read_history, consumer, conversation_id, since_ms)
+            return await consumer.call(read_history, consumer, codec, conversation_id,
+                                       since_ms)
         finally:
             await consumer.close()
 

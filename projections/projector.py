@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.codec import TP, DecodeError, decode_async
+from pipeline.codec import CLEAR, TP, Codec, DecodeError
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import (
     BEGINNING,
@@ -125,11 +125,13 @@ Destroy = Callable[[list[tuple[uuid.UUID, str, list[str]]]], Awaitable[None]]
 async def apply_batch(
     conn: psycopg.AsyncConnection,  # autocommit: each step is a transaction of its own
     records: list[Record],
+    codec: Codec,
     park: Park | None = None,
     keep: Callable[[Event], bool] = lambda _e: True,
     destroy: Destroy | None = None,
 ) -> Batch:
-    """Apply ``records`` and their positions in one transaction.
+    """Apply ``records`` and their positions in one transaction, their content opened
+    with ``codec``.
 
     Records that do not decode, events the projection cannot turn into writes, and
     events whose rows Postgres refuses for their content (``caused_by_event``) are
@@ -158,7 +160,7 @@ async def apply_batch(
                 batch.deleted.add(parsed[0])
             continue
         try:
-            event = await decode_async(record.value)
+            event = await codec.decode_async(record.value)
         except DecodeError as exc:
             batch.parked.append((record, str(exc)))
             continue
@@ -284,6 +286,8 @@ class Projector:
         self.topics = topics
         self.group = group or settings.group
         self.keyring = keyring  # the deleted conversations' keys are destroyed with it
+        # The store holds content in the clear, opened with the ring's keys.
+        self.codec = keyring.codec if keyring is not None else CLEAR
         self._quiet = QuietLog(log)
         self._positions: dict[TP, int] = {}  # what is stored, as far as this process knows
         # Stored positions not yet mirrored into Kafka for lag tools: those applied or
@@ -414,7 +418,7 @@ class Projector:
             await asyncio.gather(*(dead_letter(producer, r, why, self.group)
                                    for r, why in parked))
 
-        batch = await apply_batch(conn, records, park, destroy=self._destroy_keys
+        batch = await apply_batch(conn, records, self.codec, park, destroy=self._destroy_keys
                                   if self.keyring is not None else None)
         self.metrics.dead_letters.inc(len(batch.parked))
         for kind, n in batch.applied.items():

@@ -2,7 +2,8 @@
 
 The replay reads both topics from their start up to the end they have when it
 begins, through the same projection and batch transactions as the live projector
-(positions included, so a live projector can take the rebuilt store over).
+(positions included, so a live projector can take the rebuilt store over), the content
+opened with the codec it is given (a keyring's, as the projector's).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import psycopg
 from psycopg import sql
 from tqdm import tqdm
 
+from pipeline.codec import Codec
 from pipeline.kafka import LogReader
 from pipeline.topics import STORE_TOPICS
 from projections.migrate import in_schema, migrate
@@ -63,6 +65,7 @@ def prepare_target(database_url: str, schema: str | None) -> None:
 async def replay(
     bootstrap: str,
     database_url: str,
+    codec: Codec,
     *,
     schema: str | None = None,
     until: datetime | None = None,
@@ -90,7 +93,7 @@ async def replay(
                 records = [r for r in records
                            if r.position.offset < ends[(r.position.topic, r.position.partition)]]
                 if records:
-                    batch = await apply_batch(conn, records, keep=keep)
+                    batch = await apply_batch(conn, records, codec, keep=keep)
                     records_seen += len(records)
                     applied += sum(batch.applied.values())
                     undecodable += len(batch.parked)
@@ -115,6 +118,6 @@ def _count_to_read(consumer: LogReader, ends: dict[tuple[str, int], int]) -> int
     return sum(end - consumer.watermarks_sync(t, p)[0] for (t, p), end in ends.items())
 
 
-def run_replay(bootstrap: str, database_url: str, schema: str | None,
+def run_replay(bootstrap: str, database_url: str, codec: Codec, schema: str | None,
                until: datetime | None) -> ReplayStats:
-    return asyncio.run(replay(bootstrap, database_url, schema=schema, until=until))
+    return asyncio.run(replay(bootstrap, database_url, codec, schema=schema, until=until))

@@ -23,7 +23,7 @@ record there. Entries are arrays, to keep a token's cost near its text's:
   this record, sealed with its conversation's data key (``pipeline.sealing``): a JSON
   array of ``[text, [token ids]]``, one per delta of the turn, in order. Those deltas
   are written with their text empty and no token ids; a reader holding the key puts
-  them back (``pipeline.codec.decode_live``).
+  them back (``pipeline.codec.Codec.decode_live``).
 
 ``ref`` is the turn's accepted prompt's offset in its partition of ``chat.prompts``:
 unique in the partition, known to the worker that runs the turn and to every reader

@@ -28,7 +28,7 @@ from pipeline.keystore import open_keyring
 from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import STORE_TOPICS, TopicPolicy, topic_specs
 from projections.migrate import migrate
-from tests.logread import end_offsets
+from tests.logread import end_offsets, hold
 
 PARTITIONS = 3
 MODEL = "tiny-random-llama"
@@ -67,7 +67,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(postgres.url)
         # The tests read content from the log as the services do: with its data keys.
-        with open_keyring(CommonSettings(kafka_bootstrap=broker.bootstrap), "tests"):
+        with hold(broker.bootstrap, open_keyring(
+                CommonSettings(kafka_bootstrap=broker.bootstrap), "tests")) as keyring, \
+                keyring:
             yield Stack(broker.bootstrap, postgres.url, tmp_path_factory.mktemp("logs"))
     finally:
         postgres.stop()
@@ -184,7 +186,9 @@ def sim_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         wait_for_broker(broker.bootstrap)
         ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(database_url)
-        with open_keyring(CommonSettings(kafka_bootstrap=broker.bootstrap), "tests-sim"):
+        with hold(broker.bootstrap, open_keyring(
+                CommonSettings(kafka_bootstrap=broker.bootstrap), "tests-sim")) as keyring, \
+                keyring:
             yield Stack(broker.bootstrap, database_url, stack.logs)
     finally:
         broker.stop()

@@ -1,15 +1,19 @@
 """Read a topic from the beginning up to its current end, as an auditor would: committed
-records only (``isolation.level=read_committed``), unless asked for everything."""
+records only (``isolation.level=read_committed``), unless asked for everything; content
+opened with the keyring of the cluster read (``hold``), as an auditor holding it does."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from pipeline.codec import DecodeError, Position, decode, decode_live
+from pipeline.codec import CLEAR, Codec, DecodeError, Position
+from pipeline.keystore import Keyring
 from pipeline.topics import GENERATIONS, LIVE, PROMPTS
 from schemas import Event, GenerationFailed, GenerationFinished, PromptSubmitted
 from schemas.history import History, session_inputs
@@ -17,6 +21,25 @@ from schemas.live import Delta, Start, StreamItem, entries
 
 RawRecord = tuple[Position, bytes | None, dict[str, bytes]]
 Marks = dict[str, dict[int, int]]  # topic -> partition -> offset
+# The codec of each cluster's keyring the tests hold, by its bootstrap.
+_held: dict[str, Codec] = {}
+
+
+@contextlib.contextmanager
+def hold(bootstrap: str, keyring: Keyring) -> Iterator[Keyring]:
+    """Read the content of the cluster at ``bootstrap`` with ``keyring``'s keys."""
+    _held[bootstrap] = codec = keyring.codec
+    try:
+        yield keyring
+    finally:
+        if _held.get(bootstrap) is codec:
+            del _held[bootstrap]
+
+
+def codec_of(bootstrap: str) -> Codec:
+    """What the cluster's content is read with: its keyring's codec if the tests hold it,
+    else one that opens nothing."""
+    return _held.get(bootstrap, CLEAR)
 
 
 def read_records(bootstrap: str, topic: str, committed: bool = True,
@@ -58,10 +81,11 @@ def read_events(bootstrap: str, topic: str, committed: bool = True,
                 since: Marks | None = None, stable: bool = False,
                 ) -> list[tuple[Position, Event]]:
     events = []
+    codec = codec_of(bootstrap)
     for position, value, _ in read_records(bootstrap, topic, committed,
                                            since=since, stable=stable):
         try:
-            events.append((position, decode(value)))
+            events.append((position, codec.decode(value)))
         except DecodeError:
             continue
     return events
@@ -106,10 +130,11 @@ def read_live(bootstrap: str, committed: bool = True, since: Marks | None = None
                for p, e in read_events(bootstrap, PROMPTS, since=since)
                if isinstance(e, PromptSubmitted)}
     out = []
+    codec = codec_of(bootstrap)
     for position, value, _ in read_records(bootstrap, LIVE, committed, since=since,
                                            stable=stable):
         try:
-            batch = decode_live(value)
+            batch = codec.decode_live(value)
         except DecodeError:
             continue
         for index, ref, item in entries(batch):

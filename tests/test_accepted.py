@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from infra.postgres import PostgresServer
 from infra.process import free_port
-from pipeline.codec import encode
+from pipeline.codec import CLEAR
 from pipeline.topics import CONTROL, DEADLETTER, GENERATIONS, PROMPTS
 from projections.migrate import migrate
 from projections.projector import caused_by_event
@@ -167,11 +167,12 @@ def test_events_that_break_the_stores_constraints_are_dead_lettered(acc: Accepti
     nul = SessionCreated(conversation_id=uuid.uuid4(), request_id=f"nul-{uuid.uuid4().hex}",
                          title="nul\x00title")
     # Encoded once: content is sealed with a fresh nonce at each encoding.
-    written = {name: encode(event) for name, (_, event) in bad.items()}
+    written = {name: CLEAR.encode(event) for name, (_, event) in bad.items()}
     for name, (topic, event) in bad.items():
         produce(acc.stack.bootstrap, topic, str(event.conversation_id).encode(), written[name])
     for topic, event in ((PROMPTS, long_key), (CONTROL, nul)):
-        produce(acc.stack.bootstrap, topic, str(event.conversation_id).encode(), encode(event))
+        produce(acc.stack.bootstrap, topic, str(event.conversation_id).encode(),
+                CLEAR.encode(event))
     after = httpx.post(f"{acc.url}/v1/chat/completions", json=acc.chat("still here?"),
                        timeout=60)
     assert after.status_code == 200, after.text

@@ -26,7 +26,7 @@ import pytest
 from confluent_kafka import Producer
 
 from infra.process import free_port
-from pipeline.codec import conversation_key, encode, key_of
+from pipeline.codec import CLEAR, conversation_key, key_of
 from pipeline.partitioning import partition_for
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
 from projections.migrate import in_schema, migrate
@@ -386,7 +386,7 @@ def test_aborted_transactions_and_poison_records(an: Analytics) -> None:
     for rid, commit in ((ghost, False), (real, True)):
         producer.begin_transaction()
         for topic, event in turn(rid):
-            producer.produce(topic, key=key_of(event), value=encode(event))
+            producer.produce(topic, key=key_of(event), value=CLEAR.encode(event))
         producer.flush(30)
         (producer.commit_transaction if commit else producer.abort_transaction)(30)
     plain = Producer({"bootstrap.servers": an.stack.bootstrap})
@@ -398,10 +398,10 @@ def test_aborted_transactions_and_poison_records(an: Analytics) -> None:
                               tenant="txn", model="txn-model", reply_seq=1,
                               finish_reason="stop", text="", deltas=0, duration_ms=1.0,
                               usage=Usage(prompt_tokens=1, completion_tokens=2**40))
-    nul = encode(GenerationFailed(conversation_id=uuid.uuid4(), request_id=f"nul-{uuid.uuid4()}",
-                                  tenant="txn", code="engine-dead", message="x")
-                 ).replace(b"engine-dead", b"engine\\u0000dead")
-    plain.produce(GENERATIONS, key=key_of(huge), value=encode(huge))
+    nul = CLEAR.encode(GenerationFailed(
+        conversation_id=uuid.uuid4(), request_id=f"nul-{uuid.uuid4()}", tenant="txn",
+        code="engine-dead", message="x")).replace(b"engine-dead", b"engine\\u0000dead")
+    plain.produce(GENERATIONS, key=key_of(huge), value=CLEAR.encode(huge))
     plain.produce(GENERATIONS, key=b"nul", value=nul)
     plain.flush(30)
     del producer, plain  # (their connections closed now, not at the session's end)
@@ -414,7 +414,7 @@ def test_aborted_transactions_and_poison_records(an: Analytics) -> None:
               if h.get("consumer") == b"analytics"]
     reasons = {value: h["reason"].decode() for value, h in parked}
     assert "not an event" in reasons[b'{"type": "TokenDelta", "v"']
-    assert "the analytics tables refuse it" in reasons[encode(huge)]
+    assert "the analytics tables refuse it" in reasons[CLEAR.encode(huge)]
     assert "NUL" in reasons[nul], reasons[nul]
     assert scrape(an.metrics["analytics"]).get("analytics_dead_letters_total", 0) >= 3
     assert an.services["analytics"].proc.poll() is None  # still running

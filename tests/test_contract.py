@@ -15,7 +15,7 @@ import jsonschema
 import yaml
 
 from pipeline import contract, sealing
-from pipeline.codec import decode, encode
+from pipeline.codec import CLEAR, Codec
 from pipeline.contract import event_schema
 from pipeline.settings import REPO_ROOT
 from pipeline.topics import CONVERSATION_TOPICS, LIVE
@@ -66,12 +66,12 @@ def test_real_events_validate_against_the_json_schema() -> None:
         GenerationFailed(**ids, code="engine_dead", message="gone"),
     ]
     for event in events:
-        validator.validate(json.loads(encode(event)))
+        validator.validate(json.loads(CLEAR.encode(event)))
     # And it refuses what the code refuses.
-    bad = json.loads(encode(events[4]))
+    bad = json.loads(CLEAR.encode(events[4]))
     bad["seq"] = -1
     assert not validator.is_valid(bad)
-    assert not validator.is_valid({**json.loads(encode(events[0])), "type": "Nope"})
+    assert not validator.is_valid({**json.loads(CLEAR.encode(events[0])), "type": "Nope"})
 
 
 def test_live_records_the_worker_writes_validate_against_the_live_schema() -> None:
@@ -79,7 +79,7 @@ def test_live_records_the_worker_writes_validate_against_the_live_schema() -> No
     published schema describes, and what the schema refuses the code refuses too."""
     import asyncio
 
-    from pipeline.codec import DecodeError, decode_live
+    from pipeline.codec import DecodeError
     from workers.output import Output
 
     schema = json.loads((REPO_ROOT / contract.CONTRACT_DIR / contract.LIVE_SCHEMA_FILE)
@@ -102,16 +102,16 @@ def test_live_records_the_worker_writes_validate_against_the_live_schema() -> No
 
     async def write() -> list[bytes]:
         recorder = Recorder()
-        output = Output(recorder, "w")  # type: ignore[arg-type]
+        output = Output(recorder, "w", CLEAR)  # type: ignore[arg-type]
         output.start(1, 7, GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
                                              prompt_tokens=3), b"k", 0, None)
         output.delta(1, 7, 0, 'he said "\u2603"\n', (5, 6), 0)
         finished = GenerationFinished(**ids, model="m", reply_seq=1, finish_reason="stop",
                                       text="x", usage=Usage(prompt_tokens=3, completion_tokens=2),
                                       deltas=1, duration_ms=2.0)
-        output.end(1, 7, finished, b"k", encode(finished))
+        output.end(1, 7, finished, b"k", output.encoded(finished, None))
         failed = GenerationFailed(**ids, code="engine_dead", message="gone")
-        output.end(2, 8, failed, b"k", encode(failed))
+        output.end(2, 8, failed, b"k", output.encoded(failed, None))
         output.flush(0)
         return recorder.values
 
@@ -119,12 +119,12 @@ def test_live_records_the_worker_writes_validate_against_the_live_schema() -> No
     assert len(values) == 2  # one record per partition
     for value in values:
         validator.validate(json.loads(value))
-        decode_live(value)
+        CLEAR.decode_live(value)
     bad = json.loads(values[0])
     bad["deltas"][0][1] = -1
     assert not validator.is_valid(bad)
     try:
-        decode_live(json.dumps(bad).encode())
+        CLEAR.decode_live(json.dumps(bad).encode())
     except DecodeError:
         pass
     else:
@@ -194,15 +194,11 @@ def test_every_sealed_field_is_in_the_box() -> None:
                            usage=Usage(prompt_tokens=1, completion_tokens=1), deltas=1,
                            duration_ms=1.0)]
     digest = hashlib.sha256(marker.encode()).hexdigest().encode()
-    ring = _OneKey(key)
-    sealing.install(ring)
-    try:
-        for event in events:
-            raw = encode(event, key)
-            assert marker.encode() not in raw and digest not in raw, event.type
-            assert decode(raw) == event
-    finally:
-        sealing.uninstall(ring)
+    codec = Codec(sealing.Cipher(_OneKey(key)))
+    for event in events:
+        raw = codec.encode(event, key)
+        assert marker.encode() not in raw and digest not in raw, event.type
+        assert codec.decode(raw) == event
 
 
 class _OneKey:

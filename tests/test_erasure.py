@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from infra.process import free_port
-from pipeline.codec import conversation_key, decode, encode
+from pipeline.codec import CLEAR, bare, conversation_key
 from pipeline.kafka.plain import PlainWriter
 from pipeline.kek import KeyRef
 from pipeline.keystore import Keyring, KeyringLimits, load_kek
@@ -39,7 +39,7 @@ from tests.conftest import (
     start_service,
     wait_healthy,
 )
-from tests.logread import deltas_of, end_offsets, read_events, read_records
+from tests.logread import codec_of, deltas_of, end_offsets, read_events, read_records
 from tests.replaying import cli, differences
 from tests.sse import scrape, stream_chat
 
@@ -211,7 +211,7 @@ def test_a_deletion_whose_deleter_died_before_the_keys_still_destroys_them(
                   if e.conversation_id == conversation)
     assert keys_in_log(pipeline, conversation)
     writer = PlainWriter(pipeline.stack.bootstrap, "dying-deleter")
-    writer.send(CONTROL, conversation_key(conversation), encode(SessionDeleted(
+    writer.send(CONTROL, conversation_key(conversation), bare(SessionDeleted(
         conversation_id=conversation, request_id=f"delete-{uuid.uuid4().hex}",
         tenant=prompt.tenant, reason="deleted")))
     assert writer.flush(30) == []  # and it writes nothing more
@@ -310,21 +310,13 @@ def test_a_reader_that_reads_ahead_holds_the_keys_its_fetch_brought(
         assert small.size() == 16 // 8 + 1
 
 
-def test_a_process_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:
-    from pipeline import sealing
-
+def test_a_reader_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:
     session, _ = chat(pipeline, "for keyholders only")
     raw = next(value for _, value, _ in _prompts(pipeline) if session.encode() in value)
-    assert decode(raw).messages[0].content == "for keyholders only"  # type: ignore[union-attr]
-    rings = list(sealing._rings)
-    for ring in rings:
-        sealing.uninstall(ring)
-    try:
-        blind = decode(raw)
-        assert blind.erased and blind.messages[0].content == ""  # type: ignore[union-attr]
-    finally:
-        for ring in rings:
-            sealing.install(ring)
+    opened = codec_of(pipeline.stack.bootstrap).decode(raw)  # with the cluster's keyring
+    assert opened.messages[0].content == "for keyholders only"  # type: ignore[union-attr]
+    blind = CLEAR.decode(raw)
+    assert blind.erased and blind.messages[0].content == ""  # type: ignore[union-attr]
 
 
 def _prompts(pipeline: Pipeline) -> list[tuple[object, bytes, object]]:
@@ -470,7 +462,7 @@ def test_a_destroyed_key_is_unreadable_to_every_reader_at_once(slow: Pipeline) -
             before = fetcher.fetches
             assert fetcher.for_reading(ref) is None
             assert fetcher.fetches == before + 1  # it did read the record, and refused it
-        assert decode(prompt_record).erased
+        assert holder.codec.decode(prompt_record).erased  # it held the key
     finally:
         holder.close()
     audit = cli(slow.stack, "audit", session, "--json")
@@ -516,7 +508,7 @@ def test_erasing_a_conversation_takes_its_tenant_from_the_store(pipeline: Pipeli
     projector drops it), and refuses a --tenant that is not its own."""
     conversation = uuid.uuid4()
     writer = PlainWriter(pipeline.stack.bootstrap, "other-tenant")
-    writer.send(CONTROL, conversation_key(conversation), encode(SessionCreated(
+    writer.send(CONTROL, conversation_key(conversation), bare(SessionCreated(
         conversation_id=conversation, request_id=f"session-{uuid.uuid4().hex}",
         tenant="acme")))
     assert writer.flush(30) == []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.codec import DecodeError, decode, encode
+from pipeline.codec import CLEAR, DecodeError
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -35,14 +35,14 @@ def prompt(**kw: object) -> PromptSubmitted:
 
 def test_codec_round_trips_every_field() -> None:
     event = prompt(history_len=0)
-    assert decode(encode(event)) == event
+    assert CLEAR.decode(CLEAR.encode(event)) == event
 
 
 @pytest.mark.parametrize("data", [None, b"", b"{", b'{"type": "PromptSubmitted"}',
                                   b'{"type": "Nope", "v": 1}', b"\xff\xfe"])
 def test_codec_rejects_what_is_not_an_event(data: bytes | None) -> None:
     with pytest.raises(DecodeError):
-        decode(data)
+        CLEAR.decode(data)
 
 
 def test_event_ids_are_random_version_4_uuids_and_a_forked_child_draws_its_own() -> None:

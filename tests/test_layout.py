@@ -8,7 +8,8 @@
 and rules across them: only the Kafka adapter (``pipeline/kafka/``) imports
 confluent_kafka (tests may: they write records no service would, to see them refused);
 every retry's delay comes from ``pipeline.retry.Backoff``, none doubled by hand; a Kafka
-consumer is made as a group's member or as a reader of the log, never as both.
+consumer is made as a group's member or as a reader of the log, never as both; content
+is sealed by a codec each writer is given, and no service writes it in the clear.
 
 And the size of what a newcomer reads: no module of the services over ``MAX_LINES``, no
 constructor taking more than ``MAX_COLLABORATORS``, no module of ``workers/`` importing
@@ -160,3 +161,15 @@ def test_a_consumer_is_a_groups_member_or_a_reader_of_the_log() -> None:
             for n, line in enumerate(path.read_text().splitlines(), 1)
             if re.search(r"\bAsyncConsumer\(", line)]
     assert made == [], made
+
+
+def test_no_service_writes_content_in_the_clear() -> None:
+    """Content once reached the codec through a keyring installed for the whole process:
+    a writer that ran where none was installed wrote it in the clear, and nothing said
+    so. Each writer is now given its codec, and only benches and tests may write
+    content with the codec that holds no keys (``CLEAR``); a producer's ``send`` takes
+    only events without content (``pipeline.codec.bare``)."""
+    clear = [f"{path.relative_to(REPO_ROOT)}:{n}" for path in service_modules()
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\bCLEAR\.encode\(|\bsealing\._?(install|rings)\b", line)]
+    assert clear == [], clear

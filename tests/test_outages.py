@@ -38,7 +38,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,7 +59,7 @@ from pipeline.topics import GENERATIONS, KEYS, PROMPTS, TopicPolicy, topic_specs
 from projections.migrate import migrate
 from schemas import GenerationStarted, PromptSubmitted
 from tests.conftest import PARTITIONS, Pipeline, Service, Stack, start_service, wait_healthy
-from tests.logread import end_offsets, read_events
+from tests.logread import end_offsets, hold, read_events
 from tests.replaying import differences
 from workers.sim_engine import sim_token_text
 
@@ -127,7 +127,7 @@ def running(cluster: KafkaCluster, postgres: PostgresServer, pg_home: Path, logs
     """The cluster, PostgreSQL, and what ``start`` starts on them (its services and the
     gateways' URLs), with an API key and a first turn served; all stopped after."""
     services: dict[str, Service] = {}
-    keyring: Keyring | None = None
+    held = ExitStack()
     try:
         cluster.start()
         postgres.start()
@@ -135,7 +135,8 @@ def running(cluster: KafkaCluster, postgres: PostgresServer, pg_home: Path, logs
         ensure_topics(cluster.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 3))
         migrate(postgres.url)
         # The checks read content from this cluster's log with its data keys.
-        keyring = open_keyring(CommonSettings(kafka_bootstrap=cluster.bootstrap), "fleet")
+        held.enter_context(hold(cluster.bootstrap, held.enter_context(open_keyring(
+            CommonSettings(kafka_bootstrap=cluster.bootstrap), "fleet"))))
         stack = Stack(cluster.bootstrap, postgres.url, logs)
         started, urls = start(stack)
         services.update(started)
@@ -157,8 +158,7 @@ def running(cluster: KafkaCluster, postgres: PostgresServer, pg_home: Path, logs
     finally:
         for s in services.values():
             s.stop()
-        if keyring is not None:
-            keyring.close()
+        held.close()
         postgres.stop()
         cluster.stop()
         shutil.rmtree(pg_home, ignore_errors=True)

@@ -21,7 +21,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from psycopg import sql
 
 from infra.process import free_port
-from pipeline.codec import encode
+from pipeline.codec import CLEAR
 from pipeline.kafka import GroupStatus
 from pipeline.topics import CONVERSATION_TOPICS, DEADLETTER, GENERATIONS, LIVE, PROMPTS
 from projections.migrate import migrate
@@ -128,13 +128,14 @@ def test_event_the_store_refuses_is_dead_lettered_and_projection_goes_on(
         usage=Usage(prompt_tokens=1, completion_tokens=1))
     producer = Producer({"bootstrap.servers": pipeline.stack.bootstrap,
                          "partitioner": "murmur2_random", "enable.idempotence": True})
-    producer.produce(GENERATIONS, key=str(poison.conversation_id).encode(), value=encode(poison))
+    producer.produce(GENERATIONS, key=str(poison.conversation_id).encode(),
+                     value=CLEAR.encode(poison))
     assert producer.flush(10) == 0
     session = turn(pipeline, "still projecting?")
     pipeline.wait_projected()
     reasons = [h["reason"].decode() for _, value, h in read_records(pipeline.stack.bootstrap,
                                                                       DEADLETTER)
-               if h.get("consumer") == b"projector" and value == encode(poison)]
+               if h.get("consumer") == b"projector" and value == CLEAR.encode(poison)]
     assert len(reasons) == 1 and "rejected by the store" in reasons[0]
     r = httpx.get(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30)
     assert [m["role"] for m in r.json()["data"]] == ["user", "assistant"]
@@ -290,7 +291,7 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
         for topic in order:
             for offset, event in enumerate(logs[topic]):
                 views[event.conversation_id].apply(event, offset)
-                records.append(Record(Position(topic, 0, offset), None, encode(event), 0))
+                records.append(Record(Position(topic, 0, offset), None, CLEAR.encode(event), 0))
         schema = f"rules_{uuid.uuid4().hex[:8]}"
         with psycopg.connect(stack.database_url, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
@@ -299,7 +300,7 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
         async def project_all() -> None:
             async with await psycopg.AsyncConnection.connect(
                     in_schema(stack.database_url, schema), autocommit=True) as conn:
-                await apply_batch(conn, records)
+                await apply_batch(conn, records, CLEAR)
 
         asyncio.run(project_all())
         return views, schema

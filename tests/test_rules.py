@@ -12,7 +12,7 @@ import pytest
 from gateway.edge import check_text, host_allowed, host_name, idempotency_key, load_json
 from gateway.errors import APIError
 from gateway.view import ConversationView
-from pipeline.codec import DecodeError, decode, encode
+from pipeline.codec import CLEAR, DecodeError
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -200,19 +200,19 @@ def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
     newer = (b'{"type":"PromptSubmitted","v":7,"conversation_id":"%s","request_id":"r",'
              b'"model":"m","messages":[{"role":"user","content":"x","lang":"en"}],'
              b'"priority":"high"}' % str(CONV).encode())
-    event = decode(newer)
+    event = CLEAR.decode(newer)
     assert isinstance(event, PromptSubmitted) and event.v == 7
     assert event.model_extra == {"priority": "high"}
-    assert b'"priority":"high"' in encode(event) and b'"lang":"en"' in encode(event)
+    assert b'"priority":"high"' in CLEAR.encode(event) and b'"lang":"en"' in CLEAR.encode(event)
     older = (b'{"type":"PromptSubmitted","v":1,"conversation_id":"%s","request_id":"r",'
              b'"model":"m","messages":[{"role":"user","content":"x"}]}' % str(CONV).encode())
-    upcast = decode(older)
+    upcast = CLEAR.decode(older)
     assert isinstance(upcast, PromptSubmitted)
     assert (upcast.v, upcast.history_end, upcast.alias, upcast.rollout) == (4, None, None, None)
     v2 = (b'{"type":"PromptSubmitted","v":2,"conversation_id":"%s","request_id":"r",'
           b'"model":"m","history_end":4,"messages":[{"role":"user","content":"x"}]}'
           % str(CONV).encode())
-    routed = decode(v2)
+    routed = CLEAR.decode(v2)
     assert isinstance(routed, PromptSubmitted)
     assert (routed.v, routed.history_end, routed.model, routed.alias) == (4, 4, "m", None)
     # v3 repeats the session: its first history_len messages become the inline history.
@@ -220,21 +220,21 @@ def test_unknown_fields_are_kept_and_old_versions_are_upcast() -> None:
           b'"model":"m","history_len":2,"messages":[{"role":"user","content":"a"},'
           b'{"role":"assistant","content":"b"},{"role":"user","content":"c"}]}'
           % str(CONV).encode())
-    session = decode(v3)
+    session = CLEAR.decode(v3)
     assert isinstance(session, PromptSubmitted)
     assert [m.content for m in session.history or ()] == ["a", "b"]
     assert [m.content for m in session.messages] == ["c"]
     assert (session.history_len, session.reply_seq, session.previous) == (2, 3, None)
     # A v3 prompt whose history_len leaves no new message is no prompt.
     with pytest.raises(DecodeError):
-        decode(v3.replace(b'"history_len":2', b'"history_len":3'))
+        CLEAR.decode(v3.replace(b'"history_len":2', b'"history_len":3'))
     # v1 starts and ends: their deltas are TokenDelta events beside them (no reference).
     start = (b'{"type":"GenerationStarted","v":1,"conversation_id":"%s","request_id":"r",'
              b'"model":"m","worker":"w","reply_seq":1,"prompt_tokens":3}' % str(CONV).encode())
-    started = decode(start)
+    started = CLEAR.decode(start)
     assert isinstance(started, GenerationStarted) and (started.v, started.ref) == (2, None)
     with pytest.raises(DecodeError):
-        decode(b'{"type":"PromptSubmitted","v":1}')
+        CLEAR.decode(b'{"type":"PromptSubmitted","v":1}')
 
 
 # -- what a worker does with a prompt -------------------------------------------------------

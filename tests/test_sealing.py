@@ -11,21 +11,12 @@ import os
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from typing import Literal
 
 import pytest
 
 from pipeline import sealing
-from pipeline.codec import (
-    DecodeError,
-    Position,
-    decode,
-    decode_async,
-    decode_live,
-    encode,
-    open_live,
-)
+from pipeline.codec import CLEAR, Codec, DecodeError, Position, bare, parse_live
 from pipeline.kafka import Record
 from pipeline.kek import Kek, KekError, KeyRef, key_info
 from pipeline.topics import KEYS
@@ -70,13 +61,13 @@ class Ring:
 
 
 @pytest.fixture
-def ring() -> Iterator[Ring]:
-    ring = Ring()
-    sealing.install(ring)
-    try:
-        yield ring
-    finally:
-        sealing.uninstall(ring)
+def ring() -> Ring:
+    return Ring()
+
+
+@pytest.fixture
+def codec(ring: Ring) -> Codec:
+    return Codec(sealing.Cipher(ring))
 
 
 def prompt(conversation: uuid.UUID, text: str) -> PromptSubmitted:
@@ -86,7 +77,7 @@ def prompt(conversation: uuid.UUID, text: str) -> PromptSubmitted:
         messages=(ChatMessage(role="user", content=text),))
 
 
-def test_content_is_sealed_and_opens_to_the_same_event(ring: Ring) -> None:
+def test_content_is_sealed_and_opens_to_the_same_event(ring: Ring, codec: Codec) -> None:
     conversation = uuid.uuid4()
     ring.add(conversation)
     long_reply = "a reply long enough to be deflated before it is sealed " * 20
@@ -97,29 +88,30 @@ def test_content_is_sealed_and_opens_to_the_same_event(ring: Ring) -> None:
                                  usage=Usage(prompt_tokens=1, completion_tokens=2), deltas=2,
                                  duration_ms=1.0)]
     for event in events:
-        raw = encode(event)
+        raw = codec.encode(event)
         assert b"secret" not in raw and b"deflated" not in raw
         assert json.loads(raw)["sealed"]["key"] == ring.keys[conversation].key_id
-        assert decode(raw) == event
+        assert codec.decode(raw) == event
     # Deflated before sealing: the box is smaller than the text it holds.
-    assert len(encode(events[2])) < len(long_reply)
+    assert len(codec.encode(events[2])) < len(long_reply)
 
 
-def test_recalled_memories_are_sealed_with_the_turn_and_erased_with_it(ring: Ring) -> None:
+def test_recalled_memories_are_sealed_with_the_turn_and_erased_with_it(
+        ring: Ring, codec: Codec) -> None:
     conversation = uuid.uuid4()
     ring.add(conversation)
     event = prompt(conversation, "question").model_copy(update={
         "memory": True, "user": "alice",
         "recalled": (Recalled(id="chatcmpl-1", text="secret fact"),
                      Recalled(id="chatcmpl-2", text="secret too"))})
-    raw = encode(event)
+    raw = codec.encode(event)
     assert b"secret" not in raw and b"chatcmpl-1" in raw  # which memories: in the clear
-    assert decode(raw) == event
+    assert codec.decode(raw) == event
     # What the model is given: one system message before the session, from the event.
-    [given] = recall(decode(raw).recalled)  # type: ignore[union-attr]
+    [given] = recall(codec.decode(raw).recalled)  # type: ignore[union-attr]
     assert given.role == "system" and "- secret fact\n- secret too" in given.content
     ring.destroy(conversation)
-    erased = decode(raw)
+    erased = codec.decode(raw)
     assert isinstance(erased, PromptSubmitted) and erased.erased
     assert [r.text for r in erased.recalled] == ["", ""]
     assert [r.id for r in erased.recalled] == ["chatcmpl-1", "chatcmpl-2"]
@@ -129,48 +121,71 @@ def test_recalled_memories_are_sealed_with_the_turn_and_erased_with_it(ring: Rin
 
 
 def test_without_the_key_content_reads_as_erased_and_nothing_else_changes(
-        ring: Ring) -> None:
+        ring: Ring, codec: Codec) -> None:
     conversation = uuid.uuid4()
     ring.add(conversation)
     event = prompt(conversation, "secret words")
-    raw = encode(event)
+    raw = codec.encode(event)
     ring.destroy(conversation)
-    erased = decode(raw)
+    erased = codec.decode(raw)
     assert isinstance(erased, PromptSubmitted) and erased.erased
     assert [m.content for m in (*erased.messages, *(erased.history or ()))] == ["", ""]
     assert erased.model_dump(exclude={"messages", "history", "sealed"}) == \
         event.model_dump(exclude={"messages", "history", "sealed"})
     # Re-encoded (an audit, a dead letter), it stays as it was: nothing to open.
-    assert decode(encode(erased)) == erased
+    assert codec.decode(codec.encode(erased)) == erased
     # Written after its keys were destroyed: the content is dropped, not written clear.
-    late = encode(prompt(conversation, "written late"))
-    assert b"written late" not in late and decode(late).erased
+    late = codec.encode(prompt(conversation, "written late"))
+    assert b"written late" not in late and codec.decode(late).erased
 
 
-def test_a_box_moved_to_another_conversation_or_altered_does_not_open(ring: Ring) -> None:
+def test_a_box_moved_to_another_conversation_or_altered_does_not_open(
+        ring: Ring, codec: Codec) -> None:
     mine, theirs = uuid.uuid4(), uuid.uuid4()
     ring.add(mine)
     ring.add(theirs)
-    data = json.loads(encode(prompt(mine, "secret words")))
+    data = json.loads(codec.encode(prompt(mine, "secret words")))
     moved = {**data, "conversation_id": str(theirs)}
     with pytest.raises(DecodeError, match="another conversation"):
-        decode(json.dumps(moved).encode())
+        codec.decode(json.dumps(moved).encode())
     box = data["sealed"]["box"]
     altered = {**data, "sealed": {**data["sealed"], "box": box[:-8] + "AAAAAAA="}}
     with pytest.raises(DecodeError, match="does not open"):
-        decode(json.dumps(altered).encode())
+        codec.decode(json.dumps(altered).encode())
 
 
-def test_a_conversation_without_keys_is_written_in_the_clear(ring: Ring) -> None:
-    raw = encode(prompt(uuid.uuid4(), "legacy words"))
+def test_a_conversation_without_keys_is_written_in_the_clear(ring: Ring, codec: Codec) -> None:
+    raw = codec.encode(prompt(uuid.uuid4(), "legacy words"))
     assert b"legacy words" in raw and b"sealed" not in raw
 
 
-def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring) -> None:
+def test_a_codec_seals_with_its_own_cipher_alone(ring: Ring, codec: Codec) -> None:
+    """The cipher is given to each codec: no keyring is the process's. Two readers in one
+    process (an auditor of two clusters, a service and its tests) each open what their
+    own keys open; and no producer writes content in the clear unless its writer's codec
+    says so."""
+    conversation = uuid.uuid4()
+    ring.add(conversation)
+    written = prompt(conversation, "secret words")
+    raw = codec.encode(written)
+    assert codec.decode(raw) == written
+    assert CLEAR.decode(raw).erased  # one holding no keys reads it as erased
+    other = Ring()
+    assert Codec(sealing.Cipher(other)).decode(raw).erased
+    other.keys[conversation] = ring.keys[conversation]
+    assert Codec(sealing.Cipher(other)).decode(raw) == written
+    # A producer's ``send`` encodes bare: content must come through a codec.
+    with pytest.raises(ValueError, match="carries content"):
+        bare(written)
+    assert bare(CLEAR.decode(raw)) == raw  # sealed already: as it was
+    assert b"secret words" in CLEAR.encode(written)  # in the clear, as asked
+
+
+def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring, codec: Codec) -> None:
     a, b, clear = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     ring.add(a)
     ring.add(b)
-    output = Output(None, "w")  # type: ignore[arg-type]  # only batches are made here
+    output = Output(None, "w", codec)  # type: ignore[arg-type]  # only batches are made
     output._seals.update({(0, 10): (a, ring.keys[a]), (0, 11): (b, ring.keys[b]),
                           (0, 12): (clear, None)})
     deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
@@ -182,13 +197,13 @@ def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring) -> None:
     value = json.dumps({"type": "LiveBatch", "worker": "w", "at": 0, "deltas": kept,
                         "sealed": boxes}).encode()
     assert b"alpha" not in value and b"beta" not in value
-    assert [(d[2], d[3]) for d in decode_live(value).deltas] == [
+    assert [(d[2], d[3]) for d in codec.decode_live(value).deltas] == [
         ("alpha ", (1,)), ("beta ", (2,)), ("gamma", (3,)), ("open", (4,))]
     # A reader opens only the turns it wants; one without a turn's key gets it empty.
-    only_b = open_live(decode_live(value, open_sealed=False), {11})
+    only_b = codec.open_live(parse_live(value), {11})
     assert [d[2] for d in only_b.deltas] == ["", "beta ", "", "open"]
     ring.destroy(a)
-    assert [d[2] for d in decode_live(value).deltas] == ["", "beta ", "", "open"]
+    assert [d[2] for d in codec.decode_live(value).deltas] == ["", "beta ", "", "open"]
     # Written after its keys were destroyed: the turn's text is not written at all.
     kept, boxes = output._sealed(0, [(10, 2, "late", (5,))])
     assert kept == [(10, 2, "", ())] and boxes == [(10, sealing.ERASED, "")]
@@ -240,14 +255,13 @@ def test_a_key_not_held_yet_is_looked_for_off_the_event_loop() -> None:
     slow, other = SlowRing(), Ring()
     conversation = uuid.uuid4()
     slow.add(conversation)
-    sealing.install(other)
-    sealing.install(slow)  # asked first
+    codec = Codec(sealing.Cipher(slow, other))  # slow asked first
     written = prompt(conversation, "secret words")
-    raw = encode(written)
+    raw = codec.encode(written)
 
     async def read() -> tuple[object, int]:
         with pytest.raises(sealing.KeyNotHeld):  # on the loop: never a wait
-            decode(raw)
+            codec.decode(raw)
         ticks = 0
 
         async def tick() -> None:
@@ -257,25 +271,21 @@ def test_a_key_not_held_yet_is_looked_for_off_the_event_loop() -> None:
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
-        event = await decode_async(raw)
+        event = await codec.decode_async(raw)
         ticker.cancel()
         return event, ticks
 
-    try:
-        event, ticks = asyncio.run(read())
-        # The loop's other tasks went on while the key was looked for.
-        assert event == written
-        assert ticks >= 10 and slow.lookups == [slow.keys[conversation].key_id]
-        # A ring asked later (another cluster's) that holds a key answers before the
-        # first looks for it.
-        second = uuid.uuid4()
-        other.add(second)
-        other_prompt = prompt(second, "other words")
-        assert decode(encode(other_prompt)) == other_prompt
-        assert len(slow.lookups) == 1
-    finally:
-        sealing.uninstall(slow)
-        sealing.uninstall(other)
+    event, ticks = asyncio.run(read())
+    # The loop's other tasks went on while the key was looked for.
+    assert event == written
+    assert ticks >= 10 and slow.lookups == [slow.keys[conversation].key_id]
+    # A ring asked later (another cluster's) that holds a key answers before the first
+    # looks for it.
+    second = uuid.uuid4()
+    other.add(second)
+    other_prompt = prompt(second, "other words")
+    assert codec.decode(codec.encode(other_prompt)) == other_prompt
+    assert len(slow.lookups) == 1
 
 
 class ForgetfulRing(Ring):
@@ -301,17 +311,14 @@ def test_a_key_looked_up_opens_the_record_that_asked_whatever_the_cache_let_go()
     forgetful = ForgetfulRing()
     conversation = uuid.uuid4()
     forgetful.add(conversation)
-    sealing.install(forgetful)
-    try:
-        written = prompt(conversation, "kept words")
-        raw = encode(written)
-        event = asyncio.run(asyncio.wait_for(decode_async(raw), 10))
-        assert event == written and forgetful.lookups == 1
-        # Looked up for that record alone: the next one looks again.
-        assert asyncio.run(asyncio.wait_for(decode_async(raw), 10)) == written
-        assert forgetful.lookups == 2
-    finally:
-        sealing.uninstall(forgetful)
+    codec = Codec(sealing.Cipher(forgetful))
+    written = prompt(conversation, "kept words")
+    raw = codec.encode(written)
+    event = asyncio.run(asyncio.wait_for(codec.decode_async(raw), 10))
+    assert event == written and forgetful.lookups == 1
+    # Looked up for that record alone: the next one looks again.
+    assert asyncio.run(asyncio.wait_for(codec.decode_async(raw), 10)) == written
+    assert forgetful.lookups == 2
 
 
 def test_a_key_reference_names_its_place_and_a_short_id_alone_is_a_legacy_one() -> None:

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from pipeline.codec import encode
+from pipeline.codec import CLEAR
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
@@ -61,8 +61,8 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
         await asyncio.to_thread(writer.start)
         writer.set_group(await member.call(member.group_metadata_sync))
 
-        def event(title: str) -> SessionCreated:
-            return SessionCreated(conversation_id=uuid.uuid4(), request_id=title, title=title)
+        def event(name: str) -> SessionCreated:  # no content: sent bare
+            return SessionCreated(conversation_id=uuid.uuid4(), request_id=name)
 
         await writer.send(sink, event("while a member"), writer.epoch)
         # The member leaves and another takes the partition: the writer is now a zombie.
@@ -176,7 +176,7 @@ def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_co
                                        TransactionSettings(max_queued=50))
         for i in range(50):  # not started yet: nothing takes them
             writer.send_nowait(sink, SessionCreated(conversation_id=uuid.uuid4(),
-                                                    request_id=f"r{i}", title=str(i)))
+                                                    request_id=f"r{i}"))
         full = writer.backlogged
         waiting = asyncio.ensure_future(writer.room())
         await asyncio.sleep(0.5)
@@ -190,7 +190,7 @@ def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_co
     assert full and waited
     values = [value or b"" for _, value, _ in read_records(sim_stack.bootstrap, sink)]
     assert len(values) == 50
-    assert all(f'"title":"{i}"'.encode() in value for i, value in enumerate(values))
+    assert all(f'"request_id":"r{i}"'.encode() in value for i, value in enumerate(values))
 
 
 def test_records_dropped_while_a_transaction_waits_for_its_floor_leave_the_writer_working(
@@ -249,7 +249,7 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
                                        lambda: {(source, 0): 0})
         await asyncio.to_thread(writer.start)
         writer.set_group(await member.call(member.group_metadata_sync))
-        output = Output(writer, worker)
+        output = Output(writer, worker, CLEAR)
         key = str(conversation).encode()
         output.start(0, 7, GenerationStarted(**ids, ref=7, model="m", worker=worker,
                                              reply_seq=1, prompt_tokens=3), key, writer.epoch,
@@ -264,7 +264,7 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         finished = GenerationFinished(
             **ids, ref=7, model="m", reply_seq=1, finish_reason="stop", text="before after",
             usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1)
-        ended = output.end(0, 7, finished, key, encode(finished))
+        ended = output.end(0, 7, finished, key, CLEAR.encode(finished))
         output.flush(writer.epoch)
         try:
             await ended
@@ -301,7 +301,6 @@ def test_a_record_larger_than_its_topic_takes_is_refused_alone_and_at_once(
     def event(i: int, size: int = 10) -> SessionCreated:
         # Random text: compressed, a batch of it is still past the topic's limit.
         return SessionCreated(conversation_id=uuid.uuid4(), request_id=f"r{i}",
-                              title="x" * min(size, 200),
                               **({"padding": secrets.token_urlsafe(size)} if size > 200 else {}))
 
     async def scenario() -> tuple[list[str], float, float]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.codec import Position, encode
+from pipeline.codec import CLEAR, Position
 from pipeline.kafka import Record
 from schemas import (
     ChatMessage,
@@ -74,7 +74,7 @@ def test_recovery_from_raw_records_equals_the_fold_of_every_decoded_event() -> N
     events = [*turn("done", 5, "finished"), *turn("open", 3, None),
               *turn("failed", 2, "failed"), *turn("open", 2, None, attempt=1),
               *turn("chatcmpl-\\\"odd", 2, None)]
-    values: list[bytes | None] = [encode(e) for e in events]  # type: ignore[arg-type]
+    values: list[bytes | None] = [CLEAR.encode(e) for e in events]  # type: ignore[arg-type]
     values += [None, b"not json", b'{"request_id":"open","type":"GenerationFinished"}']
 
     expected = {rid: Recovered(ended=True) if rec.ended else rec
@@ -92,12 +92,12 @@ def test_a_takeover_holds_only_the_records_of_turns_not_seen_to_end() -> None:
     folder = LogFolder()
     for t in range(200):
         ids = {"conversation_id": uuid.uuid4(), "request_id": f"turn-{t}"}
-        folder.add(encode(GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
+        folder.add(CLEAR.encode(GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
                                             prompt_tokens=3)))
         for i in range(50):
-            folder.add(encode(TokenDelta(**ids, seq=i, text=f"t{i} ")))
+            folder.add(CLEAR.encode(TokenDelta(**ids, seq=i, text=f"t{i} ")))
         if t < 199:
-            folder.add(encode(GenerationFinished(
+            folder.add(CLEAR.encode(GenerationFinished(
                 **ids, model="m", reply_seq=1, finish_reason="stop", text="", deltas=50,
                 usage=Usage(prompt_tokens=3, completion_tokens=50), duration_ms=1)))
         assert folder.held == (51 if t == 199 else 0)

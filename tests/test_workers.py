@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from infra.process import free_port
+from pipeline.codec import CLEAR, key_of
 from pipeline.kafka import EventProducer, GroupConsumer
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
 from schemas import (
@@ -40,7 +41,7 @@ from tests.conftest import (
     start_service,
     wait_healthy,
 )
-from tests.logread import Marks, deltas_of, marks, read_events, read_live
+from tests.logread import Marks, codec_of, deltas_of, marks, read_events, read_live
 from tests.sse import Streamed, scrape, stream_chat
 from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, sim_token_text
@@ -500,7 +501,8 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
     loop = asyncio.new_event_loop()
     worker = loop.run_until_complete(Worker.opened(
         SimEngine(model, ttft_ms=0, tokens_per_s=20), sim_stack.bootstrap, registry,
-        WorkerSettings(engine="sim", transaction_interval_ms=20)))
+        WorkerSettings(engine="sim", transaction_interval_ms=20),
+        codec_of(sim_stack.bootstrap)))
     stop = asyncio.Event()
     runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
                               daemon=True)
@@ -512,10 +514,12 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
         async def submit() -> None:
             writer = EventProducer(sim_stack.bootstrap)
             try:
-                await asyncio.wait_for(writer.send(PROMPTS, PromptSubmitted(
+                prompt = PromptSubmitted(
                     conversation_id=uuid.uuid4(), request_id=request_id, model=model,
                     sampling=SamplingParams(max_tokens=40),
-                    messages=(ChatMessage(role="user", content="hi"),))), 30)
+                    messages=(ChatMessage(role="user", content="hi"),))
+                await asyncio.wait_for(writer.send_raw(
+                    PROMPTS, key_of(prompt), CLEAR.encode(prompt)), 30)
             finally:
                 writer.close()
 
@@ -555,7 +559,7 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
     partition starts at once; the stalled one is dead-lettered after
     WORKER_INTAKE_TIMEOUT_S, and its partition's next prompt then runs."""
     from pipeline import sealing
-    from pipeline.codec import conversation_key, encode
+    from pipeline.codec import conversation_key
     from pipeline.kafka.plain import PlainWriter
     from pipeline.kek import KeyRef
     from pipeline.keystore import Keyring, KeyringLimits, load_kek
@@ -590,16 +594,11 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
     loop = asyncio.new_event_loop()
     worker = loop.run_until_complete(Worker.opened(
         SimEngine(model, ttft_ms=0, tokens_per_s=50), bootstrap, CollectorRegistry(),
-        WorkerSettings(engine="sim", intake_timeout_s=6)))
+        WorkerSettings(engine="sim", intake_timeout_s=6), ring.codec))
     stop = asyncio.Event()
     runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
                               daemon=True)
-    # This process's other rings aside: with several, a key not found is gone at once.
-    others = list(sealing._rings)
     with ring:
-        for other in others:
-            sealing.uninstall(other)
-        sealing.install(ring)
         runner.start()
         try:
             wait_for(lambda: len(worker.ledgers) == partitions, 60, "the worker's partitions")
@@ -609,10 +608,10 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
                                   stalled_conversation, new.aead)
             out = PlainWriter(bootstrap, f"intake-{model}")
             for conversation, value in (
-                    (stalled_conversation, encode(prompt(stalled_conversation, "stalled"),
-                                                  key)),
-                    (behind, encode(prompt(behind, "behind"), None)),
-                    (elsewhere, encode(prompt(elsewhere, "elsewhere"), None))):
+                    (stalled_conversation, CLEAR.encode(prompt(stalled_conversation, "stalled"),
+                                                        key)),
+                    (behind, CLEAR.encode(prompt(behind, "behind"), None)),
+                    (elsewhere, CLEAR.encode(prompt(elsewhere, "elsewhere"), None))):
                 out.send(PROMPTS, conversation_key(conversation), value)
             assert out.flush(30) == []
             sent = time.monotonic()
@@ -635,6 +634,3 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
             runner.join(60)
             assert not runner.is_alive(), "the worker did not stop"
             loop.close()
-            sealing.uninstall(ring)
-            for other in others:
-                sealing.install(other)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from pipeline.codec import DecodeError, decode_async
+from pipeline.codec import Codec, DecodeError
 from pipeline.kafka import QUICK_ASSIGN, KafkaException, LogReader, Record
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import GENERATIONS, PROMPTS
@@ -91,9 +91,10 @@ class HistoryReader:
 
 
 class Histories:
-    def __init__(self, read_at: ReadAt, metrics: HistoryMetrics,
+    def __init__(self, read_at: ReadAt, codec: Codec, metrics: HistoryMetrics,
                  max_chars: int = 64 * 2**20) -> None:
         self._read_at = read_at
+        self._codec = codec  # opens the history's content
         self._metrics = metrics
         self._max_chars = max_chars
         self._kept: OrderedDict[uuid.UUID, _Kept] = OrderedDict()
@@ -144,9 +145,9 @@ class Histories:
             found = await self._read_at([(PROMPTS, partition, link.prompt),
                                          (GENERATIONS, partition, link.end)])
             self._metrics.reads.inc(2)
-            previous = await _event(found[(PROMPTS, partition, link.prompt)], "prompt",
+            previous = await self._event(found[(PROMPTS, partition, link.prompt)], "prompt",
                                     link.prompt)
-            end = await _event(found[(GENERATIONS, partition, link.end)], "end", link.end)
+            end = await self._event(found[(GENERATIONS, partition, link.end)], "end", link.end)
             if not isinstance(previous, PromptSubmitted) or not isinstance(
                     end, (GenerationFinished, GenerationFailed)):
                 raise HistoryUnavailable("history_unavailable", "the history's records at "
@@ -191,13 +192,14 @@ class Histories:
         if kept is not None:
             self._chars -= kept.chars
 
-
-async def _event(record: Record | None, what: str, offset: int) -> object:
-    if record is None:
-        raise HistoryUnavailable("history_unavailable", f"the history's {what} at offset "
-                                 f"{offset} is not in the log (past the topic's retention?)")
-    try:
-        return await decode_async(record.value)
-    except DecodeError as exc:
-        raise HistoryUnavailable("history_unavailable",
-                                 f"the history's {what} at offset {offset}: {exc}") from None
+    async def _event(self, record: Record | None, what: str, offset: int) -> object:
+        if record is None:
+            raise HistoryUnavailable("history_unavailable", f"the history's {what} at "
+                                     f"offset {offset} is not in the log (past the "
+                                     "topic's retention?)")
+        try:
+            return await self._codec.decode_async(record.value)
+        except DecodeError as exc:
+            raise HistoryUnavailable("history_unavailable",
+                                     f"the history's {what} at offset {offset}: {exc}"
+                                     ) from None

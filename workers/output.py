@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline import sealing
-from pipeline.codec import Position, SealWith, encode
+from pipeline.codec import Codec, Position, SealWith
 from pipeline.deadletter import dead_letter_headers
 from pipeline.kafka import Fenced, Outgoing, Record, TransactionalProducer
 from pipeline.topics import DEADLETTER, GENERATIONS, LIVE, WORKERS_GROUP
-from schemas import GenerationFailed, GenerationFinished, GenerationStarted
+from schemas import Event, GenerationFailed, GenerationFinished, GenerationStarted
 from schemas.live import LiveDelta, LiveEnd, LiveFailure, LiveStart, write_batch
 
 # What an entry costs in a batch besides its text (its reference, seq and brackets).
@@ -54,9 +54,10 @@ class _Open:
 
 
 class Output:
-    def __init__(self, writer: TransactionalProducer, worker: str) -> None:
+    def __init__(self, writer: TransactionalProducer, worker: str, codec: Codec) -> None:
         self.writer = writer
         self.worker = worker
+        self.codec = codec  # seals a turn's records with its conversation's key
         self._open: dict[int, _Open] = {}
         self._gathering = False  # a call to ``_gather`` is scheduled
         self.records = 0  # live records written (queued)
@@ -80,8 +81,13 @@ class Output:
         batch = self._batch(partition)
         batch.starts.append((ref, started.attempt, started.request_id))
         self._seals[(partition, ref)] = (started.conversation_id, seal)
-        batch.durable.append((key, encode(started, seal), None))
+        batch.durable.append((key, self.encoded(started, seal), None))
         self._grown(partition, batch, ENTRY_BYTES + len(started.request_id), epoch)
+
+    def encoded(self, event: Event, seal: SealWith) -> bytes:
+        """A turn's durable event as its record, sealed with ``seal`` (dropped if its
+        conversation's keys were destroyed meanwhile)."""
+        return self.codec.encode(event, seal)
 
     def delta(self, partition: int, ref: int, seq: int, text: str,
               token_ids: tuple[int, ...], epoch: int) -> None:
@@ -164,7 +170,7 @@ class Output:
                            list[tuple[int, str, str]]]:
         """The batch's deltas with the text of each turn that has a data key taken out,
         and that text sealed, a box per turn (``schemas.live``)."""
-        if not deltas or not sealing.active():
+        if not deltas or not self.codec.cipher:
             return deltas, []
         texts: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
         keys: dict[int, SealWith] = {}
@@ -173,7 +179,7 @@ class Output:
             if ref not in keys:
                 conversation, seal = self._seals.get((partition, ref), (None, None))
                 keys[ref] = "erased" if conversation is not None and isinstance(
-                    seal, sealing.DataKey) and sealing.revoked(conversation) else seal
+                    seal, sealing.DataKey) and self.codec.cipher.revoked(conversation) else seal
             if keys[ref] is None:
                 out.append((ref, seq, text, token_ids))
                 continue

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pipeline.codec import DecodeError, decode_live, decode_or_none
+from pipeline.codec import CLEAR, Codec, DecodeError
 from schemas import (
     Event,
     GenerationFailed,
@@ -76,10 +76,12 @@ def fold(events: list[Event]) -> dict[str, Recovered]:
 class LiveFolder:
     """Folds ``chat.live`` records of the partitions in ``first_ref`` (partition -> the
     lowest reference of interest, its committed prompt offset): per ``(partition, ref)``,
-    what the turn's entries say. A turn seen to end keeps nothing but that."""
+    what the turn's entries say. A turn seen to end keeps nothing but that. ``codec``
+    opens the text a turn resumes from."""
 
-    def __init__(self, first_ref: dict[int, int]) -> None:
+    def __init__(self, first_ref: dict[int, int], codec: Codec) -> None:
         self._first = first_ref
+        self._codec = codec
         self._found: dict[tuple[int, int], Recovered] = {}
         self.undecodable = 0
 
@@ -88,7 +90,7 @@ class LiveFolder:
         if first is None:
             return
         try:
-            batch = decode_live(value)
+            batch = self._codec.decode_live(value)
         except DecodeError:
             self.undecodable += 1  # nothing to resume from it
             return
@@ -162,7 +164,8 @@ class LogFolder:
     time, holding only what resuming needs: the raw records of turns not (yet) seen to
     end, and the ids of those that ended. A window of a busy log holds millions of
     records, nearly all of ended turns; kept whole they took a worker taking over past
-    10 GB."""
+    10 GB. Their content stays sealed (``CLEAR``): resuming needs ids, deltas of the
+    clear legacy events and ends, never a reply's text."""
 
     def __init__(self) -> None:
         self._ended: set[str] = set()
@@ -172,7 +175,7 @@ class LogFolder:
     def add(self, value: bytes | None) -> None:
         peek = _peek(value)
         if peek is None:
-            event = decode_or_none(value)
+            event = CLEAR.decode_or_none(value)
             if event is not None:
                 self._loose.append(event)
             return
@@ -180,7 +183,7 @@ class LogFolder:
         if request_id in self._ended:
             return
         if terminal:  # decoded to be sure: a turn marked ended is skipped
-            event = decode_or_none(value)
+            event = CLEAR.decode_or_none(value)
             if isinstance(event, (GenerationFinished, GenerationFailed)):
                 self._ended.add(event.request_id)
                 self._open.pop(event.request_id, None)
@@ -196,7 +199,7 @@ class LogFolder:
     def result(self) -> dict[str, Recovered]:
         events = list(self._loose)
         for values in self._open.values():
-            events += [e for e in map(decode_or_none, values) if e is not None]
+            events += [e for e in map(CLEAR.decode_or_none, values) if e is not None]
         state = fold(events)
         for request_id in self._ended:
             state[request_id] = Recovered(ended=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
-from pipeline.codec import TP, decode_or_none
+from pipeline.codec import CLEAR, TP, Codec
 from pipeline.kafka import (
     GroupConsumer,
     KafkaException,
@@ -62,9 +62,11 @@ def retrying(take: Callable[[], T]) -> T:
 
 def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
                   controls: list[int], book: ControlBook, running: Container[str], *,
-                  recovery_window_s: float, transaction_timeout_ms: int) -> Handover:
+                  codec: Codec, recovery_window_s: float,
+                  transaction_timeout_ms: int) -> Handover:
     """What the new owner of ``prompts`` and ``controls`` needs; the control events read
-    go into ``book``; turns in ``running`` (already here) are left out."""
+    go into ``book``; turns in ``running`` (already here) are left out. ``codec`` opens
+    the text turns resume from."""
     # Prompts are read on from the committed offsets: the ledger and the offsets of each
     # transaction start there, and the scans below start at the oldest of them. A model's
     # group the first time: where the single group of earlier versions stopped, so
@@ -84,7 +86,7 @@ def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
     for record in reported(scan_partitions(bootstrap, GENERATIONS, list(since), since, wait_s),
                            oldest, f"reading {GENERATIONS}"):
         durable.add(record.value)
-    live = LiveFolder({p: committed[(PROMPTS, p)] for p in since})
+    live = LiveFolder({p: committed[(PROMPTS, p)] for p in since}, codec)
     for record in reported(scan_partitions(bootstrap, LIVE, list(since), since, wait_s),
                            oldest, f"reading {LIVE}"):
         live.add(record.position.partition, record.value)
@@ -93,7 +95,7 @@ def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
     control_ends = high_watermarks(bootstrap, CONTROL, controls)
     for record in scan_partitions(bootstrap, CONTROL, [p for p in controls if p in since],
                                   since, wait_s, ends=control_ends):
-        event = decode_or_none(record.value)
+        event = CLEAR.decode_or_none(record.value)  # ids only
         if event is not None:
             book.apply(event, logged_at(record))
     return Handover({p: o for (_, p), o in committed.items()}, found, control_ends)
@@ -115,10 +117,11 @@ class Rebalances:
     those taken away are abandoned to their next owner."""
 
     def __init__(self, owner: Owner, bootstrap: str, consumer: GroupConsumer,
-                 flights: Flights, recovery_window_s: float,
+                 flights: Flights, codec: Codec, recovery_window_s: float,
                  transaction_timeout_ms: int) -> None:
         self.owner, self.bootstrap, self.consumer, self.flights = (
             owner, bootstrap, consumer, flights)
+        self.codec = codec
         self.recovery_window_s = recovery_window_s
         self.transaction_timeout_ms = transaction_timeout_ms
 
@@ -131,7 +134,7 @@ class Rebalances:
         controls = [p for t, p in assigned if t == CONTROL]
         handover = read_handover(
             self.bootstrap, self.consumer, prompts, controls, self.flights.book,
-            self.flights.running, recovery_window_s=self.recovery_window_s,
+            self.flights.running, codec=self.codec, recovery_window_s=self.recovery_window_s,
             transaction_timeout_ms=self.transaction_timeout_ms)
         self.owner.took_over(handover, self.consumer.group_metadata_sync())
         log.info("assigned prompts %s; recent: %s", prompts, handover.found.describe())

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.codec import TP, SealWith, conversation_key, encode
+from pipeline.codec import TP, SealWith, conversation_key
 from pipeline.kafka import TransactionalProducer
 from pipeline.logs import turn_fields
 from pipeline.topics import GENERATIONS
@@ -230,7 +230,7 @@ class Runner:
         than its topic's records), a failure that says so and its record: the turn ends
         alone, never retried."""
         limit = self.writer.limit(GENERATIONS)
-        value = encode(final, seal)
+        value = self.output.encoded(final, seal)
         if len(value) <= limit - 1024:
             return final, value
         failed = GenerationFailed(
@@ -238,7 +238,7 @@ class Runner:
             tenant=final.tenant, ref=final.ref, attempt=final.attempt, code="reply_too_large",
             message=f"The reply ({len(value):,} bytes) is larger than the log takes "
                     f"({limit:,} bytes: PIPELINE_MAX_RECORD_BYTES).")
-        return failed, encode(failed, seal)
+        return failed, self.output.encoded(failed, seal)
 
     def _trace_start(self, turn: Turn) -> Span | None:
         """The turn's ``chat.queue`` span (from the log's append until now, when the

@@ -35,8 +35,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
-from pipeline import sealing
-from pipeline.codec import TP, DecodeError, decode_keyed_async
+from pipeline.codec import TP, Codec, DecodeError
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
@@ -97,25 +96,28 @@ PREFETCH_PER_8_SLOTS = 1
 
 
 class Worker:
-    """``settings``: the worker's (``WORKER_*``); ``limits``: the largest record each topic
-    it writes takes; ``compression``: the pipeline's (``PIPELINE_COMPRESSION``). Built on
-    the event loop that runs it (``opened`` reads the limits first), whole."""
+    """``settings``: the worker's (``WORKER_*``); ``codec``: opens prompts and seals
+    replies with the conversations' keys (its keyring's, ``pipeline.keystore``);
+    ``limits``: the largest record each topic it writes takes; ``compression``: the
+    pipeline's (``PIPELINE_COMPRESSION``). Built on the event loop that runs it
+    (``opened`` reads the limits first), whole."""
 
     @classmethod
     async def opened(cls, engine: Engine, bootstrap: str, registry: CollectorRegistry,
-                     settings: WorkerSettings, *, name: str = "",
+                     settings: WorkerSettings, codec: Codec, *, name: str = "",
                      max_record_bytes: int = 8 * 2**20, compression: str = "zstd") -> Worker:
         """A worker whose writer knows its topics' limits (``max_record_bytes`` where the
         cluster says none: ``PIPELINE_MAX_RECORD_BYTES``)."""
         limits = await asyncio.to_thread(topic_limits, bootstrap, [GENERATIONS, LIVE],
                                          max_record_bytes)
-        return cls(engine, bootstrap, registry, settings, name=name, limits=limits,
+        return cls(engine, bootstrap, registry, settings, codec, name=name, limits=limits,
                    compression=compression)
 
     def __init__(self, engine: Engine, bootstrap: str, registry: CollectorRegistry,
-                 settings: WorkerSettings, *, name: str, limits: Mapping[str, int],
-                 compression: str) -> None:
+                 settings: WorkerSettings, codec: Codec, *, name: str,
+                 limits: Mapping[str, int], compression: str) -> None:
         self.engine, self.bootstrap, self.settings = engine, bootstrap, settings
+        self.codec = codec
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.loop = asyncio.get_running_loop()
         # Unique per process unless configured: a stable id (one per worker slot) lets a
@@ -150,13 +152,13 @@ class Worker:
             bootstrap, self.transactional_id, writing, self.tracker.positions,
             on_committed=self.tracker.mark_committed, on_fenced=self._on_fenced,
             offset_metadata=self.tracker.describe)
-        self.output = Output(self.writer, self.name)
+        self.output = Output(self.writer, self.name, codec)
         self.metrics = WorkerMetrics(registry, engine, Readings(
             lambda: max(len(self.flights) - engine.running(), 0) + len(self.waiting),
             lambda: self.writer.transactions, lambda: self.histories.chars,
             lambda: self.output.records))
         self._history_reader = HistoryReader(bootstrap, f"worker-history-{self.name}")
-        self.histories = Histories(self._history_reader, self.metrics.histories,
+        self.histories = Histories(self._history_reader, codec, self.metrics.histories,
                                    settings.history_cache_chars)
         self.runner = Runner(engine, self.output, self.writer, self.histories, self.metrics,
                              self.name, settings.coalesce_ms / 1000, self.waiting.served)
@@ -188,7 +190,7 @@ class Worker:
         heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name,
                               self.engine.max_model_len, self.engine.max_token_bytes,
                               load=self.waiting.load)
-        rebalances = Rebalances(self, self.bootstrap, consumer, self.flights,
+        rebalances = Rebalances(self, self.bootstrap, consumer, self.flights, self.codec,
                                 self.settings.recovery_window_s,
                                 self.settings.transaction_timeout_ms)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=rebalances.on_assign,
@@ -275,7 +277,7 @@ class Worker:
         topic, partition, offset = record.position.topic, record.position.partition, \
             record.position.offset
         try:
-            event, key = await decode_keyed_async(record.value)
+            event, key = await self.codec.decode_keyed_async(record.value)
         except DecodeError as exc:
             log.warning("dead-lettering %s: %s", record.position, exc)
             self.metrics.dead_letters.inc()
@@ -427,7 +429,7 @@ class Worker:
         outcome = final.finish_reason if isinstance(final, GenerationFinished) else final.code
         self.metrics.generations.labels(outcome).inc()
         if turn.history is not None and not self.flights.book.deleted(
-                prompt.conversation_id) and not sealing.revoked(prompt.conversation_id):
+                prompt.conversation_id) and not self.codec.cipher.revoked(prompt.conversation_id):
             self.histories.remember(prompt.conversation_id, offset,
                                     turn.history + turn_messages(prompt, final))
         self._forget(prompt.request_id, ended=True)

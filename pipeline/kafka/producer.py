@@ -19,7 +19,7 @@ from confluent_kafka import (
     Producer,
 )
 
-from pipeline.codec import Position, encode, key_of
+from pipeline.codec import Position, bare, key_of
 from pipeline.kafka.client import (
     RECORD_OVERHEAD,
     ProduceError,
@@ -90,7 +90,9 @@ class EventProducer:
                 self._overflow.popleft()
 
     def send(self, topic: str, event: Event) -> asyncio.Future[Position]:
-        return self.send_raw(topic, key_of(event), encode(event))
+        """``event``, which has no content (an event with content is encoded by the
+        writer's codec and sent with ``send_raw``: ``pipeline.codec.bare``)."""
+        return self.send_raw(topic, key_of(event), bare(event))
 
     def _on_error(self, err: KafkaError) -> None:
         log_client_error(err)

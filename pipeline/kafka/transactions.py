@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.codec import TP, Position, encode, key_of
+from pipeline.codec import TP, Position, bare, key_of
 from pipeline.kafka.client import NO_NAGLE, RECORD_OVERHEAD, Outgoing, client_config, client_logging
 from pipeline.kafka.outbox import Outbox, Pacing, Queued, RecordLimits
 from pipeline.kafka.transaction_loop import TransactionLoop
@@ -148,14 +148,15 @@ class TransactionalProducer:
     def send(self, topic: str, event: Event, epoch: int = 0, deadline: float | None = None,
              headers: Sequence[tuple[str, bytes]] = ()) -> asyncio.Future[Position]:
         """Queue ``event``; the future resolves with its position once its transaction
-        committed (see the class)."""
-        return self.send_raw(topic, key_of(event), encode(event), headers, epoch, deadline)
+        committed (see the class). An event with content is encoded by the writer's
+        codec and sent with ``send_raw`` (``pipeline.codec.bare``)."""
+        return self.send_raw(topic, key_of(event), bare(event), headers, epoch, deadline)
 
     def send_nowait(self, topic: str, event: Event, epoch: int = 0,
                     key: bytes | None = None) -> None:
         """Queue ``event`` with no answer (its turn's terminal event is awaited instead);
         ``key``: its record key if the caller has it (``key_of(event)`` otherwise)."""
-        self._outbox.put([Queued(epoch, topic, key or key_of(event), encode(event), [], None)])
+        self._outbox.put([Queued(epoch, topic, key or key_of(event), bare(event), [], None)])
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None,
                  headers: Sequence[tuple[str, bytes]], epoch: int = 0,
