@@ -95,30 +95,18 @@ class Codec:
         return _dumped(event)
 
     # -- reading -------------------------------------------------------------------
-    def decode(self, data: bytes | None, open_sealed: bool = True) -> Event:
-        """The event in a record's value. Fields this code does not know are kept; an
-        event older than its type's current version is upcast (``schemas.versions``).
-        Its sealed content is opened if the cipher holds the key (unless not
-        ``open_sealed``); on a thread that runs an event loop, ``decode_async`` does
-        what this cannot there: wait for a key not held yet."""
-        return self.decode_keyed(data, open_sealed)[0]
+    def decode(self, data: bytes | None) -> Event:
+        """The event in a record's value (see ``parse``), its sealed content opened if
+        the cipher holds the key; on a thread that runs an event loop,
+        ``decode_async`` does what this cannot there: wait for a key not held yet."""
+        return self.decode_keyed(data)[0]
 
-    def decode_keyed(self, data: bytes | None, open_sealed: bool = True
-                     ) -> tuple[Event, sealing.DataKey | None]:
+    def decode_keyed(self, data: bytes | None) -> tuple[Event, sealing.DataKey | None]:
         """``decode``, and the key its content was opened with (None: it was in the
         clear, or erased): the key a writer of the same conversation's content seals
         with."""
         event = parse(data)
-        return (event, None) if event.sealed is None or not open_sealed \
-            else self._opened(event)
-
-    def decode_or_none(self, data: bytes | None, open_sealed: bool = True) -> Event | None:
-        """The event in a record's value, or None if it holds none (for readers that
-        pass such records over: the consumer whose record it is dead-letters it)."""
-        try:
-            return self.decode(data, open_sealed)
-        except DecodeError:
-            return None
+        return (event, None) if event.sealed is None else self._opened(event)
 
     def _opened(self, event: Event) -> tuple[Event, sealing.DataKey | None]:
         """``event`` with its sealed content opened, and the key that opened it, if the
@@ -135,12 +123,12 @@ class Codec:
             raise DecodeError(str(exc)) from None
         return with_content(event, content, None), key  # type: ignore[return-value]
 
-    def decode_live(self, data: bytes | None, open_sealed: bool = True) -> LiveBatch:
+    def decode_live(self, data: bytes | None) -> LiveBatch:
         """The ``LiveBatch`` in a ``chat.live`` record's value, its sealed text opened
-        where the cipher holds the keys (unless not ``open_sealed``: then ``open_live``
-        opens the turns a reader wants)."""
+        where the cipher holds the keys (``parse_live`` and ``open_live``: only the
+        turns a reader wants)."""
         batch = parse_live(data)
-        return self.open_live(batch) if batch.sealed and open_sealed else batch
+        return self.open_live(batch) if batch.sealed else batch
 
     def open_live(self, batch: LiveBatch, wanted: Container[int] | None = None
                   ) -> LiveBatch:
@@ -258,6 +246,15 @@ def parse(data: bytes | None) -> Event:
         raise DecodeError(_summarise(first_error or exc)) from exc
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"not an event: {exc}") from None
+
+
+def parse_or_none(data: bytes | None) -> Event | None:
+    """``parse``, or None if the record holds no event (for readers that pass such
+    records over: the consumer whose record it is dead-letters it)."""
+    try:
+        return parse(data)
+    except DecodeError:
+        return None
 
 
 def parse_live(data: bytes | None) -> LiveBatch:

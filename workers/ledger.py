@@ -12,7 +12,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from pipeline.codec import CLEAR
+from pipeline.codec import parse_or_none
 from pipeline.kafka import KafkaException, Record, read_spans
 from pipeline.retry import Backoff
 from pipeline.topics import PROMPTS
@@ -77,7 +77,7 @@ class Ledgers:
         while True:
             records = await self._read_prompts(partition, target, state.known_from)
             prompts = [(r.position.offset, e) for r in records
-                       if isinstance(e := CLEAR.decode_or_none(r.value),
+                       if isinstance(e := parse_or_none(r.value),
                                                  PromptSubmitted)]
             needed = min((p.history_end for _, p in prompts
                           if p.history_end is not None and p.history_end < target), default=None)

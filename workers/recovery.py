@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pipeline.codec import CLEAR, Codec, DecodeError
+from pipeline.codec import Codec, DecodeError, parse_or_none
 from schemas import (
     Event,
     GenerationFailed,
@@ -164,7 +164,7 @@ class LogFolder:
     time, holding only what resuming needs: the raw records of turns not (yet) seen to
     end, and the ids of those that ended. A window of a busy log holds millions of
     records, nearly all of ended turns; kept whole they took a worker taking over past
-    10 GB. Their content stays sealed (``CLEAR``): resuming needs ids, deltas of the
+    10 GB. Their content stays sealed (``parse``): resuming needs ids, deltas of the
     clear legacy events and ends, never a reply's text."""
 
     def __init__(self) -> None:
@@ -175,7 +175,7 @@ class LogFolder:
     def add(self, value: bytes | None) -> None:
         peek = _peek(value)
         if peek is None:
-            event = CLEAR.decode_or_none(value)
+            event = parse_or_none(value)
             if event is not None:
                 self._loose.append(event)
             return
@@ -183,7 +183,7 @@ class LogFolder:
         if request_id in self._ended:
             return
         if terminal:  # decoded to be sure: a turn marked ended is skipped
-            event = CLEAR.decode_or_none(value)
+            event = parse_or_none(value)
             if isinstance(event, (GenerationFinished, GenerationFailed)):
                 self._ended.add(event.request_id)
                 self._open.pop(event.request_id, None)
@@ -199,7 +199,7 @@ class LogFolder:
     def result(self) -> dict[str, Recovered]:
         events = list(self._loose)
         for values in self._open.values():
-            events += [e for e in map(CLEAR.decode_or_none, values) if e is not None]
+            events += [e for e in map(parse_or_none, values) if e is not None]
         state = fold(events)
         for request_id in self._ended:
             state[request_id] = Recovered(ended=True)

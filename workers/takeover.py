@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
-from pipeline.codec import CLEAR, TP, Codec
+from pipeline.codec import TP, Codec, parse_or_none
 from pipeline.kafka import (
     GroupConsumer,
     KafkaException,
@@ -95,7 +95,7 @@ def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
     control_ends = high_watermarks(bootstrap, CONTROL, controls)
     for record in scan_partitions(bootstrap, CONTROL, [p for p in controls if p in since],
                                   since, wait_s, ends=control_ends):
-        event = CLEAR.decode_or_none(record.value)  # ids only
+        event = parse_or_none(record.value)  # ids only
         if event is not None:
             book.apply(event, logged_at(record))
     return Handover({p: o for (_, p), o in committed.items()}, found, control_ends)
