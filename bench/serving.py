@@ -179,10 +179,13 @@ async def engine_client(engine: Engine, max_tokens: int, prompt: str = PROMPT
     async def one(seed: int) -> Request:
         request = Request(time.perf_counter())
         sampling = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True)
-        async for out in engine.generate(EngineRequest(uuid.uuid4().hex, messages, sampling)):
-            if out.token_ids and request.first is None:
+
+        def take(text: str, token_ids: tuple[int, ...], *_: object) -> None:
+            if token_ids and request.first is None:
                 request.first = time.perf_counter()
-            request.tokens += len(out.token_ids)
+            request.tokens += len(token_ids)
+
+        await engine.run(EngineRequest(uuid.uuid4().hex, messages, sampling), take)
         request.ended = time.perf_counter()
         return request
 

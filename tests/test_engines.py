@@ -17,7 +17,15 @@ import pytest
 
 from pipeline.settings import REPO_ROOT
 from schemas import ChatMessage, SamplingParams
-from workers.engine import Engine, EngineOutput, EngineRejected, EngineRequest, warm_up
+from workers.engine import (
+    Engine,
+    EngineOutput,
+    EngineRejected,
+    EngineRequest,
+    outputs,
+    unpaced,
+    warm_up,
+)
 from workers.settings import WorkerSettings
 
 SEQS = 4
@@ -93,7 +101,7 @@ def ask(rid: str, max_tokens: int, prefix: tuple[int, ...] = (), words: int = 3)
 
 
 async def collect(engine: Engine, request: EngineRequest) -> list[EngineOutput]:
-    return [out async for out in engine.generate(request)]
+    return [out async for out in outputs(engine, request)]
 
 
 def test_generates_max_tokens_then_says_length(engine: Running) -> None:
@@ -132,7 +140,7 @@ def test_abort_stops_a_running_request_within_a_step(engine: Running) -> None:
         tokens, reason = 0, None
         loop = asyncio.get_running_loop()
         aborted_at = 0.0
-        async for out in engine.engine.generate(ask("contract-abort", 400)):
+        async for out in outputs(engine.engine, ask("contract-abort", 400)):
             tokens += len(out.token_ids)
             reason = out.finish_reason
             if tokens >= 2 and not aborted_at:
@@ -143,6 +151,53 @@ def test_abort_stops_a_running_request_within_a_step(engine: Running) -> None:
     tokens, reason, took = engine.run(abort_midway())  # type: ignore[misc]
     assert 2 <= tokens < 400 and reason in ("abort", None)
     assert took < 1.0
+    assert engine.engine.running() == 0
+
+
+def test_a_sink_that_raises_fails_its_request_alone(engine: Running) -> None:
+    """What a request's sink raises, handed outputs from the engine's step loop, fails
+    that request (stopped on the engine), and the others sharing its steps go on."""
+    fine: list[int] = []
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("this sink broke")
+
+    async def both() -> list[object]:
+        return await asyncio.gather(
+            engine.engine.run(ask("contract-sink-broken", 6), broken),
+            engine.engine.run(ask("contract-sink-fine", 6),
+                              lambda _, token_ids, *__: fine.append(len(token_ids))),
+            return_exceptions=True)
+
+    results = engine.run(both())
+    assert isinstance(results, list)
+    assert isinstance(results[0], RuntimeError) and results[1] is None
+    assert sum(fine) == 6
+    assert engine.engine.running() == 0
+
+
+def test_a_paced_engine_holds_its_outputs_and_loses_none(engine: Running) -> None:
+    """While the reader paces the engine (a worker whose log is slow), its step loop hands
+    out no more than the step it was at; once it may, every token comes."""
+    handed: list[tuple[int, ...]] = []
+    gate = asyncio.Event()
+
+    async def paced() -> int:
+        engine.engine.pace(lambda: None if gate.is_set() else gate.wait())
+        try:
+            running = asyncio.ensure_future(engine.engine.run(
+                ask("contract-paced", 6),
+                lambda _, token_ids, __, finish: handed.append(token_ids)))
+            await asyncio.sleep(0.5)  # many steps of either engine
+            held = sum(len(ids) for ids in handed)
+            gate.set()
+            await running
+            return held
+        finally:
+            engine.engine.pace(unpaced)
+
+    assert engine.run(paced()) in (0, 1)
+    assert sum(len(ids) for ids in handed) == 6
     assert engine.engine.running() == 0
 
 

@@ -24,7 +24,7 @@ from schemas import (
     TokenDelta,
     Usage,
 )
-from workers.engine import EngineRequest
+from workers.engine import EngineRequest, outputs
 from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
 from workers.recovery import LogFolder, Recovered, fold, fold_values
@@ -126,7 +126,7 @@ def test_simulated_engine_keeps_its_pace_when_the_reader_runs_late() -> None:
 
     async def read() -> tuple[list[str], float]:
         texts, start = [], time.monotonic()
-        async for out in engine.generate(request):
+        async for out in outputs(engine, request):
             if not texts:  # the reader's loop is busy for 150 ms: 7 tokens fall due
                 busy_until = time.monotonic() + 0.15
                 while time.monotonic() < busy_until:
@@ -150,7 +150,7 @@ def test_simulated_engine_steps_every_sequence_together_as_a_gpu_batch_does() ->
         await asyncio.sleep(after_s)
         request = EngineRequest(request_id, (ChatMessage(role="user", content="hi"),),
                                 SamplingParams(max_tokens=4))
-        return [asyncio.get_running_loop().time() async for _ in engine.generate(request)]
+        return [asyncio.get_running_loop().time() async for _ in outputs(engine, request)]
 
     async def both() -> list[list[float]]:
         return list(await asyncio.gather(times("r1", 0.0), times("r2", 0.007)))

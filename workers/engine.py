@@ -1,9 +1,16 @@
-"""The engine contract the worker drives: vLLM in production, a simulator for load tests."""
+"""The engine contract the worker drives: vLLM in production, a simulator for load tests.
+
+An engine runs a step for all its sequences at once, and hands each sequence's output of
+that step to the sequence's ``Sink`` from one loop of its own: one wake of the worker per
+step, whatever the number of sequences, and no task woken per token. ``outputs`` reads a
+request's outputs as an iterator instead, for a caller that has time (warm-up, tests).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +38,20 @@ class EngineOutput:
     finish_reason: str | None = None  # set on the last output: stop | length | abort
 
 
+# What an engine calls with each output of a request, from its step loop: the new text,
+# the new token ids, the prompt's length in tokens, and the finish reason on the last
+# output (stop | length | abort), else None. It must not block; what it raises fails
+# that request alone (``Engine.run`` raises it).
+Sink = Callable[[str, tuple[int, ...], int, str | None], None]
+# What an engine's step loop asks between steps: an awaitable (awaited before the next
+# step is handed out) while the reader of its outputs cannot take more, else None.
+Pace = Callable[[], Awaitable[None] | None]
+
+
+def unpaced() -> None:
+    return None
+
+
 class EngineRejected(ValueError):
     """The engine refused the request itself (too long, bad parameters): not retryable."""
 
@@ -51,7 +72,15 @@ class Engine(Protocol):
     # refuse a prompt that cannot fit ``max_model_len`` before it is written.
     max_token_bytes: int | None
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+    async def run(self, request: EngineRequest, sink: Sink) -> None:
+        """Run ``request`` to its end, handing each of its outputs to ``sink`` (see
+        ``Sink``); return once the last was handed. Raises ``EngineRejected`` or
+        ``EngineDead``; cancelled, the request is aborted."""
+        ...
+
+    def pace(self, wait: Pace) -> None:
+        """From now on, ask ``wait`` between steps (see ``Pace``)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -83,8 +112,7 @@ async def warm_up(engine: Engine) -> None:
                 (ChatMessage(role="user", content=" ".join(["warm"] * words)),),
                 SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True))
             try:
-                async for _ in engine.generate(request):
-                    pass
+                await engine.run(request, lambda *_: None)
                 return
             except EngineRejected as exc:
                 if exc.code != "context_length_exceeded" or words <= 8:
@@ -92,3 +120,25 @@ async def warm_up(engine: Engine) -> None:
                 words //= 2
 
     await asyncio.gather(*(turn(i) for i in range(WARM_UP_TURNS)))
+
+
+async def outputs(engine: Engine, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    """``request``'s outputs on ``engine``, one by one (a task and a queue: for a caller
+    that reads a few requests, not for the worker's turns)."""
+    queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+
+    def sink(text: str, token_ids: tuple[int, ...], prompt_tokens: int,
+             finish_reason: str | None) -> None:
+        queue.put_nowait(EngineOutput(text, token_ids, prompt_tokens, finish_reason))
+
+    running = asyncio.ensure_future(engine.run(request, sink))
+    running.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (out := await queue.get()) is not None:
+            yield out
+        running.result()  # what the engine raised
+    finally:
+        if not running.done():
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running

@@ -101,7 +101,7 @@ class Runner:
         self.engine, self.output, self.writer = engine, output, writer
         self.histories, self.metrics = histories, metrics
         self.worker, self.coalesce_s = worker, coalesce_s
-        self._served = served
+        self.served = served
 
     async def run(self, turn: Turn) -> Final:
         """The turn's end: finished (stopped, at its length, or aborted), or failed.
@@ -147,69 +147,20 @@ class Runner:
             duration_ms=0.0)
 
     async def _generate(self, turn: Turn, span: Span | None) -> Final:
-        prompt, progress, partition, offset = turn.prompt, turn.progress, turn.tp[1], turn.offset
-        ids = turn.ids
+        prompt, progress = turn.prompt, turn.progress
         model = self.engine.model_name
-        started = last_token = time.monotonic()
-        ttft: float | None = None
-        prompt_tokens = 0
-        finish_reason: FinishReason = "abort"
-        coalescer = Coalescer(self.coalesce_s, emitted=len(progress.parts))
-
-        def emit(delta: tuple[str, tuple[int, ...]] | None) -> None:
-            """One delta to the live stream: seq stays gap-free."""
-            if delta is None:
-                return
-            text, token_ids = delta
-            self.output.delta(partition, offset, len(progress.parts), text, token_ids,
-                              turn.epoch)
-            self.output.gather_soon()
-            progress.parts.append(text)
-            progress.token_ids.extend(token_ids)
-
         if prompt.model != model:
             raise EngineRejected("model_not_served",
                                  f"This worker serves '{model}', not '{prompt.model}'.")
-        messages = await self.histories.input_for(prompt, partition)
+        taker = _Taker(self, turn)  # its clock starts before the history is read
+        messages = await self.histories.input_for(prompt, turn.tp[1])
         turn.history = messages[:prompt.history_len]
         # The user's memories it recalled come first, outside the session.
         request = EngineRequest(prompt.request_id, recall(prompt.recalled) + messages,
                                 prompt.sampling, tuple(progress.token_ids),
                                 None if span is None else carrier_of(span))
-        async for out in self.engine.generate(request):
-            now = time.monotonic()
-            if ttft is None:
-                ttft = now - started
-                prompt_tokens = out.prompt_tokens
-                self._served(prompt.tenant, prompt_tokens=prompt_tokens)
-                self.metrics.ttft.observe(ttft)
-                self.output.start(partition, offset, GenerationStarted(
-                    **ids, ref=offset, model=model, worker=self.worker,
-                    attempt=progress.attempt, reply_seq=prompt.reply_seq,
-                    prompt_tokens=prompt_tokens), conversation_key(prompt.conversation_id),
-                    turn.epoch, turn.seal)
-                for earlier in progress.republish:  # only the durable record had them
-                    self.output.delta(partition, offset, earlier.seq, earlier.text,
-                                      earlier.token_ids, turn.epoch)
-            elif out.token_ids:
-                self.metrics.itl.observe((now - last_token) / len(out.token_ids))
-            last_token = now
-            self.metrics.tokens.inc(len(out.token_ids))
-            self._served(prompt.tenant, output_tokens=len(out.token_ids))
-            emit(coalescer.add(out.text, out.token_ids, now))
-            if self.writer.backlogged:
-                await self.writer.room()  # Kafka takes tokens slower than they come
-            if out.finish_reason in ("stop", "length"):
-                finish_reason = "stop" if out.finish_reason == "stop" else "length"
-        emit(coalescer.drain())
-        return GenerationFinished(
-            **ids, ref=offset, model=model, attempt=progress.attempt,
-            reply_seq=prompt.reply_seq, finish_reason=finish_reason,
-            text="".join(progress.parts), deltas=len(progress.parts),
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids)),
-            ttft_ms=None if ttft is None else ttft * 1000,
-            duration_ms=(time.monotonic() - started) * 1000)
-
+        await self.engine.run(request, taker.take)
+        return taker.finished()
     def _failed(self, turn: Turn, code: str, message: str) -> GenerationFailed:
         return GenerationFailed(**turn.ids, ref=turn.offset,
                                 attempt=turn.progress.attempt, code=code, message=message)
@@ -253,6 +204,91 @@ class Runner:
                           start_time=ms_to_ns(turn.traced.appended_ms)).end()
         return TRACER.start_span("chat.engine", context=turn.traced.parent,
                                  attributes=attributes)
+
+
+class _Taker:
+    """What a turn does with each output the engine hands it (``take``, called from the
+    engine's step loop, so it never waits): its start at the first, then its deltas to
+    the live stream, gathered (``Coalescer``), with ``seq`` gap-free."""
+
+    __slots__ = (
+        "coalescer",
+        "finish_reason",
+        "last_token",
+        "prompt_tokens",
+        "runner",
+        "started",
+        "ttft",
+        "turn",
+    )
+
+    def __init__(self, runner: Runner, turn: Turn) -> None:
+        self.runner, self.turn = runner, turn
+        self.started = self.last_token = time.monotonic()
+        self.ttft: float | None = None
+        self.prompt_tokens = 0
+        self.finish_reason: FinishReason = "abort"
+        self.coalescer = Coalescer(runner.coalesce_s, emitted=len(turn.progress.parts))
+
+    def take(self, text: str, token_ids: tuple[int, ...], prompt_tokens: int,
+             finish_reason: str | None) -> None:
+        runner, turn = self.runner, self.turn
+        now = time.monotonic()
+        if self.ttft is None:
+            self._start(now, prompt_tokens)
+        elif token_ids:
+            runner.metrics.itl.observe((now - self.last_token) / len(token_ids))
+        self.last_token = now
+        if token_ids:
+            runner.metrics.tokens.inc(len(token_ids))
+            runner.served(turn.prompt.tenant, output_tokens=len(token_ids))
+        self._emit(self.coalescer.add(text, token_ids, now))
+        if finish_reason in ("stop", "length"):
+            self.finish_reason = "stop" if finish_reason == "stop" else "length"
+
+    def _start(self, now: float, prompt_tokens: int) -> None:
+        runner, turn = self.runner, self.turn
+        prompt, progress, partition, offset = turn.prompt, turn.progress, turn.tp[1], turn.offset
+        self.ttft = now - self.started
+        self.prompt_tokens = prompt_tokens
+        runner.served(prompt.tenant, prompt_tokens=prompt_tokens)
+        runner.metrics.ttft.observe(self.ttft)
+        runner.output.start(partition, offset, GenerationStarted(
+            **turn.ids, ref=offset, model=runner.engine.model_name, worker=runner.worker,
+            attempt=progress.attempt, reply_seq=prompt.reply_seq,
+            prompt_tokens=prompt_tokens), conversation_key(prompt.conversation_id),
+            turn.epoch, turn.seal)
+        for earlier in progress.republish:  # only the durable record had them
+            runner.output.delta(partition, offset, earlier.seq, earlier.text,
+                                earlier.token_ids, turn.epoch)
+
+    def _emit(self, delta: tuple[str, tuple[int, ...]] | None) -> None:
+        """One delta to the live stream: seq stays gap-free."""
+        if delta is None:
+            return
+        text, token_ids = delta
+        turn, output = self.turn, self.runner.output
+        progress = turn.progress
+        output.delta(turn.tp[1], turn.offset, len(progress.parts), text, token_ids,
+                     turn.epoch)
+        output.gather_soon()
+        progress.parts.append(text)
+        progress.token_ids.extend(token_ids)
+
+    def finished(self) -> GenerationFinished:
+        """The turn's end, once the engine handed its last output."""
+        self._emit(self.coalescer.drain())
+        turn, progress = self.turn, self.turn.progress
+        prompt = turn.prompt
+        return GenerationFinished(
+            **turn.ids, ref=turn.offset, model=self.runner.engine.model_name,
+            attempt=progress.attempt, reply_seq=prompt.reply_seq,
+            finish_reason=self.finish_reason, text="".join(progress.parts),
+            deltas=len(progress.parts),
+            usage=Usage(prompt_tokens=self.prompt_tokens,
+                        completion_tokens=len(progress.token_ids)),
+            ttft_ms=None if self.ttft is None else self.ttft * 1000,
+            duration_ms=(time.monotonic() - self.started) * 1000)
 
 
 def _ended(final: Final) -> dict[str, str | int | float]:

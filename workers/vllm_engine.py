@@ -1,17 +1,27 @@
-"""The vLLM engine: one ``AsyncLLM``, which batches all in-flight requests continuously."""
+"""The vLLM engine: one ``AsyncLLM``, which batches all in-flight requests continuously.
+
+``AsyncLLM``'s output handler puts each request's outputs of a step in the request's
+collector and wakes the task reading it: one task woken per request per step (with the
+SIMULATED engine's equivalent, a worker spent 1 / 0.85 of its CPU per token). Here the
+requests are added with ``AsyncLLM.add_request`` and nobody reads their collectors
+one by one: each collector's wake-up is replaced by a mark on a list (``_Marked``),
+and one task (the pump) takes every marked collector's output once the handler has put
+a step's, handing each to its request's sink.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import os
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.tracing import traces_endpoint
-from workers.engine import EngineDead, EngineOutput, EngineRejected, EngineRequest
+from workers.engine import EngineDead, EngineRejected, EngineRequest, Pace, Sink, unpaced
 from workers.host import (
     lower_engine_priority,
     lower_session_priority,
@@ -48,6 +58,51 @@ def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
         os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         args["otlp_traces_endpoint"] = endpoint
     return args
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A request on the engine: its collector, where its outputs go, and its end."""
+
+    collector: Any
+    sink: Sink
+    prompt_tokens: int
+    ended: asyncio.Future[None]
+
+
+class _Marked:
+    """Stands in for a collector's event (``RequestOutputCollector.ready``): its ``put``
+    marks the collector's request for the pump instead of waking a reader of its own."""
+
+    __slots__ = ("_engine", "_request_id")
+
+    def __init__(self, engine: VllmEngine, request_id: str) -> None:
+        self._engine, self._request_id = engine, request_id
+
+    def set(self) -> None:
+        self._engine._marked.append(self._request_id)
+        self._engine._wake.set()
+
+    def clear(self) -> None:
+        pass
+
+    def is_set(self) -> bool:
+        return False
+
+    async def wait(self) -> None:
+        raise RuntimeError("a pumped collector is read by the pump alone")
+
+
+def _check_collector() -> None:
+    """vLLM's collectors as the pump reads them (``ready``, ``get_nowait``), or an error
+    naming the difference, at start-up."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    collector = RequestOutputCollector(RequestOutputKind.DELTA, "check")
+    if not (hasattr(collector, "ready") and hasattr(collector, "get_nowait")):
+        raise RuntimeError("this vLLM's RequestOutputCollector has no ready event or "
+                           "get_nowait: the worker's pump cannot read it")
 
 
 @dataclass
@@ -148,10 +203,18 @@ class VllmEngine:
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
         self.max_model_len = int(config.model_config.max_model_len)
         self.max_token_bytes: int | None = longest_token(self._tokenizer)
-        self._running: set[str] = set()
+        _check_collector()
+        self._streams: dict[str, _Stream] = {}
+        self._marked: list[str] = []  # requests whose collectors hold outputs
+        self._wake = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self._pace: Pace = unpaced
 
     def running(self) -> int:
-        return len(self._running)
+        return len(self._streams)
+
+    def pace(self, wait: Pace) -> None:
+        self._pace = wait
 
     def kv_cache_usage(self) -> float | None:
         return self.scheduler.kv_cache_usage
@@ -200,7 +263,7 @@ class VllmEngine:
         except (ValueError, TypeError) as exc:
             raise EngineRejected("invalid_sampling_params", str(exc)) from exc
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def run(self, request: EngineRequest, sink: Sink) -> None:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -212,33 +275,79 @@ class VllmEngine:
         wanted = request.sampling.max_tokens
         if wanted is not None and done >= wanted:
             # An earlier attempt generated them all and was stopped before its end.
-            yield EngineOutput("", (), len(prompt_ids) + done, finish_reason="length")
+            sink("", (), len(prompt_ids) + done, "length")
             return
         params = self._sampling(request, len(prompt_ids) + done, done)
         prompt_ids += request.prefix_token_ids
-        self._running.add(request.request_id)
+        rid = request.request_id
         try:
-            stream = self._llm.generate(tokens_input(prompt_ids), params, request.request_id,
-                                        trace_headers=request.trace_headers)
-            async for out in stream:
-                completion = out.outputs[0]
-                yield EngineOutput(
-                    text=completion.text,
-                    token_ids=tuple(completion.token_ids),
-                    prompt_tokens=len(prompt_ids),
-                    finish_reason=completion.finish_reason if out.finished else None,
-                )
+            # ``generate`` starts vLLM's output handler; some versions' ``add_request``
+            # does not (it returns at once if running).
+            getattr(self._llm, "_run_output_handler", lambda: None)()
+            collector = await self._llm.add_request(
+                rid, tokens_input(prompt_ids), params, trace_headers=request.trace_headers)
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
         except (VLLMClientError, ValueError) as exc:
             raise EngineRejected("invalid_request", str(exc)) from exc
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            self._streams[rid] = _Stream(collector, sink, len(prompt_ids), ended)
+            collector.ready = _Marked(self, rid)
+            self._marked.append(rid)  # whatever it was given before it was marked
+            self._wake.set()
+            if self._pump is None or self._pump.done():
+                # Its own context: the sinks it calls are every turn's, not this one's.
+                self._pump = asyncio.create_task(self._pumping(), name="vllm-pump",
+                                                 context=contextvars.Context())
+            await ended
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+        except BaseException:  # cancelled, or its sink raised: the engine stops it
+            with contextlib.suppress(Exception):
+                await self._llm.abort(collector.request_id, internal=True)
+            raise
         finally:
-            self._running.discard(request.request_id)
+            self._streams.pop(rid, None)
+            collector.close()
+
+    async def _pumping(self) -> None:
+        """Each step's outputs, from the collectors marked, to their sinks; then the
+        pace (see ``Engine.pace``)."""
+        while self._streams:
+            await self._wake.wait()
+            self._wake.clear()
+            marked, self._marked = self._marked, []
+            for rid in marked:
+                stream = self._streams.get(rid)
+                if stream is not None and not stream.ended.done():
+                    self._hand(stream)
+            wait = self._pace()
+            if wait is not None:
+                await wait
+
+    @staticmethod
+    def _hand(stream: _Stream) -> None:
+        ended = stream.ended
+        try:
+            out = stream.collector.get_nowait()  # raises what the engine put: its death
+            if out is None:
+                return
+            completion = out.outputs[0]
+            finished = out.finished
+            stream.sink(completion.text, tuple(completion.token_ids), stream.prompt_tokens,
+                        completion.finish_reason if finished else None)
+            if finished:
+                ended.set_result(None)
+        except Exception as exc:  # its sink's, or the engine's death: that request's
+            ended.set_exception(exc)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
     def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()

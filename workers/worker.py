@@ -162,6 +162,8 @@ class Worker:
                                    settings.history_cache_chars)
         self.runner = Runner(engine, self.output, self.writer, self.histories, self.metrics,
                              self.name, settings.coalesce_ms / 1000, self.waiting.served)
+        # Kafka taking tokens slower than they come: the engine's outputs wait, merged.
+        engine.pace(self.writer.congested)
         self.assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
         self._rejoin = False  # a refusal that no rebalance answers: leave and rejoin

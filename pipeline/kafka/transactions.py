@@ -9,7 +9,7 @@ is what senders see of them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +200,12 @@ class TransactionalProducer:
         or it was dropped. A worker's turns wait here instead of queueing tokens without
         end while Kafka is slow; the engine merges what they have not read meanwhile."""
         await self._outbox.room()
+
+    def congested(self) -> Awaitable[None] | None:
+        """``room()`` while backlogged, else None: what an engine's step loop waits on
+        (``workers.engine.Pace``), so that a worker whose log is slow lets its engine's
+        outputs merge rather than queue without end."""
+        return self.room() if self._outbox.backlogged else None
 
     def set_group(self, metadata: Any) -> None:
         """The consumer's group metadata, as read after its latest assignment: what each
