@@ -9,10 +9,11 @@ import random
 import time
 from collections import Counter
 
+import prometheus_client
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from pipeline.metrics import LoopWatch
+from pipeline.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram, LoopWatch
 from schemas import (
     sketch,
 )
@@ -42,6 +43,24 @@ def test_loop_watch_reports_a_blocked_loop_once_with_where(
 
 def _block_the_loop(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def test_loop_metrics_scrape_as_prometheus_clients_own() -> None:
+    """The worker's per-token counter and histogram, kept without locks, expose the
+    series ``prometheus_client``'s would, value for value (the dashboards read them)."""
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("t_seconds", "d", buckets=LATENCY_BUCKETS, registry=theirs)
+    counter = prometheus_client.Counter("t_tokens", "d", registry=theirs)
+    loop_histogram = LoopHistogram("t_seconds", "d", LATENCY_BUCKETS, ours)
+    loop_counter = LoopCounter("t_tokens", "d", ours)
+    for value in (0.0, 0.005, 0.0051, 0.3, 1, 119.9, 120, 1e6):  # on, past and above bounds
+        histogram.observe(value)
+        loop_histogram.observe(value)
+    counter.inc(3)
+    loop_counter.inc(3)
+    expected = [line for line in generate_latest(theirs).decode().splitlines()
+                if "_created" not in line]
+    assert generate_latest(ours).decode().splitlines() == expected
 
 
 def test_latency_sketch_merges_minutes_into_hours_within_one_percent() -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.metrics import LATENCY_BUCKETS
+from pipeline.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram
 from workers.engine import Engine
 from workers.history import HistoryMetrics
 
@@ -44,7 +44,8 @@ class WorkerMetrics:
                          registry=registry)
         self.assigned = Gauge("worker_assigned_partitions", "Prompt partitions this worker owns",
                               registry=registry)
-        self.tokens = Counter("worker_generated_tokens", "Tokens generated", registry=registry)
+        # Counted per token, on the event loop: without a lock (``LoopCounter``).
+        self.tokens = LoopCounter("worker_generated_tokens", "Tokens generated", registry)
         self.generations = Counter("worker_generations", "Generations ended, by outcome",
                                    ["outcome"], registry=registry)
         self.resumed = Counter("worker_resumed_generations",
@@ -54,8 +55,8 @@ class WorkerMetrics:
                                  "its share (each continues later)", registry=registry)
         self.ttft = Histogram("worker_ttft_seconds", "Prompt taken to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("worker_inter_token_seconds", "Time between tokens of a sequence",
-                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = LoopHistogram("worker_inter_token_seconds",
+                                 "Time between tokens of a sequence", LATENCY_BUCKETS, registry)
         self.dead_letters = Counter("worker_dead_letters", "Records sent to the dead-letter topic",
                                     registry=registry)
         self.skipped = Counter("worker_skipped_prompts",

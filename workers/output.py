@@ -61,13 +61,12 @@ class Output:
         self._open: dict[int, _Open] = {}
         self._gathering = False  # a call to ``_gather`` is scheduled
         self.records = 0  # live records written (queued)
+        # A batch is sealed past this: half the largest record the topic takes.
+        self.max_bytes = writer.limit(LIVE) // 2
         # Each running turn's conversation, and what its text is sealed with, by
         # (partition, ref): the key its prompt was opened with.
         self._seals: dict[tuple[int, int], tuple[uuid.UUID, SealWith]] = {}
 
-    @property
-    def max_bytes(self) -> int:
-        return self.writer.limit(LIVE) // 2
 
     def _batch(self, partition: int) -> _Open:
         batch = self._open.get(partition)
