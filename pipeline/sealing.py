@@ -147,7 +147,10 @@ class Cipher:
 
     def revoked(self, conversation_id: uuid.UUID) -> bool:
         """Whether a ring knows the conversation's keys destroyed."""
-        return any(ring.revoked(conversation_id) for ring in self.rings)
+        for ring in self.rings:  # a loop, not any(): asked per turn per live record
+            if ring.revoked(conversation_id):
+                return True
+        return False
 
     def writing_key(self, conversation_id: uuid.UUID) -> DataKey | Literal["erased"] | None:
         for ring in self.rings:

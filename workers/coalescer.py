@@ -27,12 +27,17 @@ class Coalescer:
         """Take one engine step's output; the delta to emit now, if any."""
         if not text and not token_ids:
             return None
-        self._text.append(text)
-        self._ids.extend(token_ids)
         window = int(now / self.window_s) if self.window_s else None
         if self.emitted and window is not None and window == self._window:
+            self._text.append(text)
+            self._ids.extend(token_ids)
             return None
         self._window = window
+        if not self._text:  # nothing held: this output is the delta, as it came
+            self.emitted += 1
+            return text, token_ids
+        self._text.append(text)
+        self._ids.extend(token_ids)
         return self.drain()
 
     def drain(self) -> tuple[str, tuple[int, ...]] | None:
