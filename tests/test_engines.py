@@ -201,6 +201,29 @@ def test_a_paced_engine_holds_its_outputs_and_loses_none(engine: Running) -> Non
     assert engine.engine.running() == 0
 
 
+def test_a_failed_step_loop_fails_its_requests_and_the_next_one_runs(engine: Running) -> None:
+    """The engine's step loop failing (here, its pace raising) fails the requests it was
+    serving rather than leaving them waiting for outputs that will not come; the next
+    request starts it again."""
+    def broken() -> None:
+        raise RuntimeError("this pace broke")
+
+    async def fail_then_run() -> list[EngineOutput]:
+        engine.engine.pace(broken)
+        try:
+            with pytest.raises(RuntimeError, match="this pace broke"):
+                await asyncio.wait_for(
+                    engine.engine.run(ask("contract-loop-broken", 6), lambda *_: None), 30)
+        finally:
+            engine.engine.pace(unpaced)
+        return await collect(engine.engine, ask("contract-loop-after", 6))
+
+    outs = engine.run(fail_then_run())
+    assert isinstance(outs, list)
+    assert sum(len(o.token_ids) for o in outs) == 6 and outs[-1].finish_reason == "length"
+    assert engine.engine.running() == 0
+
+
 def test_refuses_a_prompt_longer_than_its_context(engine: Running) -> None:
     with pytest.raises(EngineRejected) as refused:
         engine.run(collect(engine.engine, ask("contract-long", 8, words=2000)))

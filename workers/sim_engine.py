@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import math
 from dataclasses import dataclass
 
 from workers.engine import EngineDead, EngineRejected, EngineRequest, Pace, Sink, unpaced
 
+log = logging.getLogger(__name__)
 SIM_VOCAB_BASE = 1000
 # How its token times are made, for benchmark reports that set runs side by side.
 SIM_CLOCK = "one step clock for all its sequences"
@@ -119,7 +121,19 @@ class SimEngine:
             self._aborted.discard(rid)
 
     async def _tick(self) -> None:
-        """The step clock: at each step, every running sequence's tokens due by then."""
+        """The step clock: at each step, every running sequence's tokens due by then. If
+        it fails, every running sequence fails with it (none waits for a step that will
+        not come), and the next request starts it again."""
+        try:
+            await self._steps()
+        except Exception as exc:
+            log.exception("the simulated engine's step clock failed: its running requests "
+                          "fail with it")
+            for sequence in list(self._running.values()):
+                if not sequence.ended.done():
+                    sequence.ended.set_exception(exc)
+
+    async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
         while self._running:
             now = math.floor(loop.time() / self._step + _EARLY)

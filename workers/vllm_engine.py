@@ -313,7 +313,18 @@ class VllmEngine:
 
     async def _pumping(self) -> None:
         """Each step's outputs, from the collectors marked, to their sinks; then the
-        pace (see ``Engine.pace``)."""
+        pace (see ``Engine.pace``). If it fails, every request it serves fails with it
+        (none waits for outputs that will not come), and the next request starts it
+        again."""
+        try:
+            await self._pump_steps()
+        except Exception as exc:
+            log.exception("the engine's pump failed: its running requests fail with it")
+            for stream in list(self._streams.values()):
+                if not stream.ended.done():
+                    stream.ended.set_exception(exc)
+
+    async def _pump_steps(self) -> None:
         while self._streams:
             await self._wake.wait()
             self._wake.clear()
