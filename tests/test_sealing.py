@@ -185,7 +185,11 @@ def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring, codec: Cod
     a, b, clear = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     ring.add(a)
     ring.add(b)
-    output = Output(None, "w", codec)  # type: ignore[arg-type]  # only batches are made
+    class Limits:  # what Output reads of its writer when only batches are made
+        def limit(self, topic: str) -> int:
+            return 1_000_000
+
+    output = Output(Limits(), "w", codec)  # type: ignore[arg-type]
     output._seals.update({(0, 10): (a, ring.keys[a]), (0, 11): (b, ring.keys[b]),
                           (0, 12): (clear, None)})
     deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
