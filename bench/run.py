@@ -18,7 +18,7 @@ from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
 PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics", "sealing",
-         "memory")
+         "hotpath", "memory")
 # Parts run only when named: a year of state takes its own stack and the better part of
 # an hour.
 NAMED_ONLY = ("scale",)
@@ -171,19 +171,32 @@ def analytics(common: CommonSettings, quick: bool, out: Path) -> str:
                common.state_dir / "bench-logs")
 
 
-def sealing(common: CommonSettings, quick: bool, out: Path) -> str:
-    from bench import sealing as bench
+# The benches that run in this process alone (``bench.<part>``: its ``run(quick)`` and
+# ``table``): each one's title, and its notes from its figures.
+IN_PROCESS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "sealing": ("What sealing content costs in CPU per token", lambda figures: (
+        "In process, keys in memory (pipeline.sealing, AES-256-GCM from cryptography): "
+        "each case's whole write and read path (the worker's live record made and "
+        "encoded, then decoded by a reader; a turn's end encoded and decoded), sealed "
+        f"and in the clear, alternating, medians of {figures['rounds']} rounds.")),
+    "hotpath": ("The worker's CPU per token on its own path", lambda figures: (
+        "In process, no Kafka and no engine (bench/hotpath.py): each running turn takes "
+        "one output per engine step, and each step's live records are made, sealed (a "
+        "key per conversation) and dropped. Process CPU per token, median of "
+        f"{figures['rounds']} rounds.")),
+}
 
+
+def _in_process(part: str, quick: bool, out: Path) -> str:
+    import importlib
+
+    bench = importlib.import_module(f"bench.{part}")
+    title, notes = IN_PROCESS[part]
     figures = bench.run(quick)
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
-    table = bench.table(figures)
-    _save(out, "sealing", "What sealing content costs in CPU per token", figures, table,
-          "In process, keys in memory (pipeline.sealing, AES-256-GCM from cryptography): "
-          "each case's whole write and read path (the worker's live record made and "
-          "encoded, then decoded by a reader; a turn's end encoded and decoded), sealed "
-          f"and in the clear, alternating, medians of {figures['rounds']} rounds. On "
-          f"{figures['machine']}. Measured with `pipeline bench sealing"
-          f"{' --quick' if quick else ''}`.")
+    table: str = bench.table(figures)
+    _save(out, part, title, figures, table, f"{notes(figures)} On {figures['machine']}. "
+          f"Measured with `pipeline bench {part}{' --quick' if quick else ''}`.")
     return table
 
 
@@ -265,8 +278,8 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = fairness(common, quick, out)
         elif part == "projection":
             table = projection(common, quick, out)
-        elif part == "sealing":
-            table = sealing(common, quick, out)
+        elif part in IN_PROCESS:
+            table = _in_process(part, quick, out)
         elif part == "memory":
             table = memory(common, quick, out)
         elif part == "scale":

@@ -24,10 +24,11 @@ from typing import Any, Literal
 
 from pipeline import sealing
 from pipeline.codec import CLEAR, Codec
+from pipeline.kafka import Outgoing
 from schemas import GenerationFinished, Usage
 
 
-class _Ring:
+class MemoryRing:
     """Keys held in memory: one per conversation."""
 
     def __init__(self) -> None:
@@ -51,10 +52,29 @@ class _Ring:
         return False
 
 
-def _live_case(turns: int, per_turn: int, codec: Codec, ring: _Ring) -> Callable[[], int]:
+class DroppingWriter:
+    """The writer's side a worker's output uses: records are counted and dropped."""
+
+    epoch = 0
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def limit(self, topic: str) -> int:
+        return 1_000_000
+
+    def send_together(self, records: list[Outgoing], epoch: int = 0) -> list[None]:
+        self.records += len(records)
+        return [None] * len(records)
+
+    def gathered(self) -> None:
+        pass
+
+
+def _live_case(turns: int, per_turn: int, codec: Codec, ring: MemoryRing) -> Callable[[], int]:
     from workers.output import Output
 
-    output = Output(None, "bench", codec)  # type: ignore[arg-type]  # only batches are made
+    output = Output(DroppingWriter(), "bench", codec)  # type: ignore[arg-type]  # batches alone
     conversations = [uuid.uuid4() for _ in range(turns)]
     for c in conversations:
         ring.add(c)
@@ -79,7 +99,7 @@ def encode_live(deltas: list[Any], sealed: list[Any]) -> bytes:
                                 "deltas": deltas, "sealed": sealed})
 
 
-def _end_case(tokens: int, codec: Codec, ring: _Ring) -> Callable[[], int]:
+def _end_case(tokens: int, codec: Codec, ring: MemoryRing) -> Callable[[], int]:
     conversation = uuid.uuid4()
     ring.add(conversation)
     end = GenerationFinished(conversation_id=conversation, request_id="r", model="m",
@@ -95,7 +115,7 @@ def _end_case(tokens: int, codec: Codec, ring: _Ring) -> Callable[[], int]:
 
 
 # Each case, made with a codec (sealing through the ring, or ``CLEAR``) and the ring.
-CASES: dict[str, Callable[[Codec, _Ring], Callable[[], int]]] = {
+CASES: dict[str, Callable[[Codec, MemoryRing], Callable[[], int]]] = {
     "live, one delta per turn (256 turns)": lambda c, ring: _live_case(256, 1, c, ring),
     "live, 8 deltas per turn (32 turns)": lambda c, ring: _live_case(32, 8, c, ring),
     "a turn's end (256 tokens)": lambda c, ring: _end_case(256, c, ring),
@@ -114,7 +134,7 @@ def run(quick: bool) -> dict[str, Any]:
     rounds, seconds = (3, 0.3) if quick else (9, 1.0)
     figures: dict[str, Any] = {"rounds": rounds, "cases": {}}
     for name, make in CASES.items():
-        ring = _Ring()
+        ring = MemoryRing()
         sealing_case = make(Codec(sealing.Cipher(ring)), ring)
         clear_case = make(CLEAR, ring)
         clear, sealed = [], []

@@ -190,7 +190,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("part", nargs="*", metavar="PART",
                        help="serving (the engine, vllm serve, the pipeline), capacity "
                             "(simulated engine), log (bytes), fairness (between tenants), "
-                            "projection, analytics, sealing, memory; default: all of "
+                            "projection, analytics, sealing, hotpath (the worker's per-"
+                            "token path), memory; default: all of "
                             "those; scale (a year of state, its own stack), when named; "
                             "or pair, alone (below)")
     bench.add_argument("--conversations", type=_positive, default=1_000_000,

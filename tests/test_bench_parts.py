@@ -157,3 +157,27 @@ def test_a_paired_serving_bench_says_each_pair_as_it_ends(
         f" worker / engine at {c} clients, pair {i} of 3" for c in (1, 2) for i in (1, 2, 3)]
     assert all(line.endswith("%") for line in lines)
     assert out.ratios == [[pytest.approx(0.5)] * 3] * 2  # 5 / 10 tokens
+
+
+def test_the_in_process_benches_run_through_the_code_they_measure() -> None:
+    """``pipeline bench hotpath`` and ``sealing`` drive the worker's own output: a bench
+    that no test runs broke unseen when that output changed."""
+    import math
+
+    from bench import hotpath, sealing
+
+    takers, output, writer = hotpath._takers(4, 2)
+
+    async def one_step() -> None:
+        for taker in takers:
+            taker.take("a ", (1,), 3, None)
+        await asyncio.sleep(0)  # the step's records made
+
+    asyncio.run(one_step())
+    assert (output.records, writer.records) == (2, 2 + 4)  # a record per partition; starts
+    figures = hotpath.run(True, turns=8, steps=3)
+    assert math.isfinite(figures["us_per_token"]) and figures["us_per_token"] > 0
+    assert "| 8 | 3 | 6 |" in hotpath.table(figures)
+    cases = sealing.run(True)["cases"]
+    assert set(cases) == set(sealing.CASES)
+    assert all(math.isfinite(case["sealed_us_per_token"]) for case in cases.values())
