@@ -84,8 +84,10 @@ def _live_case(turns: int, per_turn: int, codec: Codec, ring: MemoryRing) -> Cal
         (ref, seq, "tok ", (1234,)) for seq in range(per_turn) for ref in range(turns)]
 
     def run() -> int:
-        kept, boxes = output._sealed(0, deltas)
-        value = encode_live(kept, boxes)
+        for ref, seq, text, token_ids in deltas:
+            output.delta(0, ref, seq, text, token_ids, 0)
+        batch = output._open.pop(0)
+        value = encode_live(batch.deltas, output._sealed(0, batch.texts))
         codec.decode_live(value)
         return len(deltas)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import itertools
 import os
 import uuid
@@ -216,7 +217,7 @@ def seal(key: DataKey, payload: bytes) -> str:
             packed = _DEFLATED + deflated
     nonce = _nonce()
     sealed = key.aead.encrypt(nonce, packed, key.key_id.encode())
-    return base64.b64encode(nonce + sealed).decode("ascii")
+    return binascii.b2a_base64(nonce + sealed, newline=False).decode("ascii")
 
 
 class Unreadable(ValueError):

@@ -192,10 +192,11 @@ def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring, codec: Cod
     output = Output(Limits(), "w", codec)  # type: ignore[arg-type]
     output._seals.update({(0, 10): (a, ring.keys[a]), (0, 11): (b, ring.keys[b]),
                           (0, 12): (clear, None)})
-    deltas: list[tuple[int, int, str, tuple[int, ...]]] = [
-        (10, 0, "alpha ", (1,)), (11, 0, "beta ", (2,)), (10, 1, "gamma", (3,)),
-        (12, 0, "open", (4,))]
-    kept, boxes = output._sealed(0, deltas)
+    for ref, seq, text, ids in [(10, 0, "alpha ", (1,)), (11, 0, "beta ", (2,)),
+                                (10, 1, "gamma", (3,)), (12, 0, "open", (4,))]:
+        output.delta(0, ref, seq, text, ids, 0)
+    batch = output._open.pop(0)
+    kept, boxes = batch.deltas, output._sealed(0, batch.texts)
     assert [d[2] for d in kept] == ["", "", "", "open"]
     assert sorted(ref for ref, _, _ in boxes) == [10, 11]
     value = json.dumps({"type": "LiveBatch", "worker": "w", "at": 0, "deltas": kept,
@@ -209,8 +210,10 @@ def test_the_live_stream_seals_each_turn_with_its_own_key(ring: Ring, codec: Cod
     ring.destroy(a)
     assert [d[2] for d in codec.decode_live(value).deltas] == ["", "beta ", "", "open"]
     # Written after its keys were destroyed: the turn's text is not written at all.
-    kept, boxes = output._sealed(0, [(10, 2, "late", (5,))])
-    assert kept == [(10, 2, "", ())] and boxes == [(10, sealing.ERASED, "")]
+    output.delta(0, 10, 2, "late", (5,), 0)
+    batch = output._open.pop(0)
+    assert batch.deltas == [(10, 2, "", ())]
+    assert output._sealed(0, batch.texts) == [(10, sealing.ERASED, "")]
 
 
 def test_a_box_that_would_open_past_the_bound_is_unreadable() -> None:

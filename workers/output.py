@@ -47,6 +47,9 @@ class _Open:
     failures: list[LiveFailure] = field(default_factory=list)
     durable: list[tuple[bytes, bytes, asyncio.Future[Position] | None]] = field(
         default_factory=list)
+    # The text and token ids of each sealed turn's deltas, in order, by ref: its deltas
+    # above hold them empty (``schemas.live``); one box each when the batch is sealed.
+    texts: dict[int, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
     size: int = 0
 
     def __bool__(self) -> bool:
@@ -66,7 +69,7 @@ class Output:
         # Each running turn's conversation, and what its text is sealed with, by
         # (partition, ref): the key its prompt was opened with.
         self._seals: dict[tuple[int, int], tuple[uuid.UUID, SealWith]] = {}
-
+        self._sealing = bool(codec.cipher)  # else every turn's text goes in the clear
 
     def _batch(self, partition: int) -> _Open:
         batch = self._open.get(partition)
@@ -90,9 +93,24 @@ class Output:
 
     def delta(self, partition: int, ref: int, seq: int, text: str,
               token_ids: tuple[int, ...], epoch: int) -> None:
-        batch = self._batch(partition)
-        batch.deltas.append((ref, seq, text, token_ids))
-        self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
+        """Add one of the turn's deltas: its text held for the turn's box if the turn is
+        sealed (called per turn per engine step: kept to a few look-ups)."""
+        batch = self._open.get(partition)
+        if batch is None:
+            batch = self._open[partition] = _Open()
+        sealing_with = self._seals.get((partition, ref)) if self._sealing else None
+        if sealing_with is None or sealing_with[1] is None:
+            batch.deltas.append((ref, seq, text, token_ids))
+        else:
+            batch.deltas.append((ref, seq, "", ()))
+            held = batch.texts.get(ref)
+            if held is None:
+                batch.texts[ref] = [(text, token_ids)]
+            else:
+                held.append((text, token_ids))
+        batch.size += ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids)
+        if batch.size > self.max_bytes:
+            self._seal(partition, epoch)
 
     def end(self, partition: int, ref: int, final: GenerationFinished | GenerationFailed,
             key: bytes, value: bytes) -> asyncio.Future[Position]:
@@ -149,9 +167,9 @@ class Output:
             return
         records = []
         if batch.starts or batch.deltas or batch.ends or batch.failures:
-            deltas, sealed = self._sealed(partition, batch.deltas)
-            value = write_batch(self.worker, int(time.time() * 1000), batch.starts, deltas,
-                                batch.ends, batch.failures, sealed)
+            value = write_batch(self.worker, int(time.time() * 1000), batch.starts,
+                                batch.deltas, batch.ends, batch.failures,
+                                self._sealed(partition, batch.texts))
             records.append(Outgoing(LIVE, None, value, partition))
             self.records += 1
             for ref in [e[0] for e in batch.ends] + [f[0] for f in batch.failures]:
@@ -164,34 +182,21 @@ class Output:
             if mine is not None and theirs is not None:
                 _chain(theirs, mine)
 
-    def _sealed(self, partition: int, deltas: list[tuple[int, int, str, tuple[int, ...]]]
-                ) -> tuple[list[tuple[int, int, str, tuple[int, ...]]],
-                           list[tuple[int, str, str]]]:
-        """The batch's deltas with the text of each turn that has a data key taken out,
-        and that text sealed, a box per turn (``schemas.live``)."""
-        if not deltas or not self.codec.cipher:
-            return deltas, []
-        texts: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
-        keys: dict[int, SealWith] = {}
-        out = []
-        for ref, seq, text, token_ids in deltas:
-            if ref not in keys:
-                conversation, seal = self._seals.get((partition, ref), (None, None))
-                keys[ref] = "erased" if conversation is not None and isinstance(
-                    seal, sealing.DataKey) and self.codec.cipher.revoked(conversation) else seal
-            if keys[ref] is None:
-                out.append((ref, seq, text, token_ids))
-                continue
-            texts.setdefault(ref, []).append((text, token_ids))
-            out.append((ref, seq, "", ()))
+    def _sealed(self, partition: int, texts: dict[int, list[tuple[str, tuple[int, ...]]]]
+                ) -> list[tuple[int, str, str]]:
+        """The boxes of a batch's sealed turns, one per turn (``schemas.live``): its
+        deltas' text and token ids sealed with its key, or none if its conversation's
+        keys were destroyed meanwhile."""
+        cipher = self.codec.cipher
         sealed = []
         for ref, group in texts.items():
-            key = keys[ref]
-            if isinstance(key, sealing.DataKey):
+            conversation, key = self._seals.get((partition, ref), (None, None))
+            if isinstance(key, sealing.DataKey) and not (
+                    conversation is not None and cipher.revoked(conversation)):
                 sealed.append((ref, key.key_id, sealing.seal(key, _encoder.encode(group))))
             else:  # its keys were destroyed: its text is not written
                 sealed.append((ref, sealing.ERASED, ""))
-        return out, sealed
+        return sealed
 
     def drop(self, partitions: list[int] | None = None) -> None:
         """Forget the open batches (of ``partitions``, or all): their turns were given up."""

@@ -209,15 +209,23 @@ class Runner:
 class _Taker:
     """What a turn does with each output the engine hands it (``take``, called from the
     engine's step loop, so it never waits): its start at the first, then its deltas to
-    the live stream, gathered (``Coalescer``), with ``seq`` gap-free."""
+    the live stream, gathered (``Coalescer``), with ``seq`` gap-free. Called per sequence
+    per engine step: what it uses each time is held in its own slots."""
 
     __slots__ = (
         "coalescer",
         "finish_reason",
+        "itl",
         "last_token",
+        "output",
+        "partition",
         "prompt_tokens",
+        "ref",
         "runner",
+        "served",
         "started",
+        "tenant",
+        "tokens",
         "ttft",
         "turn",
     )
@@ -229,21 +237,25 @@ class _Taker:
         self.prompt_tokens = 0
         self.finish_reason: FinishReason = "abort"
         self.coalescer = Coalescer(runner.coalesce_s, emitted=len(turn.progress.parts))
+        self.output, self.served = runner.output, runner.served
+        self.itl, self.tokens = runner.metrics.itl, runner.metrics.tokens
+        self.partition, self.ref, self.tenant = turn.tp[1], turn.offset, turn.prompt.tenant
 
     def take(self, text: str, token_ids: tuple[int, ...], prompt_tokens: int,
              finish_reason: str | None) -> None:
-        runner, turn = self.runner, self.turn
         now = time.monotonic()
         if self.ttft is None:
             self._start(now, prompt_tokens)
         elif token_ids:
-            runner.metrics.itl.observe((now - self.last_token) / len(token_ids))
+            self.itl.observe((now - self.last_token) / len(token_ids))
         self.last_token = now
         if token_ids:
-            runner.metrics.tokens.inc(len(token_ids))
-            runner.served(turn.prompt.tenant, output_tokens=len(token_ids))
-        self._emit(self.coalescer.add(text, token_ids, now))
-        if finish_reason in ("stop", "length"):
+            self.tokens.inc(len(token_ids))
+            self.served(self.tenant, 0, len(token_ids))
+        delta = self.coalescer.add(text, token_ids, now)
+        if delta is not None:
+            self._emit(*delta)
+        if finish_reason is not None and finish_reason in ("stop", "length"):
             self.finish_reason = "stop" if finish_reason == "stop" else "length"
 
     def _start(self, now: float, prompt_tokens: int) -> None:
@@ -262,22 +274,21 @@ class _Taker:
             runner.output.delta(partition, offset, earlier.seq, earlier.text,
                                 earlier.token_ids, turn.epoch)
 
-    def _emit(self, delta: tuple[str, tuple[int, ...]] | None) -> None:
+    def _emit(self, text: str, token_ids: tuple[int, ...]) -> None:
         """One delta to the live stream: seq stays gap-free."""
-        if delta is None:
-            return
-        text, token_ids = delta
-        turn, output = self.turn, self.runner.output
-        progress = turn.progress
-        output.delta(turn.tp[1], turn.offset, len(progress.parts), text, token_ids,
-                     turn.epoch)
-        output.gather_soon()
-        progress.parts.append(text)
+        progress = self.turn.progress
+        parts = progress.parts
+        self.output.delta(self.partition, self.ref, len(parts), text, token_ids,
+                          self.turn.epoch)
+        self.output.gather_soon()
+        parts.append(text)
         progress.token_ids.extend(token_ids)
 
     def finished(self) -> GenerationFinished:
         """The turn's end, once the engine handed its last output."""
-        self._emit(self.coalescer.drain())
+        rest = self.coalescer.drain()
+        if rest is not None:
+            self._emit(*rest)
         turn, progress = self.turn, self.turn.progress
         prompt = turn.prompt
         return GenerationFinished(
