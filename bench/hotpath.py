@@ -9,8 +9,9 @@ It is the share of the worker that grows with tokens, measured apart from the ho
 noise around a whole stack (``pipeline bench pair`` measures the whole worker). Its
 figures are process CPU per token, the median of the rounds. For a comparison finer
 than a noisy host allows, count instructions instead: run it under
-``valgrind --tool=cachegrind`` at two ``--steps`` values and divide the difference of
-the instructions by ``turns`` x the difference of the steps.
+``valgrind --tool=cachegrind`` at two values of ``run``'s ``steps`` and divide the
+difference of the instructions by rounds x ``turns`` x the difference of the steps
+(``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

@@ -94,10 +94,8 @@ class Output:
     def delta(self, partition: int, ref: int, seq: int, text: str,
               token_ids: tuple[int, ...], epoch: int) -> None:
         """Add one of the turn's deltas: its text held for the turn's box if the turn is
-        sealed (called per turn per engine step: kept to a few look-ups)."""
-        batch = self._open.get(partition)
-        if batch is None:
-            batch = self._open[partition] = _Open()
+        sealed."""
+        batch = self._batch(partition)
         sealing_with = self._seals.get((partition, ref)) if self._sealing else None
         if sealing_with is None or sealing_with[1] is None:
             batch.deltas.append((ref, seq, text, token_ids))
@@ -108,9 +106,7 @@ class Output:
                 batch.texts[ref] = [(text, token_ids)]
             else:
                 held.append((text, token_ids))
-        batch.size += ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids)
-        if batch.size > self.max_bytes:
-            self._seal(partition, epoch)
+        self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
 
     def end(self, partition: int, ref: int, final: GenerationFinished | GenerationFailed,
             key: bytes, value: bytes) -> asyncio.Future[Position]:
