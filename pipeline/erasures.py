@@ -122,7 +122,7 @@ class Erasures:
             try:
                 with self._asking:
                     asker = self._asker_()
-                    ends = {p: asker.end(ERASURES, p, self._wait_s) for p in self._partitions}
+                    ends = asker.ends(ERASURES, self._partitions, self._wait_s)
                 break
             except KafkaException as exc:  # a leader moving, or Kafka away: asked again
                 if time.monotonic() > deadline or self._stop.is_set():

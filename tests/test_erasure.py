@@ -18,11 +18,12 @@ from confluent_kafka import Consumer, TopicPartition
 
 from infra.process import free_port
 from pipeline.codec import CLEAR, bare, conversation_key
-from pipeline.kafka.plain import PlainWriter
+from pipeline.erasures import erasure_record
+from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.kek import KeyRef
 from pipeline.keystore import Keyring, KeyringLimits, load_kek
 from pipeline.settings import CommonSettings
-from pipeline.topics import CONTROL, GENERATIONS, KEYS, PROMPTS
+from pipeline.topics import CONTROL, ERASURES, GENERATIONS, KEYS, PROMPTS
 from schemas import (
     GenerationFailed,
     GenerationFinished,
@@ -479,6 +480,25 @@ def keys_in_log_at(pipeline: Pipeline, ref: str) -> bool:
     return any((position.partition, position.offset) == (place.partition, place.offset)
                and value is not None
                for position, value, _ in read_records(pipeline.stack.bootstrap, KEYS))
+
+
+def test_the_ends_a_keyring_waits_for_are_the_partitions_ends(pipeline: Pipeline) -> None:
+    """A keyring refuses a key it fetched after its conversation's erasure once it has
+    read ``chat.erasures`` to the ends it asks (``Keyring._look_up``). Those ends, asked
+    in one request, are the partitions' ends: of one partition and of several."""
+    reader = PlainReader(pipeline.stack.bootstrap, f"ends-{uuid.uuid4().hex[:8]}")
+    try:
+        writer = PlainWriter(pipeline.stack.bootstrap, "ends-writer")
+        writer.send(ERASURES, *erasure_record(uuid.uuid4(), "ends", "test"))
+        assert writer.flush(30) == []
+        for topic in (ERASURES, KEYS):
+            partitions = reader.partitions(topic)
+            ends = reader.ends(topic, partitions)
+            assert ends == {p: reader.bounds(topic, p)[1] for p in partitions}
+        assert len(ends) > 1  # chat.keys: several partitions in one request
+        assert reader.ends(ERASURES, [0])[0] >= 1  # the erasure written above
+    finally:
+        reader.close()
 
 
 def test_a_deleted_sessions_history_leaves_the_workers_memory(pipeline: Pipeline) -> None:

@@ -121,6 +121,18 @@ class PlainReader:
                                                          timeout=timeout)
         return int(low), int(high)
 
+    def ends(self, topic: str, partitions: list[int], timeout: float = 10.0
+             ) -> dict[int, int]:
+        """The partitions' ends as they are now (the last stable offset, for a reader of
+        committed records only), in one request to each leader: ``bounds`` asks the
+        first offset too, in a request of its own each."""
+        found = self._consumer.offsets_for_times(
+            [TopicPartition(topic, p, OFFSET_END) for p in partitions], timeout=timeout)
+        for tp in found:
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+        return {tp.partition: int(tp.offset) for tp in found}
+
     def position(self, topic: str, partition: int) -> int:
         """The next offset this reader reads in the partition (negative: none yet)."""
         return int(self._consumer.position([TopicPartition(topic, partition)])[0].offset)
