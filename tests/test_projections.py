@@ -3,6 +3,7 @@ killed mid-load and sharing a group, and events the store refuses (real Kafka, P
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import socket
@@ -428,9 +429,20 @@ def relay(port: int, to: tuple[str, int]) -> socket.socket:
     server = socket.create_server(("127.0.0.1", port))
 
     def pipe(a: socket.socket, b: socket.socket) -> None:
-        with a, b:
+        """One direction, until its end; then ``b`` is told no more comes (a half-close):
+        the sockets are closed once both directions have ended, never under the other."""
+        with contextlib.suppress(OSError):  # reset by a peer
             while data := a.recv(65536):
                 b.sendall(data)
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+
+    def connection(client: socket.socket, upstream: socket.socket) -> None:
+        back = threading.Thread(target=pipe, args=(upstream, client), daemon=True)
+        back.start()
+        with client, upstream:
+            pipe(client, upstream)
+            back.join()
 
     def serve() -> None:
         while True:
@@ -439,8 +451,7 @@ def relay(port: int, to: tuple[str, int]) -> socket.socket:
             except OSError:
                 return
             upstream = socket.create_connection(to)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+            threading.Thread(target=connection, args=(client, upstream), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return server
