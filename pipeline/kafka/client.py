@@ -80,6 +80,17 @@ def client_config(bootstrap: str) -> dict[str, Any]:
     return {**client_properties(), "bootstrap.servers": bootstrap}
 
 
+# librdkafka stops fetching a partition while its local queue holds
+# ``queued.min.messages`` records or ``queued.max.messages.kbytes``, and then looks again
+# only after ``fetch.queue.backoff.ms``, 1 s by default: a reader that drains its queue
+# sooner (a small queue, a scan that skips most of what it reads) waited out the rest of
+# that second with nothing to read. Measured here, a look-up of 20 keys through 2 MB of a
+# partition took 1.015 s, every time, with its 256 kB queue; 0.02-0.04 s looking again
+# after 1 ms. Looking again costs a little while the queue stays full (a reader behind
+# on six partitions: 0.6% of a core at 10 ms, 3.6% at 1 ms), so a consumer that keeps
+# its partitions takes 10 ms; one assigned only while it reads (``PositionReader``), 1.
+QUEUE_REFILL = {"fetch.queue.backoff.ms": 10}
+
 # librdkafka leaves Nagle's algorithm on. A turn's first events then waited for the
 # previous request's TCP acknowledgement: measured here, up to 265 ms between a worker
 # producing a turn's first token and the gateway reading it (3-6 ms without Nagle).

@@ -22,6 +22,7 @@ from pipeline.codec import TP
 from pipeline.kafka.client import (
     BEGINNING,
     NO_NAGLE,
+    QUEUE_REFILL,
     Record,
     client_config,
     client_logging,
@@ -58,6 +59,7 @@ class AsyncConsumer:
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
             **NO_NAGLE,
+            **QUEUE_REFILL,
             **client_logging("consumer"),
         }
         config.update(extra)

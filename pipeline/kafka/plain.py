@@ -19,6 +19,7 @@ from confluent_kafka import (
 from pipeline.codec import TP
 from pipeline.kafka.client import (
     BEGINNING,
+    QUEUE_REFILL,
     ProduceError,
     Record,
     client_config,
@@ -90,7 +91,7 @@ class PlainReader:
         self._consumer = Consumer({
             **client_config(bootstrap), "group.id": name, "enable.auto.commit": False,
             "isolation.level": "read_committed" if committed_only else "read_uncommitted",
-            **client_logging(name)})
+            **QUEUE_REFILL, **client_logging(name)})
 
     def start(self, positions: dict[TP, int]) -> None:
         """Read these partitions from these offsets (``BEGINNING``, ``END``, or one)."""

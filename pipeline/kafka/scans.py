@@ -16,6 +16,7 @@ from pipeline.codec import TP
 from pipeline.kafka.client import (
     LATEST,
     NO_NAGLE,
+    QUEUE_REFILL,
     Record,
     client_config,
     client_logging,
@@ -125,7 +126,7 @@ def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
     consumer = Consumer({**client_config(bootstrap), "group.id": "scan",
                          **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_committed",
-                         **NO_NAGLE})
+                         **NO_NAGLE, **QUEUE_REFILL})
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, (start, _) in todo.items()])
         positions = {p: start for p, (start, _) in todo.items()}
