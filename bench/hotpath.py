@@ -66,16 +66,20 @@ def _takers(turns: int, partitions: int) -> tuple[list[Any], Any, DroppingWriter
 
 
 async def _round(turns: int, steps: int, partitions: int) -> float:
+    from workers.output import GATHER_PASSES
+
     takers, _, _ = _takers(turns, partitions)
     for taker in takers:  # each turn's start: not the per-token path
         taker.take("first ", (999,), 5, None)
-    await asyncio.sleep(0)
+    for _ in range(GATHER_PASSES):
+        await asyncio.sleep(0)
     texts = [(f"t{s} ", (1000 + s,)) for s in range(steps)]
     started = time.process_time()
     for text, token_ids in texts:
         for taker in takers:
             taker.take(text, token_ids, 5, None)
-        await asyncio.sleep(0)  # the step's records made, as the worker's loop does
+        for _ in range(GATHER_PASSES):  # the step's records made, as in the worker
+            await asyncio.sleep(0)
     return (time.process_time() - started) / (turns * steps) * 1e6
 
 

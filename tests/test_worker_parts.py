@@ -1,6 +1,7 @@
 """The worker's parts without a broker: the offset watermark (``workers.offsets``),
 recovery's fold (``workers.recovery``), takeover's progress (``workers.takeover``), the
-SIMULATED engine's pace, and the engine's scheduling priority (``workers.host``)."""
+SIMULATED engine's pace, the engine's scheduling priority (``workers.host``), and what one
+transaction of the worker's output holds (``workers.output``)."""
 
 from __future__ import annotations
 
@@ -178,3 +179,64 @@ def test_session_priority_changes_only_a_session_of_its_own() -> None:
         shared.kill()
         own.wait()
         shared.wait()
+
+
+def test_the_turns_a_step_ends_end_in_the_transaction_of_its_deltas() -> None:
+    """An engine step hands its outputs, then resolves the runs it ended, as both
+    engines do; the turns' tasks write their ends in the loop's next pass. Those ends
+    are gathered with the step's deltas: one transaction, one live record per
+    partition, not the deltas' transaction and then one of the ends alone."""
+    from bench.hotpath import _takers
+    from bench.sealing import DroppingWriter
+    from pipeline.topics import GENERATIONS, LIVE
+    from workers.output import GATHER_PASSES
+
+    class Recording(DroppingWriter):
+        """The topics of what each gather queued (a transaction's worth)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gathers: list[list[str]] = [[]]
+
+        def gathered(self) -> None:
+            self.gathers.append([])
+
+        def send_together(self, records, epoch=0):  # type: ignore[no-untyped-def]
+            self.gathers[-1] += [r.topic for r in records]
+            done = []
+            for r in records:
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(Position(r.topic, r.partition or 0, 0))
+                done.append(future)
+            return done
+
+    takers, output, _ = _takers(4, 2)
+    writer = Recording()
+    output.writer = takers[0].runner.writer = writer  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        for taker in takers:
+            taker.take("first ", (999,), 5, None)
+        for _ in range(GATHER_PASSES):
+            await asyncio.sleep(0)
+        ran = [loop.create_future() for _ in takers]
+
+        async def turn(taker, run):  # type: ignore[no-untyped-def]
+            await run  # its run on the engine
+            return await taker.runner.end(taker.turn, taker.finished())
+
+        tasks = [asyncio.create_task(turn(t, r)) for t, r in zip(takers, ran, strict=True)]
+        await asyncio.sleep(0)
+        for taker, run in zip(takers, ran, strict=True):  # the step: every turn's last
+            taker.take("last ", (1000,), 5, "length")
+            run.set_result(None)
+        ends = await asyncio.gather(*tasks)
+        assert [e.text for e in ends] == ["first last "] * 4
+
+    asyncio.run(scenario())
+    first, step, nothing = writer.gathers
+    assert sorted(first) == [GENERATIONS] * 4 + [LIVE] * 2  # the starts and first deltas
+    assert sorted(step) == [GENERATIONS] * 4 + [LIVE] * 2  # the last deltas and the ends
+    assert nothing == []
+

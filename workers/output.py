@@ -32,6 +32,9 @@ from pipeline.topics import DEADLETTER, GENERATIONS, LIVE, WORKERS_GROUP
 from schemas import Event, GenerationFailed, GenerationFinished, GenerationStarted
 from schemas.live import LiveDelta, LiveEnd, LiveFailure, LiveStart, write_batch
 
+# The passes of the event loop after a turn's write that its gather waits
+# (``Output.gather_soon``): then what it wrote is queued.
+GATHER_PASSES = 2
 # What an entry costs in a batch besides its text (its reference, seq and brackets).
 ENTRY_BYTES = 48
 _encoder = msgspec.json.Encoder()
@@ -132,12 +135,21 @@ class Output:
         """Once the turns the event loop has ready have run, queue what they wrote (one
         live record per partition) and tell the writer it is all queued: an engine
         step's outputs wake its turns together, so the step's deltas share one record per
-        partition and one transaction (see ``TransactionalProducer``)."""
+        partition and one transaction (see ``TransactionalProducer``).
+
+        A step that ends turns also wakes their tasks (the engine resolves each one's
+        run), which write their ends in the loop's next pass, after a gather scheduled
+        by the step's first delta: the gather waits that one pass more (``GATHER_PASSES``), so
+        the ends join their step's deltas in one record per partition and one
+        transaction, not a transaction of their own after it."""
         if not self._gathering:
             self._gathering = True
-            asyncio.get_running_loop().call_soon(self._gather)
+            asyncio.get_running_loop().call_soon(self._gather, GATHER_PASSES - 1)
 
-    def _gather(self) -> None:
+    def _gather(self, passes_left: int) -> None:
+        if passes_left:
+            asyncio.get_running_loop().call_soon(self._gather, passes_left - 1)
+            return
         self._gathering = False
         self.flush(self.writer.epoch)
         self.writer.gathered()
