@@ -240,3 +240,30 @@ def test_the_turns_a_step_ends_end_in_the_transaction_of_its_deltas() -> None:
     assert sorted(step) == [GENERATIONS] * 4 + [LIVE] * 2  # the last deltas and the ends
     assert nothing == []
 
+
+def test_offsets_alone_get_a_transaction_only_once_the_log_is_quiet() -> None:
+    """The worker asks every 0.2 s that offsets that moved be committed
+    (``COMMIT_INTERVAL_S``). While its steps' transactions run, each commits them as
+    they then are, so no transaction of their own begins; once none has begun for that
+    long, one does (an offsets-only transaction: an empty batch)."""
+    import threading
+
+    from pipeline.kafka.outbox import Outbox, Pacing, RecordLimits
+    from workers.worker import COMMIT_INTERVAL_S
+
+    outbox = Outbox(RecordLimits(2**20), Pacing(), 100)
+    taken: list[list[object]] = []
+    loop = threading.Thread(target=lambda: taken.append(outbox.next_batch(lambda: True)))
+    loop.start()
+    try:
+        outbox.began(time.monotonic())  # a step's transaction began just now
+        outbox.want_commit(COMMIT_INTERVAL_S)
+        loop.join(0.1)
+        assert loop.is_alive() and taken == []  # it carries the offsets
+        time.sleep(COMMIT_INTERVAL_S)
+        outbox.want_commit(COMMIT_INTERVAL_S)  # quiet since: one of their own
+        loop.join(5)
+        assert taken == [[]]
+    finally:
+        outbox.stop()
+        loop.join(5)

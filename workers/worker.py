@@ -243,8 +243,11 @@ class Worker:
                     self.tracker.advance({tp: o for tp, o in (await consumer.positions()).items()
                                           if tp[0] == PROMPTS})
                     if self.tracker.committable() or self.tracker.stale_descriptions():
-                        # offsets moved, or the work waiting changed, with nothing to write
-                        self.writer.commit_offsets()
+                        # Offsets moved, or the work waiting changed: the transactions of
+                        # the engine's steps commit them while it runs (each commits the
+                        # offsets as they then are), a transaction of their own once
+                        # the log has been quiet for the interval.
+                        self.writer.commit_offsets(COMMIT_INTERVAL_S)
                     last_commit = time.monotonic()
                 if time.monotonic() - last_lag > 1.0:
                     lag = {tp: n for tp, n in (await consumer.lag()).items()

@@ -148,9 +148,14 @@ class Outbox:
                 event = self._roomy[1]
             await event.wait()
 
-    def want_commit(self) -> None:
-        """A transaction is wanted even if nothing is queued (offsets to commit)."""
+    def want_commit(self, unless_within_s: float = 0.0) -> None:
+        """A transaction is wanted even if nothing is queued (offsets to commit), unless
+        one began within ``unless_within_s``: a sender that asks again that often leaves
+        its offsets to the transactions it writes anyway while it writes, and asks for
+        one of their own once it has been quiet that long."""
         with self.cond:
+            if time.monotonic() - self._last_began < unless_within_s:
+                return
             self._commit_wanted = True
             self.cond.notify_all()
 

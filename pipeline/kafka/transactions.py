@@ -212,10 +212,11 @@ class TransactionalProducer:
         transaction shows the broker (a stale one is refused)."""
         self._loop.group = metadata
 
-    def commit_offsets(self) -> None:
+    def commit_offsets(self, unless_within_s: float = 0.0) -> None:
         """Commit the offsets now even if nothing is queued (turns that ended since the
-        last transaction, prompts that were skipped)."""
-        self._outbox.want_commit()
+        last transaction, prompts that were skipped): unless a transaction began within
+        ``unless_within_s`` (every transaction commits the offsets as they then are)."""
+        self._outbox.want_commit(unless_within_s)
 
     def new_epoch(self) -> int:
         """Drop every record not yet in a transaction; later ones need the new epoch."""
