@@ -139,9 +139,9 @@ class Output:
 
         A step that ends turns also wakes their tasks (the engine resolves each one's
         run), which write their ends in the loop's next pass, after a gather scheduled
-        by the step's first delta: the gather waits that one pass more (``GATHER_PASSES``), so
-        the ends join their step's deltas in one record per partition and one
-        transaction, not a transaction of their own after it."""
+        by the step's first delta: the gather waits that one pass more
+        (``GATHER_PASSES``), so the ends join their step's deltas in one record per
+        partition and one transaction, not a transaction of their own after it."""
         if not self._gathering:
             self._gathering = True
             asyncio.get_running_loop().call_soon(self._gather, GATHER_PASSES - 1)

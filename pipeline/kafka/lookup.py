@@ -49,10 +49,10 @@ class PositionReader:
             "isolation.level": "read_committed", "fetch.wait.max.ms": 1,
             "max.partition.fetch.bytes": fetch_bytes, "fetch.max.bytes": 2**20,
             "queued.max.messages.kbytes": max(4 * fetch_bytes // 1024, 64),
-            # A fetch is made only while its queue is empty, and the next 1 ms after it is
-            # (``QUEUE_REFILL``: it is assigned only while it reads): librdkafka otherwise
-            # fetches again the moment a fetch comes back, and a look-up of one record cost
-            # two fetches (2.0 measured here; 1.25 so).
+            # It fetches only into an empty queue (librdkafka otherwise fetches again the
+            # moment a fetch comes back: a look-up of one record cost two fetches, 1.25
+            # now), and looks again 1 ms after its queue empties, not the 10 ms of
+            # ``QUEUE_REFILL``: it is assigned only while it reads, so never waits idle.
             "queued.min.messages": 1, "fetch.queue.backoff.ms": 1,
             **NO_NAGLE, **client_logging(name)})
 
