@@ -219,7 +219,7 @@ def _event_times(bootstrap: str, ids: list[str]) -> dict[str, float]:
         parts = event_id.split("-")
         topic = LIVE if len(parts) == 3 else GENERATIONS
         wanted.setdefault((topic, int(parts[0])), set()).add(int(parts[1]))
-    reader = LogReader(bootstrap, "bench-capacity-reader")
+    reader = LogReader(bootstrap, "bench-capacity-reader", "bench")
     times = {}
     try:
         for (topic, p), offsets in wanted.items():
@@ -245,7 +245,7 @@ def _kafka_hop(bootstrap: str, seconds: float) -> list[float]:
     """For ``seconds``: each new delta's delay from its writing in the worker to a plain
     consumer in a process of its own (the Kafka hop alone, no gateway), in ms: each
     delta of a live record, or each ``TokenDelta`` (the code before the live stream)."""
-    consumer = LogReader(bootstrap, "bench-kafka-hop", **QUICK_ASSIGN)
+    consumer = LogReader(bootstrap, "bench-kafka-hop", "bench", **QUICK_ASSIGN)
     try:
         consumer.follow_from_end_sync(LIVE)
         consumer.follow_from_end_sync(GENERATIONS)

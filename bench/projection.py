@@ -96,7 +96,7 @@ async def produce_turns(producer: EventProducer, topics: tuple[str, str], turns:
 
 
 async def _log_end(bootstrap: str, topics: tuple[str, str]) -> dict[tuple[str, int], int]:
-    consumer = LogReader(bootstrap, f"bench-{uuid.uuid4().hex[:8]}")
+    consumer = LogReader(bootstrap, f"bench-{uuid.uuid4().hex[:8]}", "bench")
     try:
         def ends() -> dict[tuple[str, int], int]:
             return {(t, p): consumer.watermarks_sync(t, p)[1]

@@ -312,7 +312,7 @@ def _settled(stack: Stack, groups: list[str]) -> None:
     """Let these groups start at the log's end, as though they had read the history."""
     bootstrap = stack.broker.bootstrap
     for group in groups:
-        consumer = GroupConsumer(bootstrap, group)
+        consumer = GroupConsumer(bootstrap, group, "bench")
         try:
             ends = {(t, p): consumer.watermarks_sync(t, p)[1]
                     for t in CONVERSATION_TOPICS for p in range(PARTITIONS)}

@@ -234,7 +234,8 @@ async def kafka_client(bootstrap: str, name: str, max_tokens: int, prompt: str =
     """Prompts into ``chat.prompts``; each turn's first token read from its start entry in
     ``chat.live`` (written with its first delta), its end from ``chat.generations``."""
     producer = EventProducer(bootstrap, linger_ms=0)
-    reader = LogReader(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", **QUICK_ASSIGN)
+    reader = LogReader(bootstrap, f"bench-worker-{uuid.uuid4().hex[:8]}", "bench",
+                       **QUICK_ASSIGN)
     waiting: dict[str, tuple[Request, asyncio.Future[None]]] = {}
 
     def first_tokens(value: bytes | None, now: float) -> None:

@@ -212,9 +212,9 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     await pool.open(wait=False)
     opened.push_async_callback(pool.close)
     # Partition counts and watermarks; the records of a conversation, read on request.
-    meta = LogReader(bootstrap, f"gateway-meta-{label}")
+    meta = LogReader(bootstrap, f"gateway-meta-{label}", "meta")
     opened.push_async_callback(meta.close)
-    reader = LogReader(bootstrap, f"gateway-reader-{label}", **QUICK_ASSIGN)
+    reader = LogReader(bootstrap, f"gateway-reader-{label}", "reader", **QUICK_ASSIGN)
     opened.push_async_callback(reader.close)
     # The workers alive, and the backlog admission counts.
     fleet = Fleet(bootstrap, settings.max_backlog, configured=settings.models,

@@ -189,7 +189,7 @@ class GenerationTail:
         self._codec = codec  # opens the text of the turns followed here
         self._quiet = QuietLog(log)
         # Partitions are assigned, not subscribed: the group id is only a label.
-        self._consumer = LogReader(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}",
+        self._consumer = LogReader(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}", "tail",
                                        **QUICK_ASSIGN)
         self._end_of = end_of
         self._linger_s = linger_s

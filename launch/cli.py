@@ -29,6 +29,7 @@ from launch.parser import parser
 from launch.services import run_analytics, run_gateway, run_memory, run_projector, run_worker
 from launch.tools import run_bench_command, run_fuzz_command
 from memory.settings import MemorySettings
+from pipeline.kafka.client import name_clients
 from pipeline.kafka.config import AccessRefused, ClientConfigError
 from pipeline.logs import log_format, setup_logging
 from pipeline.retry import Backoff, RepeatFilter
@@ -55,6 +56,7 @@ def _overrides(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _setup_logging()
+    name_clients(args.command)  # the broker tells this process's clients apart by it
     common = CommonSettings()
     external_db = "DATABASE_URL" in os.environ
     if args.command in ONE_SHOT:

@@ -131,7 +131,7 @@ class MemoryService:
         """Make memories of the log's turns until ``stop`` (``pipeline.projecting``): a
         batch the database does not take is taken again after a backoff."""
         window_s = self.settings.batch_max_ms / 1000
-        consumer = GroupConsumer(self.bootstrap, self.settings.group,
+        consumer = GroupConsumer(self.bootstrap, self.settings.group, "memory",
                                  **{"session.timeout.ms": self.settings.session_timeout_ms})
         consumer.subscribe(list(CONVERSATION_TOPICS))
 

@@ -61,11 +61,6 @@ def workers_group(model: str) -> str:
     return f"{WORKERS_GROUP}.{model}"
 
 
-def worker_client_id(model: str) -> str:
-    """A worker's Kafka client id: the model it serves, for the broker's logs and quotas."""
-    return "chat-worker/" + model
-
-
 # How far apart the clocks of the processes writing the log may be: a prompt's record
 # time is its gateway's, a turn's events' times are its worker's (CreateTime). A reader
 # that finds a turn's events by time (a takeover's scan, a stream read from a turn's

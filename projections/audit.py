@@ -263,8 +263,8 @@ def audit(bootstrap: str, codec: Codec, conversation_id: uuid.UUID,
 
     async def run() -> tuple[list[Entry], list[LiveEntry]]:
         # Only the session's records are kept: a small prefetch keeps the rest brief.
-        consumer = LogReader(bootstrap, f"audit-{uuid.uuid4().hex[:12]}",
-                                 **{"queued.max.messages.kbytes": 8192})
+        consumer = LogReader(bootstrap, f"audit-{uuid.uuid4().hex[:12]}", "audit",
+                             **{"queued.max.messages.kbytes": 8192})
         try:
             return await consumer.call(read_history, consumer, codec, conversation_id,
                                        since_ms)

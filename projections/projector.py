@@ -323,7 +323,7 @@ class Projector:
         with backoff, reconnecting when the connection is gone, until it is taken: the
         store catches up by itself once the database is back."""
         window_s = self.settings.batch_max_ms / 1000
-        consumer = GroupConsumer(self.bootstrap, self.group,
+        consumer = GroupConsumer(self.bootstrap, self.group, "projector",
                                  **{"session.timeout.ms": self.settings.session_timeout_ms,
                                     "fetch.min.bytes": FETCH_MIN_BYTES,
                                     "fetch.wait.max.ms": max(int(window_s * 1000), 1)})

@@ -74,7 +74,7 @@ async def replay(
     topics: tuple[str, ...] = STORE_TOPICS,
 ) -> ReplayStats:
     prepare_target(database_url, schema)
-    consumer = LogReader(bootstrap, f"replay-{uuid.uuid4().hex[:12]}")
+    consumer = LogReader(bootstrap, f"replay-{uuid.uuid4().hex[:12]}", "replay")
     records_seen = applied = undecodable = 0
 
     def keep(event: Event) -> bool:

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import httpx
 import psycopg
 import pytest
+from confluent_kafka.admin import AdminClient
 from openai import OpenAI
 
-from pipeline.topics import GENERATIONS, PROMPTS
+from pipeline.kafka import client_config
+from pipeline.topics import GENERATIONS, PROMPTS, workers_group
 from schemas import GenerationFinished, GenerationStarted, PromptSubmitted
 from schemas.history import digest
 from schemas.live import Delta, End, Start
@@ -200,3 +203,24 @@ def test_vllms_own_benchmark_client_measures_the_gateway(pipeline: Pipeline) -> 
         assert len(out.itl) >= 1 and all(t >= 0 for t in out.itl)
         assert out.output_tokens == 24 and out.prompt_len > 0  # from the usage chunk
         assert out.generated_text in finished
+
+
+def test_the_broker_tells_each_services_clients_apart(
+        pipeline: Pipeline, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client of every service was ``rdkafka`` to the broker: its request logs,
+    its per-client metrics and its quotas could not tell a gateway's tail from a worker's
+    transactions. Each client now names its service and its part
+    (``chat-<service>/<part>``), as the members of the worker's and the projector's
+    groups show; a ``client.id`` of the operator's own (their quotas') is kept."""
+    admin = AdminClient({"bootstrap.servers": pipeline.stack.bootstrap})
+    expected = {"projector": "chat-projector/projector",
+                workers_group(MODEL): f"chat-worker/{MODEL}"}
+    for group, described in admin.describe_consumer_groups(list(expected)).items():
+        members = described.result(30).members
+        assert members and {m.client_id for m in members} == {expected[group]}, group
+
+    properties = tmp_path / "client.properties"
+    properties.write_text("client.id=tenant-a-pipeline\n")
+    monkeypatch.setenv("PIPELINE_KAFKA_CONFIG", str(properties))
+    assert client_config("127.0.0.1:9092", "tail")["client.id"] == "tenant-a-pipeline"

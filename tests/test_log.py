@@ -366,7 +366,8 @@ def test_a_reader_whose_queue_fills_reads_on_at_once(stack: Stack) -> None:
     assert producer.flush(30) == 0
     looked_up, ranged = [], []
     keys = PositionReader(stack.bootstrap, topic, f"{topic}-keys")
-    log = LogReader(stack.bootstrap, f"{topic}-range", **{"queued.max.messages.kbytes": 64})
+    log = LogReader(stack.bootstrap, f"{topic}-range", "test",
+                    **{"queued.max.messages.kbytes": 64})
     try:
         for first in range(3):
             started = time.monotonic()

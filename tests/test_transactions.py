@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration
 async def _assigned(bootstrap: str, group: str, source: str, **config: object
                     ) -> GroupConsumer:
     """A member of ``group`` subscribed to ``source``, once the group has assigned it."""
-    member = GroupConsumer(bootstrap, group, **config)
+    member = GroupConsumer(bootstrap, group, "test", **config)
     member.subscribe([source])
     deadline = time.monotonic() + 30
     while not await member.call(member.assignment_sync):

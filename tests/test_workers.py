@@ -491,7 +491,7 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
     generation of a member that has left."""
     model = f"rejoin-{uuid.uuid4().hex[:8]}"
     group = workers_group(model)
-    ghost = GroupConsumer(sim_stack.bootstrap, group)
+    ghost = GroupConsumer(sim_stack.bootstrap, group, "test")
     ghost.subscribe([PROMPTS, CONTROL])
     deadline = time.monotonic() + 60
     while not ghost.assignment_sync():

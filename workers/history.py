@@ -74,7 +74,7 @@ class HistoryReader:
 
     async def __call__(self, wanted: Sequence[Position3]) -> dict[Position3, Record | None]:
         if self._reader is None:
-            self._reader = LogReader(self.bootstrap, self.name, **QUICK_ASSIGN)
+            self._reader = LogReader(self.bootstrap, self.name, "history", **QUICK_ASSIGN)
         backoff = Backoff()
         while True:
             try:

@@ -52,7 +52,6 @@ from pipeline.topics import (
     GENERATIONS,
     LIVE,
     PROMPTS,
-    worker_client_id,
     workers_group,
 )
 from pipeline.tracing import from_record
@@ -139,9 +138,8 @@ class Worker:
         self.recovered = Found()
         self.ledgers = Ledgers(bootstrap)
         self.consumer = GroupConsumer(
-            bootstrap, workers_group(engine.model_name),
+            bootstrap, workers_group(engine.model_name), engine.model_name,
             **{"session.timeout.ms": settings.session_timeout_ms,
-               "client.id": worker_client_id(engine.model_name),
                # A worker owns the same partition number of both topics.
                "partition.assignment.strategy": "range", "fetch.wait.max.ms": FETCH_WAIT_MS})
         writing = TransactionSettings(

@@ -45,6 +45,7 @@ from pipeline.kafka.client import (
     Record,
     RecordTooLarge,
     client_config,
+    client_id,
     client_logging,
     unreachable,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "broker_count",
     "check_access",
     "client_config",
+    "client_id",
     "client_logging",
     "delete_topics",
     "ensure_topics",

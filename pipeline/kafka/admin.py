@@ -58,7 +58,7 @@ def check_access(bootstrap: str, timeout: float = 15.0) -> bool:
         # Its own log lines say what the one line raised says: kept quiet.
         quiet = logging.getLogger("librdkafka.access-check")
         quiet.setLevel(logging.CRITICAL + 1)
-        config: dict[str, Any] = {**client_config(bootstrap), "logger": quiet,
+        config: dict[str, Any] = {**client_config(bootstrap, "admin"), "logger": quiet,
                                   "log.connection.close": False, "error_cb": errors.append}
         admin = AdminClient(config)
     except KafkaException as exc:
@@ -82,7 +82,7 @@ def check_access(bootstrap: str, timeout: float = 15.0) -> bool:
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 60.0) -> None:
-    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -104,7 +104,7 @@ def set_scram_password(bootstrap: str, user: str, password: str,
         UserScramCredentialUpsertion,
     )
 
-    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
     info = ScramCredentialInfo(ScramMechanism[mechanism.replace("-", "_")], 8192)
     upsert = UserScramCredentialUpsertion(user, info, password.encode())
     for future in admin.alter_user_scram_credentials([upsert], request_timeout=30).values():
@@ -112,13 +112,13 @@ def set_scram_password(bootstrap: str, user: str, password: str,
 
 
 def delete_topics(bootstrap: str, names: list[str]) -> None:
-    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
     for fut in admin.delete_topics(names, operation_timeout=30).values():
         fut.result()
 
 
 def broker_count(bootstrap: str, timeout: float = 10.0) -> int:
-    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
     return len(admin.list_topics(timeout=timeout).brokers)
 
 
@@ -127,7 +127,7 @@ def topic_limits(bootstrap: str, topics: Sequence[str], default: int,
     """Each topic's largest record (its ``max.message.bytes`` as the cluster has it): what
     a producer may send there. ``default`` for a topic the cluster does not say (a
     DescribeConfigs refused, say)."""
-    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
     out = dict.fromkeys(topics, default)
     futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t)
                                       for t in topics], request_timeout=timeout)
@@ -170,7 +170,7 @@ def _raise_limits(bootstrap: str, admin: AdminClient, specs: list[TopicSpec],
 def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> list[str]:
     """Create missing topics; return the names created. Existing ones are left as they are,
     but for their record limit, which is raised to the spec's."""
-    admin = AdminClient({**client_config(bootstrap), **client_logging("admin")})
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
     existing = set(admin.list_topics(timeout=10).topics)
     _raise_limits(bootstrap, admin, specs, existing)
     new = [

@@ -74,10 +74,28 @@ BEGINNING = OFFSET_BEGINNING
 LATEST = -1
 
 
-def client_config(bootstrap: str) -> dict[str, Any]:
-    """What every Kafka client starts from: the cluster's address and the operator's
-    client properties (``PIPELINE_KAFKA_CONFIG``: TLS, SASL)."""
-    return {**client_properties(), "bootstrap.servers": bootstrap}
+# Which service this process runs (``name_clients``): the first half of its clients' ids.
+_service = {"name": "pipeline"}
+
+
+def name_clients(service: str) -> None:
+    """Name this process's Kafka clients after ``service`` (the command it runs)."""
+    _service["name"] = service
+
+
+def client_id(part: str) -> str:
+    """A client's ``client.id``: ``chat-<service>/<part>``, a handful per service, so that
+    the broker's request logs, its per-client metrics and its quotas tell the services
+    and their clients apart (all were ``rdkafka``)."""
+    return f"chat-{_service['name']}/{part}"
+
+
+def client_config(bootstrap: str, part: str) -> dict[str, Any]:
+    """What every Kafka client starts from: its id (``client_id``; a ``client.id`` the
+    operator's properties set is kept instead, for quotas of their own), the cluster's
+    address and the operator's client properties (``PIPELINE_KAFKA_CONFIG``: TLS, SASL)."""
+    named = {"client.id": client_id(part)}
+    return {**named, **client_properties(), "bootstrap.servers": bootstrap}
 
 
 # librdkafka stops fetching a partition while its local queue holds
@@ -100,7 +118,7 @@ NO_NAGLE = {"socket.nagle.disable": True}
 def producer_config(bootstrap: str, linger_ms: float, timeout_ms: int,
                      compression: str) -> dict[str, Any]:
     return {
-        **client_config(bootstrap),
+        **client_config(bootstrap, "producer"),
         "compression.type": compression,
         "acks": "all",
         "enable.idempotence": True,

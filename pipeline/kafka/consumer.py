@@ -50,9 +50,9 @@ class AsyncConsumer:
     never overlap and rebalance callbacks run on that thread too.
     """
 
-    def __init__(self, bootstrap: str, group_id: str, **extra: Any) -> None:
+    def __init__(self, bootstrap: str, group_id: str, part: str, **extra: Any) -> None:
         config: dict[str, Any] = {
-            **client_config(bootstrap),
+            **client_config(bootstrap, part),
             "group.id": group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -161,8 +161,8 @@ class GroupConsumer(AsyncConsumer):
     (callbacks on the consumer's thread), commits the group's offsets, pauses and
     resumes, and rejoins."""
 
-    def __init__(self, bootstrap: str, group_id: str, **extra: Any) -> None:
-        super().__init__(bootstrap, group_id, **extra)
+    def __init__(self, bootstrap: str, group_id: str, part: str, **extra: Any) -> None:
+        super().__init__(bootstrap, group_id, part, **extra)
         # What ``subscribe`` was given, for ``rejoin_sync``.
         self._subscription: tuple[list[str], Callable[..., None], Callable[..., None]] | None = None
 

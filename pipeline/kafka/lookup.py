@@ -45,7 +45,7 @@ class PositionReader:
                  fetch_bytes: int = 64 * 1024) -> None:
         self.topic = topic
         self._consumer = Consumer({
-            **client_config(bootstrap), "group.id": name, "enable.auto.commit": False,
+            **client_config(bootstrap, "lookup"), "group.id": name, "enable.auto.commit": False,
             "isolation.level": "read_committed", "fetch.wait.max.ms": 1,
             "max.partition.fetch.bytes": fetch_bytes, "fetch.max.bytes": 2**20,
             "queued.max.messages.kbytes": max(4 * fetch_bytes // 1024, 64),

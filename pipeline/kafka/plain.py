@@ -38,7 +38,8 @@ class PlainWriter:
     def __init__(self, bootstrap: str, name: str, *, durable: bool = True,
                  linger_ms: float = 5.0, timeout_s: float | None = None,
                  compression: str = "none") -> None:
-        config: dict[str, Any] = {**client_config(bootstrap), "linger.ms": linger_ms,
+        config: dict[str, Any] = {**client_config(bootstrap, "plain-writer"),
+                                  "linger.ms": linger_ms,
                                   "compression.type": compression,
                                   # the Java client's partitioner: every client agrees
                                   # where a key lives
@@ -89,7 +90,8 @@ class PlainReader:
 
     def __init__(self, bootstrap: str, name: str, *, committed_only: bool = True) -> None:
         self._consumer = Consumer({
-            **client_config(bootstrap), "group.id": name, "enable.auto.commit": False,
+            **client_config(bootstrap, "plain-reader"), "group.id": name,
+            "enable.auto.commit": False,
             "isolation.level": "read_committed" if committed_only else "read_uncommitted",
             **QUEUE_REFILL, **client_logging(name)})
 

@@ -28,7 +28,7 @@ def group_committed(bootstrap: str, group: str, partitions: list[TP],
                     timeout: float = 10.0) -> dict[TP, int]:
     """Another group's committed offsets (without joining it); partitions it never
     committed are left out."""
-    consumer = Consumer({**client_config(bootstrap), "group.id": group,
+    consumer = Consumer({**client_config(bootstrap, "group-status"), "group.id": group,
                          "enable.auto.commit": False, **client_logging("group-status")})
     try:
         found = consumer.committed([TopicPartition(t, p) for t, p in partitions],
@@ -43,7 +43,7 @@ class GroupStatus:
     end of a topic (its committed offsets)."""
 
     def __init__(self, bootstrap: str, group: str) -> None:
-        self._consumer = Consumer({**client_config(bootstrap), "group.id": group,
+        self._consumer = Consumer({**client_config(bootstrap, "group-status"), "group.id": group,
                                    **client_logging("group-status"),
                                    "enable.auto.commit": False})
         self._known: dict[str, tuple[float, list[int]]] = {}
@@ -96,7 +96,7 @@ def high_watermarks(bootstrap: str, topic: str, partitions: list[int],
                     timeout: float = 10.0) -> dict[int, int]:
     """The true end of each partition, open transactions' records included (a
     read_committed client's watermark is the last stable offset instead)."""
-    consumer = Consumer({**client_config(bootstrap), "group.id": "watermarks",
+    consumer = Consumer({**client_config(bootstrap, "scan"), "group.id": "watermarks",
                          **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
     try:
@@ -123,7 +123,7 @@ def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
     todo = {p: span for p, span in spans.items() if span[0] < span[1]}
     if not todo:
         return
-    consumer = Consumer({**client_config(bootstrap), "group.id": "scan",
+    consumer = Consumer({**client_config(bootstrap, "scan"), "group.id": "scan",
                          **client_logging("scan"),
                          "enable.auto.commit": False, "isolation.level": "read_committed",
                          **NO_NAGLE, **QUEUE_REFILL})
@@ -181,7 +181,7 @@ def scan_partitions(
     if ends is None:
         ends = high_watermarks(bootstrap, topic, partitions)
     since = since_ms if isinstance(since_ms, dict) else dict.fromkeys(partitions, since_ms)
-    consumer = Consumer({**client_config(bootstrap), "group.id": "scan",
+    consumer = Consumer({**client_config(bootstrap, "scan"), "group.id": "scan",
                          **client_logging("scan"),
                          "enable.auto.commit": False})
     try:

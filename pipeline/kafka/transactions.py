@@ -98,7 +98,7 @@ class TransactionalProducer:
         offset_metadata: Callable[[TP], str] | None = None,
     ) -> None:
         config = {
-            **client_config(bootstrap),
+            **client_config(bootstrap, "transactions"),
             "compression.type": settings.compression,
             "transactional.id": transactional_id,
             "transaction.timeout.ms": settings.timeout_ms,
