@@ -356,8 +356,9 @@ def test_a_reader_whose_queue_fills_reads_on_at_once(stack: Stack) -> None:
     """2 MB in one partition, read through by a key look-up (20 records spread over it,
     with its 256 kB queue) and by a range read with a 64 kB queue: each queue fills many
     times over. With librdkafka's default queue backoff each took a second or more
-    (1.015 s, and 2.1-2.5 s, measured every time); now the slowest of three is far
-    under that, though the host is busy."""
+    (1.015 s, and 2.1-2.5 s, measured every time); now each is far under that. The
+    fastest of three tries is held to it: the stall came every time, while a busy host
+    (a CI run) may slow one try by as much."""
     topic = f"refill-{uuid.uuid4().hex[:8]}"
     ensure_topics(stack.bootstrap, [TopicSpec(topic, 1, {})])
     producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 5})
@@ -380,4 +381,4 @@ def test_a_reader_whose_queue_fills_reads_on_at_once(stack: Stack) -> None:
     finally:
         keys.close()
         asyncio.run(log.close())
-    assert max(looked_up) < 0.5 and max(ranged) < 0.9, (looked_up, ranged)
+    assert min(looked_up) < 0.5 and min(ranged) < 0.9, (looked_up, ranged)
