@@ -231,6 +231,24 @@ class Keyring:
             raise sealing.KeyNotHeld(key_id, written_at)
         return self._look_up(key_id, written_at)
 
+    def hold_read(self, records: Sequence[Record]) -> int:
+        """Hold the data keys of ``records``, read from ``chat.keys`` in order by a reader
+        of that topic (the projector), as a look-up holds the keys it reads: once the
+        erasures are read to their end as it is now, after them, so that no key is held
+        whose conversation's erasure was written first. The content sealed with them then
+        opens with no look-up of its own (a fetch of the key and a look at the erasures'
+        end, each). Keys held already, tombstones and other records are passed over; if
+        the erasures cannot be read, none is held (a look-up, when one is asked, says
+        why). The number held."""
+        fresh = {ref: record for record in records
+                 if record.value is not None and record.position.topic == KEYS
+                 and (ref := _ref_of(record)) is not None and ref not in self._cache}
+        if not fresh or not self._erasures.catch_up():
+            return 0
+        for record in fresh.values():
+            self._hold_nearby(record)
+        return sum(1 for ref in fresh if ref in self._cache)
+
     def fetch(self, key_id: str) -> sealing.DataKey | None:
         """The key of that reference, held or read where it lies (None: destroyed). For
         a writer that names the conversation's key it found in the store."""
@@ -423,9 +441,9 @@ class Keyring:
 
     def _hold_nearby(self, record: Record) -> None:
         parsed = parse_record_key(record.key)
-        if parsed is None or record.value is None:
+        ref = _ref_of(record)
+        if parsed is None or ref is None or record.value is None:
             return
-        ref = str(KeyRef(parsed[1], record.position.partition, record.position.offset))
         if ref in self._cache or self._erasures.revoked(parsed[0]):
             return
         try:
@@ -474,6 +492,14 @@ def _info(record: Record) -> KeyInfo | None:
         return key_info(record.key, record.value or b"")
     except ValueError:
         return None
+
+
+def _ref_of(record: Record) -> str | None:
+    """The id of the data key ``record`` of ``chat.keys`` holds: its place (``KeyRef``)."""
+    parsed = parse_record_key(record.key)
+    if parsed is None:
+        return None
+    return str(KeyRef(parsed[1], record.position.partition, record.position.offset))
 
 
 def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) -> Keyring:

@@ -120,6 +120,8 @@ def load_positions(conn: psycopg.Connection) -> dict[TP, int]:
 Park = Callable[[list[tuple[Record, str]]], Awaitable[None]]
 # Destroys these keys of these deleted conversations (conversation, tenant, key ids).
 Destroy = Callable[[list[tuple[uuid.UUID, str, list[str]]]], Awaitable[None]]
+# Holds the data keys of these records of ``chat.keys`` (``Keyring.hold_read``).
+HoldKeys = Callable[[list[Record]], Awaitable[object]]
 
 
 async def apply_batch(
@@ -129,6 +131,7 @@ async def apply_batch(
     park: Park | None = None,
     keep: Callable[[Event], bool] = lambda _e: True,
     destroy: Destroy | None = None,
+    hold_keys: HoldKeys | None = None,
 ) -> Batch:
     """Apply ``records`` and their positions in one transaction, their content opened
     with ``codec``.
@@ -140,10 +143,14 @@ async def apply_batch(
     which ``keep`` is false are skipped silently (their positions advance). The keys of
     deleted conversations (``projections.keys``) are handed to ``destroy`` before it
     commits too, so they are destroyed before the positions past the deletion are
-    stored, and their rows dropped. Any other error propagates, and nothing of the
-    batch is stored.
+    stored, and their rows dropped. The batch's records of ``chat.keys`` are handed to
+    ``hold_keys`` before any event is opened, so that the content sealed with the keys
+    they hold opens with no look-up of its own. Any other error propagates, and nothing
+    of the batch is stored.
     """
     batch = Batch()
+    if hold_keys is not None and (keys := [r for r in records if r.position.topic == KEYS]):
+        await hold_keys(keys)
     decoded: list[tuple[Record, Event]] = []
     writes: list[tuple[Record, Event | None, list[Write]]] = []  # None: a key record
     for record in records:
@@ -418,8 +425,12 @@ class Projector:
             await asyncio.gather(*(dead_letter(producer, r, why, self.group)
                                    for r, why in parked))
 
-        batch = await apply_batch(conn, records, self.codec, park, destroy=self._destroy_keys
-                                  if self.keyring is not None else None)
+        ring = self.keyring
+        batch = await apply_batch(
+            conn, records, self.codec, park,
+            destroy=self._destroy_keys if ring is not None else None,
+            hold_keys=(lambda keys: asyncio.to_thread(ring.hold_read, keys))
+            if ring is not None else None)
         self.metrics.dead_letters.inc(len(batch.parked))
         for kind, n in batch.applied.items():
             self.metrics.events.labels(kind).inc(n)
