@@ -8,6 +8,7 @@ import logging
 import uuid
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal, TypeVar
 
 import msgspec
@@ -49,6 +50,20 @@ HELD = _Held()
 # What ``Codec.encode`` seals an event's content with: a key, ``"erased"`` (the content
 # is dropped), None (it is written in the clear), or the key held (``HELD``).
 SealWith = sealing.DataKey | Literal["erased"] | None
+
+
+class _SealedRef(msgspec.Struct):
+    key: str
+
+
+class _SealedOf(msgspec.Struct):
+    """What ``sealed_key`` reads of an event: every other field is passed over."""
+
+    sealed: _SealedRef | None = None
+    occurred_at: datetime | None = None
+
+
+_sealed_of = msgspec.json.Decoder(_SealedOf)
 
 _json = msgspec.json.Encoder()
 _content = msgspec.json.Decoder(dict)
@@ -223,6 +238,22 @@ def bare(event: Event) -> bytes:
 def _dumped(event: Event) -> bytes:
     empty = {name for name in event.OMITTED_EMPTY if not getattr(event, name)}
     return event.model_dump_json(exclude_none=True, exclude=empty or None).encode()
+
+
+def sealed_key(data: bytes | None) -> tuple[str, float | None] | None:
+    """The key a record's sealed content names, and when the event was written (seconds
+    since the epoch), read without decoding the rest of it: None if its content is in the
+    clear, or it is not an event (``decode`` says why)."""
+    if not data:
+        return None
+    try:
+        found = _sealed_of.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if found.sealed is None:
+        return None
+    at = found.occurred_at
+    return found.sealed.key, at.timestamp() if at is not None else None
 
 
 def parse(data: bytes | None) -> Event:

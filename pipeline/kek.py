@@ -101,11 +101,16 @@ class KeyRef:
     @staticmethod
     def parse(text: str) -> KeyRef | None:
         """The reference a box names; None for a short id alone (a key written before
-        references named their place)."""
+        references named their place), or for a place no topic has (a partition or an
+        offset past Kafka's 32 and 64 bits: a hostile box's, which the Kafka client
+        would refuse with an error of its own)."""
         parts = text.split(".")
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             return None
-        return KeyRef(parts[0], int(parts[1]), int(parts[2]))
+        partition, offset = int(parts[1]), int(parts[2])
+        if partition >= 2**31 or offset >= 2**63:
+            return None
+        return KeyRef(parts[0], partition, offset)
 
 
 def record_key(conversation_id: uuid.UUID, short_id: str) -> bytes:

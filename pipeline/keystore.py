@@ -231,6 +231,42 @@ class Keyring:
             raise sealing.KeyNotHeld(key_id, written_at)
         return self._look_up(key_id, written_at)
 
+    def holds(self, key_id: str) -> bool:
+        """Whether the key is held, or known gone (asking it never reads the log)."""
+        return self._held(key_id) is not None
+
+    def prefetch(self, wanted: dict[str, float | None]) -> int:
+        """Read the keys of ``wanted`` (key id: when the content it sealed was written)
+        that are not held yet in one fetch, and hold those found after one look at the
+        erasures' end, as each one's own look-up would (a worker asks for a polled
+        batch's prompts: one fetch and one look, instead of one of each per new
+        conversation). A key not found, refused or not unwrapped is left to its own
+        look-up, which waits for it or says why; so is a reference to a partition the
+        topic does not have (a hostile record's), which would keep the others waiting
+        for the read's timeout. Fewer than two: left to the look-up too. The number
+        held."""
+        refs = {key_id: ref for key_id in wanted
+                if self._held(key_id) is None and (ref := KeyRef.parse(key_id)) is not None
+                and 0 <= ref.partition < self._partitions and ref.offset >= 0}
+        if len(refs) < 2:
+            return 0
+        with self._fetching:
+            refs = {key_id: ref for key_id, ref in refs.items() if self._held(key_id) is None}
+            if not refs:
+                return 0
+            lookup = self._read([(ref.partition, ref.offset) for ref in refs.values()])
+            if not self._erasures.catch_up():
+                return 0
+        found = {id(record) for record in lookup.found.values()}
+        nearby = [record for record in lookup.nearby if id(record) not in found]
+        held = 0
+        for key_id, ref in refs.items():
+            record = lookup.found.get((ref.partition, ref.offset))
+            key = self._unwrapped(record, ref.short_id, key_id) if record is not None else None
+            held += isinstance(self._held_now(key, nearby), sealing.DataKey)
+            nearby = []  # the records read ahead are held once
+        return held
+
     def hold_read(self, records: Sequence[Record]) -> int:
         """Hold the data keys of ``records``, read from ``chat.keys`` in order by a reader
         of that topic (the projector), as a look-up holds the keys it reads: once the
@@ -480,7 +516,10 @@ class Keyring:
     def _legacy_ref(self, short_id: str) -> KeyRef | None:
         """Where a key named by its short id alone lies (written before references named
         their place): found in an index of such keys, made by reading ``chat.keys`` once,
-        the first time one is asked for."""
+        the first time one is asked for. A short id has no dots: an id with them that
+        is no reference (a hostile box's) is none, and reads no index."""
+        if "." in short_id:
+            return None
         if self._legacy is None:
             self._legacy = legacy_index(self._bootstrap, self._reader_(), self._limits.wait_s)
         place = self._legacy.get(short_id)

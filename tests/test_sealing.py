@@ -16,7 +16,7 @@ from typing import Literal
 import pytest
 
 from pipeline import sealing
-from pipeline.codec import CLEAR, Codec, DecodeError, Position, bare, parse_live
+from pipeline.codec import CLEAR, Codec, DecodeError, Position, bare, parse_live, sealed_key
 from pipeline.kafka import Record
 from pipeline.kek import Kek, KekError, KeyRef, key_info
 from pipeline.topics import KEYS
@@ -152,6 +152,20 @@ def test_a_box_moved_to_another_conversation_or_altered_does_not_open(
     altered = {**data, "sealed": {**data["sealed"], "box": box[:-8] + "AAAAAAA="}}
     with pytest.raises(DecodeError, match="does not open"):
         codec.decode(json.dumps(altered).encode())
+
+
+def test_the_key_a_record_names_is_read_without_decoding_it(ring: Ring, codec: Codec) -> None:
+    """What a worker reads of each polled prompt to fetch their keys together: the key
+    its box names and when it was written; nothing for content in the clear, a record
+    that is no event, or one whose fields are not what an event's are."""
+    conversation = uuid.uuid4()
+    key = ring.add(conversation)
+    event = prompt(conversation, "sealed")
+    assert sealed_key(codec.encode(event)) == (key.key_id, event.occurred_at.timestamp())
+    assert sealed_key(CLEAR.encode(event)) is None
+    for hostile in (None, b"", b"[]", b"\x00", b'{"sealed": 5}', b'{"sealed": {"box": "x"}}',
+                    b'{"sealed": {"key": "k"}, "occurred_at": "yesterday"}', b"{" * 10_000):
+        assert sealed_key(hostile) is None, hostile
 
 
 def test_a_conversation_without_keys_is_written_in_the_clear(ring: Ring, codec: Codec) -> None:
@@ -333,6 +347,11 @@ def test_a_key_reference_names_its_place_and_a_short_id_alone_is_a_legacy_one() 
     assert KeyRef.parse(str(ref)) == ref
     for legacy in ("0123456789abcdef", "a.b.c", "x.1", "a.-1.2", "a.1.2.3", ""):
         assert KeyRef.parse(legacy) is None, legacy
+    # A place no topic has (a hostile box's): the Kafka client raised OverflowError on
+    # it, which stopped the worker that looked it up, and it names no short id either.
+    assert KeyRef.parse(f"a.{2**31 - 1}.{2**63 - 1}") == KeyRef("a", 2**31 - 1, 2**63 - 1)
+    for far in (f"a.{2**31}.0", f"a.0.{2**63}", "a.0.99999999999999999999999"):
+        assert KeyRef.parse(far) is None, far
 
 
 def test_a_wrapped_key_opens_only_where_it_was_wrapped_and_with_its_kek() -> None:
