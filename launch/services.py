@@ -128,7 +128,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                      engine.model_name, engine.max_num_seqs)
             worker = await Worker.opened(engine, common.kafka_bootstrap, registry, settings,
                                          keyring.codec, max_record_bytes=common.max_record_bytes,
-                                         compression=common.compression)
+                                         compression=common.compression, keyring=keyring)
             serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
             await worker.run(stop)

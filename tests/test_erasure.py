@@ -389,6 +389,55 @@ def test_the_projector_holds_the_keys_of_its_batch_but_an_erased_conversations(
             projector.for_reading(keys[2].key_id, wait=False)
         assert projector.for_reading(keys[2].key_id) is None  # looked up, and refused
 
+
+def test_a_worker_reads_the_keys_of_a_polled_batch_together(stack: Stack) -> None:
+    """Each new conversation's key cost a worker a fetch of ``chat.keys`` and a look at
+    the erasures' end, its prompts' lanes one after another. The keys a polled batch of
+    prompts names are read together (``Keyring.prefetch``): one fetch over their
+    partitions and one look, as each look-up would; an erased conversation's key is not
+    held, and a place no topic has (a hostile box's) is read by no one: the Kafka client
+    refused it with an OverflowError, which stopped the worker that looked it up."""
+    from pipeline import sealing
+
+    common = CommonSettings(kafka_bootstrap=stack.bootstrap)
+    kek = load_kek(common)
+    with Keyring(stack.bootstrap, kek, "batch-writer-2") as writer:
+        first = writer.partition_of(uuid.uuid4())
+        conversations: list[uuid.UUID] = []
+        while len(conversations) < 3:  # two in one partition, one in another
+            conversation = uuid.uuid4()
+            if (writer.partition_of(conversation) == first) == (len(conversations) < 2):
+                conversations.append(conversation)
+        out = PlainWriter(stack.bootstrap, "batch-keys-2")
+        out.send(ERASURES, *writer.erasure(conversations[1], "t"))  # before its key
+        assert out.flush(30) == []
+        ends = end_offsets(stack.bootstrap, KEYS)
+        refs = []
+        for conversation in conversations:  # one producer: offsets in a row
+            new = writer.new_key(conversation, "t", None)
+            out.send(KEYS, new.record_key, new.value, new.partition)
+            refs.append(str(KeyRef(new.short_id, new.partition, ends[new.partition])))
+            ends[new.partition] += 1
+        assert out.flush(30) == []
+    with Keyring(stack.bootstrap, kek, "batch-worker") as reader:
+        fetches = reader.fetches  # its start's
+        assert reader.prefetch(dict.fromkeys(refs, time.time())) == 2
+        assert reader.fetches == fetches + 1
+        for n in (0, 2):
+            key = reader.for_reading(refs[n], wait=False)
+            assert key is not None and key.conversation_id == conversations[n]
+        with pytest.raises(sealing.KeyNotHeld):  # erased before its key was read
+            reader.for_reading(refs[1], wait=False)
+        assert reader.prefetch(dict.fromkeys(refs[::2], None)) == 0  # held: no read
+        assert reader.fetches == fetches + 1
+        far = ["a.0.99999999999999999999999", f"a.{2**31}.0", "a.99.0", "a.b.c"]
+        assert reader.prefetch(dict.fromkeys(far, None)) == 0
+        assert reader.fetches == fetches + 1
+        for ref in far[:2] + far[3:]:
+            started = time.monotonic()
+            assert reader.for_reading(ref) is None  # reads as erased, and stops no one
+            assert time.monotonic() - started < 5, ref
+
 def test_a_reader_without_the_keys_reads_content_as_erased(pipeline: Pipeline) -> None:
     session, _ = chat(pipeline, "for keyholders only")
     raw = next(value for _, value, _ in _prompts(pipeline) if session.encode() in value)

@@ -9,6 +9,11 @@ prompts are judged in the order the log holds them), while the loop goes on poll
 applying control events and beating. A record whose taking passes ``timeout_s`` is
 handed to ``stalled`` (the worker dead-letters it) and its lane goes on; one whose
 taking raised is handed to ``failed`` (the worker stops: a lane never dies unseen).
+
+A record may come with a look-up it waits for first (``put``'s ``ready``): the keys of
+the prompts polled with it, read together (``Keyring.prefetch``), so that no lane looks
+one of them up on its own meanwhile. Whatever that look-up ends with, the record is
+taken after it: a key it did not bring is looked up by the record's own taking.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from pipeline.kafka import Record
 
 log = logging.getLogger(__name__)
 Take = Callable[[Record], Awaitable[None]]
+Queued = tuple[Record, "asyncio.Future[object] | None"]
 
 
 class Lane:
     """One partition's queue of records, and the task that takes them."""
 
-    def __init__(self, run: Callable[[asyncio.Queue[Record]], Awaitable[None]]) -> None:
-        self.queue: asyncio.Queue[Record] = asyncio.Queue()
+    def __init__(self, run: Callable[[asyncio.Queue[Queued]], Awaitable[None]]) -> None:
+        self.queue: asyncio.Queue[Queued] = asyncio.Queue()
         self.task = asyncio.ensure_future(run(self.queue))
 
 
@@ -42,19 +48,23 @@ class Intake:
         self.timeout_s = timeout_s
         self._lanes: dict[int, Lane] = {}
 
-    def put(self, record: Record) -> None:
+    def put(self, record: Record, ready: asyncio.Future[object] | None = None) -> None:
+        """Queue ``record`` in its partition's lane, to be taken once ``ready`` (if any)
+        is done (see the module)."""
         partition = record.position.partition
         lane = self._lanes.get(partition)
         if lane is None:
             lane = self._lanes[partition] = Lane(self._run)
-        lane.queue.put_nowait(record)
+        lane.queue.put_nowait((record, ready))
 
-    async def _run(self, queue: asyncio.Queue[Record]) -> None:
+    async def _run(self, queue: asyncio.Queue[Queued]) -> None:
         """A lane's task: its records taken in order."""
         while True:
-            record = await queue.get()
+            record, ready = await queue.get()
             try:
                 async with asyncio.timeout(self.timeout_s):
+                    if ready is not None:  # shared by the lanes: waited for, never cancelled
+                        await asyncio.wait([ready])
                     await self._take(record)
             except TimeoutError:
                 await self._stalled(record)

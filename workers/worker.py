@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
-from pipeline.codec import TP, Codec, DecodeError
+from pipeline.codec import TP, Codec, DecodeError, Position, sealed_key
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
@@ -45,6 +45,7 @@ from pipeline.kafka import (
     TransactionSettings,
     topic_limits,
 )
+from pipeline.keystore import Keyring
 from pipeline.logs import turn_fields
 from pipeline.roster import Heartbeat
 from pipeline.topics import (
@@ -104,19 +105,23 @@ class Worker:
     @classmethod
     async def opened(cls, engine: Engine, bootstrap: str, registry: CollectorRegistry,
                      settings: WorkerSettings, codec: Codec, *, name: str = "",
-                     max_record_bytes: int = 8 * 2**20, compression: str = "zstd") -> Worker:
+                     max_record_bytes: int = 8 * 2**20, compression: str = "zstd",
+                     keyring: Keyring | None = None) -> Worker:
         """A worker whose writer knows its topics' limits (``max_record_bytes`` where the
-        cluster says none: ``PIPELINE_MAX_RECORD_BYTES``)."""
+        cluster says none: ``PIPELINE_MAX_RECORD_BYTES``); ``keyring``: the one behind
+        ``codec``, which reads a polled batch's new keys together (``_keys_ahead``)."""
         limits = await asyncio.to_thread(topic_limits, bootstrap, [GENERATIONS, LIVE],
                                          max_record_bytes)
         return cls(engine, bootstrap, registry, settings, codec, name=name, limits=limits,
-                   compression=compression)
+                   compression=compression, keyring=keyring)
 
     def __init__(self, engine: Engine, bootstrap: str, registry: CollectorRegistry,
                  settings: WorkerSettings, codec: Codec, *, name: str,
-                 limits: Mapping[str, int], compression: str) -> None:
+                 limits: Mapping[str, int], compression: str,
+                 keyring: Keyring | None = None) -> None:
         self.engine, self.bootstrap, self.settings = engine, bootstrap, settings
         self.codec = codec
+        self.keyring = keyring
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.loop = asyncio.get_running_loop()
         # Unique per process unless configured: a stable id (one per worker slot) lets a
@@ -224,11 +229,13 @@ class Worker:
                     applied, paused = self.assignments, full
                     await (consumer.pause if full else consumer.resume)(PROMPTS)
                 # Paused, only control events come: poll briefly, to see freed slots soon.
-                for record in await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05):
+                polled = await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05)
+                ahead = self._keys_ahead([r for r in polled if r.position.topic == PROMPTS])
+                for record in polled:
                     if record.position.topic == PROMPTS:  # taken in its partition's lane
                         self.tracker.taken((PROMPTS, record.position.partition),
                                            record.position.offset)
-                        self.intake.put(record)
+                        self.intake.put(record, ahead.get(record.position))
                     else:  # control events at once, whatever a prompt waits for
                         await self._take(record)
                 self._start_waiting()
@@ -273,6 +280,30 @@ class Worker:
                 task.cancel()
 
     # -- records ------------------------------------------------------------------
+    def _keys_ahead(self, prompts: list[Record]) -> dict[Position, asyncio.Future[object]]:
+        """The keys of the polled prompts' new conversations, read together on a thread
+        (``Keyring.prefetch``: one fetch and one look at the erasures' end, where each
+        prompt's lane would make one of each), and what each of those prompts' lanes
+        waits for before taking it (``Intake``); a prompt whose key is held waits for
+        nothing. Nothing if fewer than two keys are not held."""
+        keyring = self.keyring
+        if keyring is None or len(prompts) < 2:
+            return {}
+        wanted: dict[str, float | None] = {}
+        waiting: list[Position] = []
+        for record in prompts:
+            named = sealed_key(record.value)
+            if named is not None and not keyring.holds(named[0]):
+                wanted[named[0]] = named[1]
+                waiting.append(record.position)
+        if len(wanted) < 2:
+            return {}
+        ahead: asyncio.Future[object] = asyncio.ensure_future(
+            asyncio.to_thread(keyring.prefetch, wanted))
+        # What it raised is the lanes' own look-ups' to say (Kafka away, say): retrieved.
+        ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return dict.fromkeys(waiting, ahead)
+
     async def _take(self, record: Record) -> None:
         """What a record means here: a prompt to wait for a slot (or not to run), a control
         event applied, or a record that does not decode dead-lettered. A prompt's was
