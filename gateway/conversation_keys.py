@@ -12,7 +12,8 @@ from gateway.problems import LogUnavailable, Problem, SessionNotFound
 from gateway.settings import GatewaySettings
 from gateway.view import ConversationView
 from pipeline.kafka import EventProducer
-from pipeline.keystore import Keyring, KeyringError
+from pipeline.keylimits import KeyringError
+from pipeline.keystore import Keyring
 from pipeline.sealing import DataKey
 from pipeline.topics import KEYS
 

@@ -23,10 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Literal, TypeVar
-
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pipeline import sealing
 from pipeline.codec import Codec, conversation_key
@@ -48,6 +45,7 @@ from pipeline.kek import (
 )
 from pipeline.keycache import GONE, KeyCache
 from pipeline.keyindex import legacy_index
+from pipeline.keylimits import ROTATIONS_FRESH_S, KeyringError, KeyringLimits, NewKey
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff, QuietLog
 from pipeline.rotations import Rotation, find_moved, read_rotations
@@ -56,53 +54,8 @@ from pipeline.topics import ERASURES, KEYS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# The keys a process holds at most (``PIPELINE_KEY_CACHE``), least recently used first out.
-KEY_CACHE = 16_384
-# A key not found where its reference says, for content written less than the erasure
-# window ago, is looked for again for this long before that content reads as erased: the
-# answer may have come from a broker that lost its leadership without knowing (a leader
-# cut off from its peers answers with the end it had, and new keys are written to its
-# successor). Content older than the window may have outlived its key: not found then
-# means destroyed.
-MISSING_WAIT_S = 120.0
 _REFUSED = object()  # its conversation is erased
 _FOREIGN = object()  # wrapped by a KEK this process does not have
-# How long a keyring goes on with the rotations it read before a key not where its
-# reference says has it read them again.
-ROTATIONS_FRESH_S = 10.0
-
-
-class KeyringError(sealing.RingUnavailable):
-    """The keyring cannot serve: a key wrapped by another key-encryption key, or the
-    log not readable in time (``unreachable``: Kafka did not answer)."""
-
-
-@dataclass(frozen=True)
-class NewKey:
-    """A data key made for a conversation: its record, to write (and wait for) in
-    ``partition`` of ``chat.keys`` before anything is sealed with it; then ``placed``."""
-
-    conversation_id: uuid.UUID
-    short_id: str
-    aead: AESGCM
-    record_key: bytes
-    value: bytes
-    partition: int
-
-
-@dataclass(frozen=True)
-class KeyringLimits:
-    """How long a keyring waits for Kafka (``wait_s``) and for a key not yet where its
-    reference says (``missing_wait_s``, see ``MISSING_WAIT_S``); the erasure window;
-    the keys it holds at most; whether it keeps the keys a fetch brings besides the one
-    asked (``read_ahead``: for a process that reads the log in order, a worker, the
-    projector or a replay, those are the next conversations' keys, mostly)."""
-
-    wait_s: float = 15.0
-    erasure_window_s: float = 86_400.0
-    missing_wait_s: float = MISSING_WAIT_S
-    cache: int = KEY_CACHE
-    read_ahead: bool = False
 
 
 class Keyring:
@@ -110,7 +63,7 @@ class Keyring:
     key against the newest keys; look-ups then read ``chat.keys`` at the places asked."""
 
     def __init__(self, bootstrap: str, kek: bytes, name: str,
-                 limits: KeyringLimits = KeyringLimits(),
+                 limits: KeyringLimits | None = None,
                  previous: Sequence[bytes] = ()) -> None:
         # ``previous``: the KEKs a rotation replaces, accepted to unwrap meanwhile.
         self._kek = Kek(kek, previous)
@@ -118,6 +71,7 @@ class Keyring:
         self.digests = Digester(kek, previous)  # what the log keeps of a client's words
         self._rotations: list[Rotation] = []
         self._rotations_read = 0.0  # when (monotonic)
+        limits = limits or KeyringLimits()
         self._bootstrap, self._name, self._limits = bootstrap, name, limits
         self._erasures = Erasures(bootstrap, name, 2 * limits.erasure_window_s,
                                   limits.wait_s)
@@ -236,15 +190,11 @@ class Keyring:
         return self._held(key_id) is not None
 
     def prefetch(self, wanted: dict[str, float | None]) -> int:
-        """Read the keys of ``wanted`` (key id: when the content it sealed was written)
-        that are not held yet in one fetch, and hold those found after one look at the
-        erasures' end, as each one's own look-up would (a worker asks for a polled
-        batch's prompts: one fetch and one look, instead of one of each per new
-        conversation). A key not found, refused or not unwrapped is left to its own
-        look-up, which waits for it or says why; so is a reference to a partition the
-        topic does not have (a hostile record's), which would keep the others waiting
-        for the read's timeout. Fewer than two: left to the look-up too. The number
-        held."""
+        """Read the keys of ``wanted`` (id: when its content was written) not held yet in
+        one fetch, and hold those found after one look at the erasures' end, as their
+        look-ups would. A key not found, refused or not unwrapped, or one of a partition
+        the topic lacks (a hostile box's: the read would wait out its timeout), is left
+        to its own look-up, as are fewer than two. The number held."""
         refs = {key_id: ref for key_id in wanted
                 if self._held(key_id) is None and (ref := KeyRef.parse(key_id)) is not None
                 and 0 <= ref.partition < self._partitions and ref.offset >= 0}
@@ -268,14 +218,10 @@ class Keyring:
         return held
 
     def hold_read(self, records: Sequence[Record]) -> int:
-        """Hold the data keys of ``records``, read from ``chat.keys`` in order by a reader
-        of that topic (the projector), as a look-up holds the keys it reads: once the
-        erasures are read to their end as it is now, after them, so that no key is held
-        whose conversation's erasure was written first. The content sealed with them then
-        opens with no look-up of its own (a fetch of the key and a look at the erasures'
-        end, each). Keys held already, tombstones and other records are passed over; if
-        the erasures cannot be read, none is held (a look-up, when one is asked, says
-        why). The number held."""
+        """Hold the keys of ``records`` of ``chat.keys``, read by a reader of that topic
+        (the projector), as a look-up holds what it reads: after the erasures are read to
+        their end, so that no key is held whose erasure was written first. If they
+        cannot be read, none is held (a look-up says why). The number held."""
         fresh = {ref: record for record in records
                  if record.value is not None and record.position.topic == KEYS
                  and (ref := _ref_of(record)) is not None and ref not in self._cache}
@@ -536,9 +482,8 @@ def _info(record: Record) -> KeyInfo | None:
 def _ref_of(record: Record) -> str | None:
     """The id of the data key ``record`` of ``chat.keys`` holds: its place (``KeyRef``)."""
     parsed = parse_record_key(record.key)
-    if parsed is None:
-        return None
-    return str(KeyRef(parsed[1], record.position.partition, record.position.offset))
+    return None if parsed is None else str(
+        KeyRef(parsed[1], record.position.partition, record.position.offset))
 
 
 def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) -> Keyring:
@@ -552,7 +497,3 @@ def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) ->
     limits = KeyringLimits(erasure_window_s=common.erasure_window_ms / 1000,
                            cache=common.key_cache, read_ahead=read_ahead)
     return Keyring(common.kafka_bootstrap, kek, name, limits, previous).start()
-
-
-__all__ = ["KEY_CACHE", "Keyring", "KeyringError", "KeyringLimits", "NewKey", "load_kek",
-           "open_keyring"]

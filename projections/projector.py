@@ -35,7 +35,8 @@ from pipeline.kafka import (
     Record,
 )
 from pipeline.kek import parse_record_key
-from pipeline.keystore import Keyring, KeyringError
+from pipeline.keylimits import KeyringError
+from pipeline.keystore import Keyring
 from pipeline.projecting import Rounds, run_projection
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import KEYS, STORE_TOPICS
