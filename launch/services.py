@@ -16,7 +16,8 @@ from memory.embedder import Embedder
 from memory.settings import MemorySettings
 from pipeline import runtime
 from pipeline.digests import Digester
-from pipeline.keystore import load_kek, open_keyring
+from pipeline.kek import load_kek
+from pipeline.keystore import open_keyring
 from pipeline.logs import log_format
 from pipeline.settings import CommonSettings
 from pipeline.tracing import setup_tracing
@@ -128,7 +129,7 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
                      engine.model_name, engine.max_num_seqs)
             worker = await Worker.opened(engine, common.kafka_bootstrap, registry, settings,
                                          keyring.codec, max_record_bytes=common.max_record_bytes,
-                                         compression=common.compression, keyring=keyring)
+                                         compression=common.compression)
             serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
             await worker.run(stop)

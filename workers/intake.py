@@ -23,7 +23,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
+from pipeline.codec import Codec, Position, sealed_key
 from pipeline.kafka import Record
+from pipeline.keystore import Keyring
+from pipeline.topics import PROMPTS
 
 log = logging.getLogger(__name__)
 Take = Callable[[Record], Awaitable[None]]
@@ -43,10 +46,35 @@ class Intake:
     taking passed ``timeout_s``; ``failed(exc)`` an error no record should raise."""
 
     def __init__(self, take: Take, stalled: Take, failed: Callable[[BaseException], None],
-                 timeout_s: float) -> None:
+                 timeout_s: float, keyring: Keyring | None = None) -> None:
         self._take, self._stalled, self._failed = take, stalled, failed
         self.timeout_s = timeout_s
         self._lanes: dict[int, Lane] = {}
+        self._keyring = keyring  # the one behind the worker's codec, if any
+
+    def keys_ahead(self, polled: list[Record]) -> dict[Position, asyncio.Future[object]]:
+        """The keys of the polled prompts' new conversations, read together on a thread
+        (``Keyring.prefetch``: one fetch and one look at the erasures' end, where each
+        prompt's lane would make one of each), and what each of those prompts waits for
+        before it is taken (``put``'s ``ready``); a prompt whose key is held waits for
+        nothing. Nothing if fewer than two keys are not held."""
+        keyring = self._keyring
+        if keyring is None:
+            return {}
+        wanted: dict[str, float | None] = {}
+        waiting: list[Position] = []
+        for record in polled:
+            named = sealed_key(record.value) if record.position.topic == PROMPTS else None
+            if named is not None and not keyring.holds(named[0]):
+                wanted[named[0]] = named[1]
+                waiting.append(record.position)
+        if len(wanted) < 2:
+            return {}
+        ahead: asyncio.Future[object] = asyncio.ensure_future(
+            asyncio.to_thread(keyring.prefetch, wanted))
+        # What it raised is the lanes' own look-ups' to say (Kafka away, say): retrieved.
+        ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return dict.fromkeys(waiting, ahead)
 
     def put(self, record: Record, ready: asyncio.Future[object] | None = None) -> None:
         """Queue ``record`` in its partition's lane, to be taken once ``ready`` (if any)
@@ -91,3 +119,8 @@ class Intake:
 
     async def close(self) -> None:
         await self.drop(list(self._lanes))
+
+
+def keyring_of(codec: Codec) -> Keyring | None:
+    """The keyring behind ``codec``, if one is (a worker's tests may give it another)."""
+    return next((ring for ring in codec.cipher.rings if isinstance(ring, Keyring)), None)

@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
-from pipeline.codec import TP, Codec, DecodeError, Position, sealed_key
+from pipeline.codec import TP, Codec, DecodeError
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
@@ -45,7 +45,6 @@ from pipeline.kafka import (
     TransactionSettings,
     topic_limits,
 )
-from pipeline.keystore import Keyring
 from pipeline.logs import turn_fields
 from pipeline.roster import Heartbeat
 from pipeline.topics import (
@@ -68,7 +67,7 @@ from workers.engine import Engine, EngineDead, EngineRejected, warm_up
 from workers.fairness import FairQueue
 from workers.flights import Flights, InFlight
 from workers.history import Histories, HistoryReader
-from workers.intake import Intake
+from workers.intake import Intake, keyring_of
 from workers.ledger import Ledgers
 from workers.metrics import Readings, WorkerMetrics
 from workers.offsets import OffsetTracker
@@ -105,23 +104,19 @@ class Worker:
     @classmethod
     async def opened(cls, engine: Engine, bootstrap: str, registry: CollectorRegistry,
                      settings: WorkerSettings, codec: Codec, *, name: str = "",
-                     max_record_bytes: int = 8 * 2**20, compression: str = "zstd",
-                     keyring: Keyring | None = None) -> Worker:
+                     max_record_bytes: int = 8 * 2**20, compression: str = "zstd") -> Worker:
         """A worker whose writer knows its topics' limits (``max_record_bytes`` where the
-        cluster says none: ``PIPELINE_MAX_RECORD_BYTES``); ``keyring``: the one behind
-        ``codec``, which reads a polled batch's new keys together (``_keys_ahead``)."""
+        cluster says none: ``PIPELINE_MAX_RECORD_BYTES``)."""
         limits = await asyncio.to_thread(topic_limits, bootstrap, [GENERATIONS, LIVE],
                                          max_record_bytes)
         return cls(engine, bootstrap, registry, settings, codec, name=name, limits=limits,
-                   compression=compression, keyring=keyring)
+                   compression=compression)
 
     def __init__(self, engine: Engine, bootstrap: str, registry: CollectorRegistry,
                  settings: WorkerSettings, codec: Codec, *, name: str,
-                 limits: Mapping[str, int], compression: str,
-                 keyring: Keyring | None = None) -> None:
+                 limits: Mapping[str, int], compression: str) -> None:
         self.engine, self.bootstrap, self.settings = engine, bootstrap, settings
         self.codec = codec
-        self.keyring = keyring
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.loop = asyncio.get_running_loop()
         # Unique per process unless configured: a stable id (one per worker slot) lets a
@@ -138,7 +133,7 @@ class Worker:
         self._preempting = 0  # turns stopped to give their slot up, not yet off the engine
         # Prompts being taken, a lane per partition: the loop never waits on one.
         self.intake = Intake(self._take, self._stalled, self._lane_failed,
-                             settings.intake_timeout_s)
+                             settings.intake_timeout_s, keyring_of(codec))
         self.peak_in_flight = 0
         self.recovered = Found()
         self.ledgers = Ledgers(bootstrap)
@@ -230,7 +225,7 @@ class Worker:
                     await (consumer.pause if full else consumer.resume)(PROMPTS)
                 # Paused, only control events come: poll briefly, to see freed slots soon.
                 polled = await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05)
-                ahead = self._keys_ahead([r for r in polled if r.position.topic == PROMPTS])
+                ahead = self.intake.keys_ahead(polled)  # a batch's new keys read together
                 for record in polled:
                     if record.position.topic == PROMPTS:  # taken in its partition's lane
                         self.tracker.taken((PROMPTS, record.position.partition),
@@ -280,30 +275,6 @@ class Worker:
                 task.cancel()
 
     # -- records ------------------------------------------------------------------
-    def _keys_ahead(self, prompts: list[Record]) -> dict[Position, asyncio.Future[object]]:
-        """The keys of the polled prompts' new conversations, read together on a thread
-        (``Keyring.prefetch``: one fetch and one look at the erasures' end, where each
-        prompt's lane would make one of each), and what each of those prompts' lanes
-        waits for before taking it (``Intake``); a prompt whose key is held waits for
-        nothing. Nothing if fewer than two keys are not held."""
-        keyring = self.keyring
-        if keyring is None or len(prompts) < 2:
-            return {}
-        wanted: dict[str, float | None] = {}
-        waiting: list[Position] = []
-        for record in prompts:
-            named = sealed_key(record.value)
-            if named is not None and not keyring.holds(named[0]):
-                wanted[named[0]] = named[1]
-                waiting.append(record.position)
-        if len(wanted) < 2:
-            return {}
-        ahead: asyncio.Future[object] = asyncio.ensure_future(
-            asyncio.to_thread(keyring.prefetch, wanted))
-        # What it raised is the lanes' own look-ups' to say (Kafka away, say): retrieved.
-        ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return dict.fromkeys(waiting, ahead)
-
     async def _take(self, record: Record) -> None:
         """What a record means here: a prompt to wait for a slot (or not to run), a control
         event applied, or a record that does not decode dead-lettered. A prompt's was
