@@ -189,15 +189,15 @@ class Keyring:
         """Whether the key is held, or known gone (asking it never reads the log)."""
         return self._held(key_id) is not None
 
-    def prefetch(self, wanted: dict[str, float | None]) -> int:
-        """Read the keys of ``wanted`` (id: when its content was written) not held yet in
-        one fetch, and hold those found after one look at the erasures' end, as their
-        look-ups would. A key not found, refused or not unwrapped, or one of a partition
-        the topic lacks (a hostile box's: the read would wait out its timeout), is left
-        to its own look-up, as are fewer than two. The number held."""
+    def prefetch(self, wanted: Iterable[str]) -> int:
+        """Read the keys of the ids ``wanted`` not held yet in one fetch, and hold those
+        found after one look at the erasures' end, as their look-ups would. A key not
+        found, refused or not unwrapped, or one of a partition the topic lacks (a hostile
+        box's: the read would wait out its timeout), is left to its own look-up, as are
+        fewer than two. The number held."""
         refs = {key_id: ref for key_id in wanted
                 if self._held(key_id) is None and (ref := KeyRef.parse(key_id)) is not None
-                and 0 <= ref.partition < self._partitions and ref.offset >= 0}
+                and ref.partition < self._partitions}
         if len(refs) < 2:
             return 0
         with self._fetching:

@@ -61,12 +61,12 @@ class Intake:
         keyring = self._keyring
         if keyring is None:
             return {}
-        wanted: dict[str, float | None] = {}
+        wanted: set[str] = set()
         waiting: list[Position] = []
         for record in polled:
             named = sealed_key(record.value) if record.position.topic == PROMPTS else None
             if named is not None and not keyring.holds(named[0]):
-                wanted[named[0]] = named[1]
+                wanted.add(named[0])
                 waiting.append(record.position)
         if len(wanted) < 2:
             return {}
