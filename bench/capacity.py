@@ -315,6 +315,7 @@ def delta_latency(bootstrap: str, log_dir: Path, streams: int, rounds: int,
         # The worker's and the gateway's Kafka transactions: each has a fixed cost on the
         # broker. Counted at the window's start and end.
         counters = {"transactions_per_s": (worker_metrics, "worker_transactions"),
+                    "live_records_per_s": (worker_metrics, "worker_live_records"),
                     "gateway_transactions_per_s": (f"{url}/metrics",
                                                    "gateway_prompt_transactions")}
         transactions: dict[bool, dict[str, float]] = {}

@@ -1,6 +1,6 @@
 """``pipeline bench pair``: one change's effect on the plumbing's cost, as a ratio measured
 in one run. Two sides, A (before) and B (after), each the capacity bench's delta-latency
-point (256 streams, SIMULATED engine) run with its own environment and, if given, its
+point (256 streams by default, SIMULATED engine) run with its own environment and, if given, its
 own checkout of the code. One unrecorded point warms the broker first; then the pairs,
 one side after the other on the same broker, in the order A B, B A, A B, ... so that a
 host drifting the same way all along favours neither side.
@@ -26,7 +26,7 @@ from bench.capacity import COMPONENTS, delta_latency, total_per_token
 STREAMS = 256
 # µs per token, then ms.
 FIGURES = (*COMPONENTS, "total", "load generator", "p50 ms", "p99 ms", "hop p99 ms",
-           "transactions/s", "gateway transactions/s", "ttft p50 ms")
+           "transactions/s", "live records/s", "gateway transactions/s", "ttft p50 ms")
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ def figures(point: dict[str, Any]) -> dict[str, float]:
             "p50 ms": point["ms"]["p50"], "p99 ms": point["ms"]["p99"],
             "hop p99 ms": point["kafka_hop_ms"]["p99"],
             "transactions/s": point["transactions_per_s"],
+            "live records/s": point["live_records_per_s"],
             "gateway transactions/s": point["gateway_transactions_per_s"],
             "ttft p50 ms": point["ttft_ms"]["p50"]}
 
@@ -110,16 +111,16 @@ def table(summary: dict[str, dict[str, float]]) -> str:
 
 
 def run(bootstrap: str, log_dir: Path, a: Side, b: Side, *, rate: float, pairs: int,
-        rounds: int) -> dict[str, Any]:
+        rounds: int, streams: int = STREAMS) -> dict[str, Any]:
     sides = {"A": a, "B": b}
-    print(f"warming the broker (one unrecorded point, side A) at {STREAMS} x {rate:g}",
+    print(f"warming the broker (one unrecorded point, side A) at {streams} x {rate:g}",
           flush=True)
-    delta_latency(bootstrap, log_dir, STREAMS, 1, rate, a.tree, a.env, a.python)
+    delta_latency(bootstrap, log_dir, streams, 1, rate, a.tree, a.env, a.python)
     runs: list[dict[str, Any]] = []
     sequence = order(pairs)
     for i, name in enumerate(sequence):
         side = sides[name]
-        point = delta_latency(bootstrap, log_dir, STREAMS, rounds, rate, side.tree, side.env,
+        point = delta_latency(bootstrap, log_dir, streams, rounds, rate, side.tree, side.env,
                               side.python)
         run_figures = figures(point)
         runs.append({"side": name, "pair": i // 2, "figures": run_figures,
@@ -131,7 +132,7 @@ def run(bootstrap: str, log_dir: Path, a: Side, b: Side, *, rate: float, pairs: 
               f"{run_figures['load generator']:.0f}); p50 / p99 {run_figures['p50 ms']:.1f} / "
               f"{run_figures['p99 ms']:.1f} ms; {point['intact']} of {point['replies']} replies "
               "intact", flush=True)
-    return {"streams": STREAMS, "tokens_per_s_per_stream": rate, "rounds": rounds,
+    return {"streams": streams, "tokens_per_s_per_stream": rate, "rounds": rounds,
             "sides": {n: s.describe() for n, s in sides.items()}, "runs": runs,
             "summary": summarise(runs)}
 

@@ -242,11 +242,11 @@ def scale(common: CommonSettings, quick: bool, out: Path, conversations: int) ->
 
 
 def pair(common: CommonSettings, out: Path, label: str, sides: tuple[Any, Any], *,
-         rate: float, pairs: int, rounds: int) -> str:
+         rate: float, pairs: int, rounds: int, streams: int) -> str:
     from bench import pair as bench
 
     figures = bench.run(common.kafka_bootstrap, common.state_dir / "bench-logs", *sides,
-                        rate=rate, pairs=pairs, rounds=rounds)
+                        rate=rate, pairs=pairs, rounds=rounds, streams=streams)
     figures |= {"measured_at": _now(), "machine": _machine(), "label": label}
     report = bench.report(figures)
     _save(out, f"pair-{label}", f"A change's effect, in pairs: {label}", figures, report,

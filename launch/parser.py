@@ -239,10 +239,15 @@ def parser() -> argparse.ArgumentParser:
                              "environment's bin/python with this project installed "
                              "(default: this one's)")
     ab.add_argument("--rate", type=_rate, default=20.0,
-                    help="tokens/s per stream, 256 streams (default %(default)s)")
+                    help="tokens/s per stream (default %(default)s): the SIMULATED "
+                         "engine's steps per second")
+    ab.add_argument("--streams", type=_positive,
+                    help="streams at once (default 256); fewer at a higher --rate "
+                         "keep the tokens per second and step as a GPU does (64 x 80: 12.5 "
+                         "ms steps)")
     ab.add_argument("--pairs", type=_positive, default=2, help="default %(default)s")
     ab.add_argument("--rounds", type=_positive, default=3,
-                    help="rounds of 256 streams per run (default %(default)s)")
+                    help="rounds of --streams streams per run (default %(default)s)")
     ab.add_argument("--label", default="pair", type=_label,
                     help="names the report: pair-LABEL.md (letters, digits, . _ -)")
     fz = sub.add_parser("fuzz", help="fuzz a running gateway from its OpenAPI document "

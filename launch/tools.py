@@ -51,9 +51,9 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
             raise SystemExit("pipeline bench pair: the sides are the same; give side B (or "
                              "A) a setting (--b-env NAME=VALUE), a checkout (--b-tree PATH) "
                              "or an interpreter (--b-python PATH)")
-    elif pairing:
-        raise SystemExit("--a-env, --b-env, --a-tree, --b-tree, --a-python and --b-python are "
-                         "for pipeline bench pair")
+    elif pairing or args.streams is not None:
+        raise SystemExit("--a-env, --b-env, --a-tree, --b-tree, --a-python, --b-python and "
+                         "--streams are for pipeline bench pair")
     infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
     try:
         if "pair" in args.part:
@@ -62,7 +62,8 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
             sides = (Side("A", dict(args.a_env), args.a_tree, args.a_python),
                      Side("B", dict(args.b_env), args.b_tree, args.b_python))
             report = bench.pair(common, args.out or common.state_dir / "bench", args.label,
-                                sides, rate=args.rate, pairs=args.pairs, rounds=args.rounds)
+                                sides, rate=args.rate, pairs=args.pairs, rounds=args.rounds,
+                                streams=args.streams or 256)
             print(f"\n{report}")
         else:
             out = args.out or (common.state_dir / "bench" if args.quick

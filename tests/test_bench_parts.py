@@ -25,6 +25,7 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
                                      "load generator": 50.0},
                 "ms": {"p50": p99 / 2, "p99": p99}, "kafka_hop_ms": {"p99": p99 / 3},
                 "transactions_per_s": broker / 2, "gateway_transactions_per_s": gateway / 2,
+                "live_records_per_s": broker * 3,
                 "ttft_ms": {"p50": p99 + 50}}
 
     # Side B halves the broker in the first pair, costs it a quarter less in the second
@@ -57,6 +58,8 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
     (["pair", "--b-python", "/nonexistent/python"], 2, "not an executable file"),
     (["pair", "--b-python", "/bin/true"], 2, "cannot run this project (it is not a Python)"),
     (["capacity", "--a-python", sys.executable], 1, "are for pipeline bench pair"),
+    (["capacity", "--streams", "64"], 1, "are for pipeline bench pair"),
+    (["pair", "--b-env", "A=1", "--streams", "0"], 2, "--streams"),
 ])
 def test_a_pair_bench_given_what_it_cannot_run_says_why_and_runs_nothing(
         argv: list[str], code: int, said: str) -> None:
