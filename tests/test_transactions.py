@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 import uuid
 
@@ -161,6 +162,47 @@ def test_a_sender_that_gathers_gets_one_transaction_for_each_burst_it_says_is_in
         assert [w for w in written if w.startswith(f"{gathers}-".encode())] == \
             [f"{gathers}-{b}-{i}".encode() for b in range(4) for i in range(20)] + \
             [f"{gathers}-alone".encode()]
+
+
+def test_an_outbox_tells_a_sender_when_a_transaction_could_take_its_records() -> None:
+    """``begins_in``: at once with no transaction made yet; None while one is being made;
+    then what is left of the spacing since it began. ``when_free`` calls the sender back
+    on its loop once that transaction is given back, or once the outbox stops, and says
+    False when no transaction is being made."""
+    from pipeline.kafka.outbox import Outbox, Pacing, Queued, RecordLimits
+
+    def take(outbox: Outbox) -> None:  # what the transaction loop does, up to its begin
+        outbox.put([Queued(0, "t", b"k", b"v", [], None)])
+        outbox.gathered()
+        assert outbox.next_batch(lambda: True)
+        with outbox.cond:
+            outbox.began(time.monotonic())
+
+    def give_back(outbox: Outbox) -> None:
+        with outbox.cond:
+            outbox.give_back([])
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        outbox = Outbox(RecordLimits(1000, {}), Pacing(0.3, True), 100)
+        assert outbox.begins_in() == 0.0
+        assert not outbox.when_free(lambda: pytest.fail("no transaction was being made"))
+        await asyncio.to_thread(take, outbox)
+        assert outbox.begins_in() is None
+        freed: asyncio.Future[float] = loop.create_future()
+        assert outbox.when_free(lambda: freed.set_result(time.monotonic()))
+        loop.call_later(0.05, lambda: threading.Thread(target=give_back, args=(outbox,)).start())
+        await asyncio.wait_for(freed, 5)
+        left = outbox.begins_in()
+        assert left is not None and 0.1 < left <= 0.3, left
+        await asyncio.to_thread(take, outbox)
+        stopped: asyncio.Future[None] = loop.create_future()
+        assert outbox.when_free(lambda: stopped.set_result(None))
+        await asyncio.to_thread(outbox.stop)
+        await asyncio.wait_for(stopped, 5)
+        assert not outbox.when_free(lambda: pytest.fail("the outbox stopped"))
+
+    asyncio.run(scenario())
 
 
 def test_a_sender_waits_for_room_while_the_log_takes_records_slower_than_they_come(

@@ -10,10 +10,12 @@ import logging
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from bench.sealing import DroppingWriter
 from pipeline.codec import CLEAR, Position
 from pipeline.kafka import Record
 from schemas import (
@@ -181,37 +183,55 @@ def test_session_priority_changes_only_a_session_of_its_own() -> None:
         shared.wait()
 
 
+class _Recording(DroppingWriter):
+    """A writer that keeps the topics of what each gather queued (a transaction's worth)
+    and, while ``busy``, has a transaction being made (``begins_in`` None) until
+    ``free()``; ``spacing_s``: what is left of the spacing then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers: list[list[str]] = [[]]
+        self.busy, self.spacing_s = False, 0.0
+        self.waiting: list[Callable[[], None]] = []
+
+    def gathered(self) -> None:
+        self.gathers.append([])
+
+    def begins_in(self) -> float | None:
+        return None if self.busy else self.spacing_s
+
+    def when_free(self, callback: Callable[[], None]) -> bool:
+        if self.busy:
+            self.waiting.append(callback)
+        return self.busy
+
+    def free(self) -> None:
+        self.busy = False
+        for callback in self.waiting:
+            asyncio.get_running_loop().call_soon(callback)
+        self.waiting.clear()
+
+    def send_together(self, records, epoch=0):  # type: ignore[no-untyped-def]
+        self.gathers[-1] += [r.topic for r in records]
+        done = []
+        for r in records:
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(Position(r.topic, r.partition or 0, 0))
+            done.append(future)
+        return done
+
+
 def test_the_turns_a_step_ends_end_in_the_transaction_of_its_deltas() -> None:
     """An engine step hands its outputs, then resolves the runs it ended, as both
     engines do; the turns' tasks write their ends in the loop's next pass. Those ends
     are gathered with the step's deltas: one transaction, one live record per
     partition, not the deltas' transaction and then one of the ends alone."""
     from bench.hotpath import _takers
-    from bench.sealing import DroppingWriter
     from pipeline.topics import GENERATIONS, LIVE
     from workers.output import GATHER_PASSES
 
-    class Recording(DroppingWriter):
-        """The topics of what each gather queued (a transaction's worth)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.gathers: list[list[str]] = [[]]
-
-        def gathered(self) -> None:
-            self.gathers.append([])
-
-        def send_together(self, records, epoch=0):  # type: ignore[no-untyped-def]
-            self.gathers[-1] += [r.topic for r in records]
-            done = []
-            for r in records:
-                future = asyncio.get_running_loop().create_future()
-                future.set_result(Position(r.topic, r.partition or 0, 0))
-                done.append(future)
-            return done
-
     takers, output, _ = _takers(4, 2)
-    writer = Recording()
+    writer = _Recording()
     output.writer = takers[0].runner.writer = writer  # type: ignore[assignment]
 
     async def scenario() -> None:
@@ -239,6 +259,55 @@ def test_the_turns_a_step_ends_end_in_the_transaction_of_its_deltas() -> None:
     assert sorted(first) == [GENERATIONS] * 4 + [LIVE] * 2  # the starts and first deltas
     assert sorted(step) == [GENERATIONS] * 4 + [LIVE] * 2  # the last deltas and the ends
     assert nothing == []
+
+
+def test_steps_a_transaction_could_not_take_yet_share_one_record_per_partition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a transaction is being made, and until the spacing since it began has
+    passed, a gather holds the open batches: the steps meanwhile add to the same records
+    (one live record per partition, one box per turn, for all of them), queued together
+    once the writer can take them. A writer that never says it is free is not waited
+    for past ``HOLD_MAX_S``."""
+    from bench.hotpath import _takers
+    from pipeline.topics import LIVE
+    from workers import output as module
+
+    monkeypatch.setattr(module, "HOLD_MAX_S", 0.2)
+    takers, output, _ = _takers(4, 2)
+    writer = _Recording()
+    output.writer = takers[0].runner.writer = writer  # type: ignore[assignment]
+
+    async def steps(n: int, first: int) -> None:
+        for s in range(first, first + n):
+            for taker in takers:
+                taker.take(f"t{s} ", (s,), 5, None)
+            for _ in range(module.GATHER_PASSES + 1):
+                await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        writer.busy = True
+        await steps(3, 0)
+        assert writer.gathers == [[]] and output.records == 0  # held: nothing queued
+        writer.free()
+        await asyncio.sleep(0)
+        assert [sorted(g) for g in writer.gathers[:-1]] == [
+            ["chat.generations"] * 4 + [LIVE] * 2]  # the starts, and each partition's record
+        assert output.records == 2  # three steps, one record per partition
+        writer.spacing_s = 0.05  # the next may begin in 50 ms: held as long
+        await steps(2, 3)
+        assert output.records == 2
+        await asyncio.sleep(0.08)
+        assert output.records == 4 and writer.gathers[-2] == [LIVE] * 2
+        writer.spacing_s, writer.busy = 0.0, True  # a writer that never says
+        await steps(1, 5)
+        await asyncio.sleep(0.1)
+        assert output.records == 4
+        await asyncio.sleep(0.2)
+        assert output.records == 6
+
+    asyncio.run(scenario())
+    texts = ["".join(t.turn.progress.parts) for t in takers]
+    assert texts == ["t0 t1 t2 t3 t4 t5 "] * 4  # every step's delta kept, in order
 
 
 def test_offsets_alone_get_a_transaction_only_once_the_log_is_quiet() -> None:

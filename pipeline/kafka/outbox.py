@@ -99,6 +99,8 @@ class Outbox:
         self._gathered = False
         self._first_queued = 0.0  # when the oldest queued record was queued (monotonic)
         self._roomy: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        # Senders holding their records until the transaction being made is over.
+        self._free_waiters: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._commit_wanted = False
         self._stop = False
 
@@ -129,6 +131,23 @@ class Outbox:
             if self._items and not self._gathered:
                 self._gathered = True
                 self.cond.notify_all()
+
+    def begins_in(self) -> float | None:
+        """How long before a transaction may take what is queued now: None while one is
+        being made, else what is left of the spacing since the latest began (0: at once)."""
+        with self.cond:
+            if self.busy:
+                return None
+            return max(self._last_began + self._pacing.interval_s - time.monotonic(), 0.0)
+
+    def when_free(self, callback: Callable[[], None]) -> bool:
+        """Have ``callback`` called on the running event loop once the transaction being
+        made is over (or the outbox stops); False, and no call, if none is being made."""
+        with self.cond:
+            if not self.busy or self._stop:
+                return False
+            self._free_waiters.append((asyncio.get_running_loop(), callback))
+            return True
 
     @property
     def backlogged(self) -> bool:
@@ -182,6 +201,7 @@ class Outbox:
         with self.cond:
             self._stop = True
             self.cond.notify_all()
+            self._freed()
 
     # The transaction loop's side.
 
@@ -224,6 +244,7 @@ class Outbox:
         self._items[:0] = [q for q in batch if q.epoch == self.epoch and not q.settled]
         self.busy = False
         self.cond.notify_all()
+        self._freed()
 
     # The watchdog's side.
 
@@ -248,6 +269,13 @@ class Outbox:
         if not self._pacing.gathers or self._gathered or not self._items:
             return 0.0
         return max(self._first_queued + interval - now, 0.0)
+
+    def _freed(self) -> None:
+        """(Holding the lock.) Call back the senders waiting for the transaction to end."""
+        waiters, self._free_waiters = self._free_waiters, []
+        for loop, callback in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(callback)
 
     def _emptied(self) -> None:
         """(Holding the lock, the queue just emptied.) Wake whoever waits for room."""

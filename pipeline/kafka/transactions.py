@@ -189,6 +189,18 @@ class TransactionalProducer:
         """What the sender has to write for now is queued (see ``gathers``)."""
         self._outbox.gathered()
 
+    def begins_in(self) -> float | None:
+        """How long before a transaction may take a record queued now: None while one is
+        being made (``when_free`` says when it is over), else what is left of the spacing
+        since the latest began (0: at once). A sender that gathers may hold its records
+        meanwhile and add to them: they would wait as long in the queue."""
+        return self._outbox.begins_in()
+
+    def when_free(self, callback: Callable[[], None]) -> bool:
+        """Have ``callback`` called on the running event loop once the transaction being
+        made is over (or the producer stops); False, and no call, if none is being made."""
+        return self._outbox.when_free(callback)
+
     @property
     def backlogged(self) -> bool:
         """More records queued than ``max_queued`` (the log takes them slower than they
