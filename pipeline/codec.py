@@ -61,6 +61,7 @@ class _SealedOf(msgspec.Struct):
 
     sealed: _SealedRef | None = None
     occurred_at: datetime | None = None
+    model: str | None = None
 
 
 _sealed_of = msgspec.json.Decoder(_SealedOf)
@@ -116,12 +117,16 @@ class Codec:
         ``decode_async`` does what this cannot there: wait for a key not held yet."""
         return self.decode_keyed(data)[0]
 
-    def decode_keyed(self, data: bytes | None) -> tuple[Event, sealing.DataKey | None]:
+    def decode_keyed(self, data: bytes | None, opens: Callable[[Event], bool] | None = None
+                     ) -> tuple[Event, sealing.DataKey | None]:
         """``decode``, and the key its content was opened with (None: it was in the
         clear, or erased): the key a writer of the same conversation's content seals
-        with."""
+        with. ``opens``: whether the event's content is wanted; one it says not is left
+        sealed, as ``parse`` gives it, and no key is looked up for it."""
         event = parse(data)
-        return (event, None) if event.sealed is None else self._opened(event)
+        if event.sealed is None or (opens is not None and not opens(event)):
+            return event, None
+        return self._opened(event)
 
     def _opened(self, event: Event) -> tuple[Event, sealing.DataKey | None]:
         """``event`` with its sealed content opened, and the key that opened it, if the
@@ -182,10 +187,11 @@ class Codec:
         asked for again until it can (bound the wait where an answer is due)."""
         return await self._unblocked(self.decode, data)
 
-    async def decode_keyed_async(self, data: bytes | None
+    async def decode_keyed_async(self, data: bytes | None,
+                                 opens: Callable[[Event], bool] | None = None
                                  ) -> tuple[Event, sealing.DataKey | None]:
         """``decode_keyed`` for a coroutine (see ``decode_async``)."""
-        return await self._unblocked(self.decode_keyed, data)
+        return await self._unblocked(self.decode_keyed, data, opens)
 
     async def decode_live_async(self, data: bytes | None) -> LiveBatch:
         """``decode_live`` for a coroutine (see ``decode_async``)."""
@@ -240,17 +246,19 @@ def _dumped(event: Event) -> bytes:
     return event.model_dump_json(exclude_none=True, exclude=empty or None).encode()
 
 
-def sealed_key(data: bytes | None) -> tuple[str, float | None] | None:
+def sealed_key(data: bytes | None, model: str | None = None
+               ) -> tuple[str, float | None] | None:
     """The key a record's sealed content names, and when the event was written (seconds
     since the epoch), read without decoding the rest of it: None if its content is in the
-    clear, or it is not an event (``decode`` says why)."""
+    clear, it is not an event (``decode`` says why), or, ``model`` given, it names another
+    model (a prompt some other worker runs)."""
     if not data:
         return None
     try:
         found = _sealed_of.decode(data)
     except msgspec.DecodeError:
         return None
-    if found.sealed is None:
+    if found.sealed is None or (model is not None and found.model != model):
         return None
     at = found.occurred_at
     return found.sealed.key, at.timestamp() if at is not None else None

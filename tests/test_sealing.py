@@ -166,6 +166,37 @@ def test_the_key_a_record_names_is_read_without_decoding_it(ring: Ring, codec: C
     for hostile in (None, b"", b"[]", b"\x00", b'{"sealed": 5}', b'{"sealed": {"box": "x"}}',
                     b'{"sealed": {"key": "k"}, "occurred_at": "yesterday"}', b"{" * 10_000):
         assert sealed_key(hostile) is None, hostile
+    # A worker asks for its own model's prompts' keys alone.
+    assert sealed_key(codec.encode(event), "m") == (key.key_id, event.occurred_at.timestamp())
+    assert sealed_key(codec.encode(event), "another model") is None
+    assert sealed_key(b'{"sealed": {"key": "k"}, "model": 5}', "m") is None
+
+
+def test_content_a_reader_does_not_want_stays_sealed_and_no_key_is_asked_for(
+        ring: Ring, codec: Codec) -> None:
+    """A worker opens only the prompts of its model: another model's comes back as
+    ``parse`` gives it (sealed, content empty), and its key is not asked for, so a key
+    that cannot be read stalls only the workers that run the prompt."""
+    conversation = uuid.uuid4()
+    key = ring.add(conversation)
+    raw = codec.encode(prompt(conversation, "not mine"))
+    asked: list[str] = []
+    looking = ring.for_reading
+
+    def for_reading(key_id: str, *args: object, **kwargs: object) -> sealing.DataKey | None:
+        asked.append(key_id)
+        return looking(key_id)
+
+    ring.for_reading = for_reading  # type: ignore[method-assign]
+    event, opened_with = codec.decode_keyed(
+        raw, lambda e: isinstance(e, PromptSubmitted) and e.model == "x")
+    assert asked == [] and opened_with is None
+    assert event.sealed is not None and event.sealed.key == key.key_id
+    assert isinstance(event, PromptSubmitted)
+    assert [m.content for m in event.messages] == [""]  # the text stays in its box
+    event, opened_with = asyncio.run(codec.decode_keyed_async(raw, lambda e: True))
+    assert asked == [key.key_id] and opened_with == key
+    assert isinstance(event, PromptSubmitted) and event.messages[0].content == "not mine"
 
 
 def test_a_conversation_without_keys_is_written_in_the_clear(ring: Ring, codec: Codec) -> None:

@@ -560,7 +560,9 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
     the end: a lookup waits for it) was taken in the worker's loop, and every partition's
     prompts, control events and heartbeats waited behind it. Now a prompt of another
     partition starts at once; the stalled one is dead-lettered after
-    WORKER_INTAKE_TIMEOUT_S, and its partition's next prompt then runs."""
+    WORKER_INTAKE_TIMEOUT_S, and its partition's next prompt then runs. Another model's
+    worker leaves the stalled prompt sealed (only the workers that run a prompt open it):
+    its own prompt behind it on the same partition starts at once."""
     from pipeline import sealing
     from pipeline.codec import conversation_key
     from pipeline.kafka.plain import PlainWriter
@@ -586,34 +588,47 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
     stalled_conversation = conversation_in(None)
     stalled_partition = partition_for(conversation_key(stalled_conversation), partitions)
     behind = conversation_in(stalled_partition)
+    other_behind = conversation_in(stalled_partition)
     elsewhere = conversation_in(None, avoid=stalled_partition)
+    other_model = f"other-{model}"
 
-    def prompt(conversation: uuid.UUID, name: str) -> PromptSubmitted:
+    def prompt(conversation: uuid.UUID, name: str, of: str = model) -> PromptSubmitted:
         return PromptSubmitted(conversation_id=conversation, request_id=f"{name}-{model}",
-                               model=model, sampling=SamplingParams(max_tokens=3),
+                               model=of, sampling=SamplingParams(max_tokens=3),
                                messages=(ChatMessage(role="user", content=name),))
 
     ring = Keyring(bootstrap, kek, f"intake-{model}", KeyringLimits(missing_wait_s=60))
+    other_ring = Keyring(bootstrap, kek, f"intake-{other_model}")  # waits the default 120 s
     loop = asyncio.new_event_loop()
-    worker = loop.run_until_complete(Worker.opened(
-        SimEngine(model, ttft_ms=0, tokens_per_s=50), bootstrap, CollectorRegistry(),
-        WorkerSettings(engine="sim", intake_timeout_s=6), ring.codec))
+    worker, other = (loop.run_until_complete(Worker.opened(
+        SimEngine(name, ttft_ms=0, tokens_per_s=50), bootstrap, CollectorRegistry(),
+        WorkerSettings(engine="sim", intake_timeout_s=6), keys.codec))
+        for name, keys in ((model, ring), (other_model, other_ring)))
     stop = asyncio.Event()
-    runner = threading.Thread(target=loop.run_until_complete, args=(worker.run(stop),),
-                              daemon=True)
-    with ring:
+
+    async def both() -> None:
+        await asyncio.gather(worker.run(stop), other.run(stop))
+
+    runner = threading.Thread(target=loop.run_until_complete, args=(both(),), daemon=True)
+    out = PlainWriter(bootstrap, f"intake-{model}")
+    with ring, other_ring:
+        new = ring.new_key(stalled_conversation, "t", None)
+        # The next key its partition takes goes there: not written until the end below,
+        # and then by another key, so that no later reader of this broker waits for it
+        # (a projector reads every prompt: it would wait 120 s).
+        place = end_offsets(bootstrap, KEYS)[new.partition]
+        key = sealing.DataKey(str(KeyRef(new.short_id, new.partition, place)),
+                              stalled_conversation, new.aead)
         runner.start()
         try:
-            wait_for(lambda: len(worker.ledgers) == partitions, 60, "the worker's partitions")
-            new = ring.new_key(stalled_conversation, "t", None)
-            place = end_offsets(bootstrap, KEYS)[new.partition] + 1000  # never written
-            key = sealing.DataKey(str(KeyRef(new.short_id, new.partition, place)),
-                                  stalled_conversation, new.aead)
-            out = PlainWriter(bootstrap, f"intake-{model}")
+            wait_for(lambda: len(worker.ledgers) == len(other.ledgers) == partitions, 60,
+                     "the workers' partitions")
             for conversation, value in (
                     (stalled_conversation, CLEAR.encode(prompt(stalled_conversation, "stalled"),
                                                         key)),
                     (behind, CLEAR.encode(prompt(behind, "behind"), None)),
+                    (other_behind, CLEAR.encode(prompt(other_behind, "other", other_model),
+                                                None)),
                     (elsewhere, CLEAR.encode(prompt(elsewhere, "elsewhere"), None))):
                 out.send(PROMPTS, conversation_key(conversation), value)
             assert out.flush(30) == []
@@ -623,8 +638,10 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
                 return any(isinstance(e, GenerationFinished) and e.request_id == f"{name}-{model}"
                            for _, e in read_events(bootstrap, GENERATIONS))
 
-            wait_for(lambda: ended("elsewhere"), 30, "the other partition's turn")
-            assert time.monotonic() - sent < 5, "another partition's prompt was held back"
+            wait_for(lambda: ended("elsewhere") and ended("other"), 30,
+                     "the other partition's turn, and the other model's")
+            assert time.monotonic() - sent < 5, "another partition's prompt, or another " \
+                "model's, was held back"
             assert not ended("behind")  # its partition's order holds: after the stalled one
             wait_for(lambda: ended("behind"), 60, "the stalled partition's next turn")
             assert 5 < time.monotonic() - sent < 40
@@ -637,3 +654,7 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
             runner.join(60)
             assert not runner.is_alive(), "the worker did not stop"
             loop.close()
+            filled = ring.new_key(behind, "t", None)  # the same partition's next key
+            out.send(KEYS, filled.record_key, filled.value, filled.partition)
+            assert out.flush(30) == []
+            assert end_offsets(bootstrap, KEYS)[filled.partition] == place + 1

@@ -52,8 +52,10 @@ class Intake:
         self._lanes: dict[int, Lane] = {}
         self._keyring = keyring  # the one behind the worker's codec, if any
 
-    def keys_ahead(self, polled: list[Record]) -> dict[Position, asyncio.Future[object]]:
-        """The keys of the polled prompts' new conversations, read together on a thread
+    def keys_ahead(self, polled: list[Record], model: str
+                   ) -> dict[Position, asyncio.Future[object]]:
+        """The keys of the polled prompts' new conversations (of ``model``'s prompts: the
+        others are not opened here), read together on a thread
         (``Keyring.prefetch``: one fetch and one look at the erasures' end, where each
         prompt's lane would make one of each), and what each of those prompts waits for
         before it is taken (``put``'s ``ready``); a prompt whose key is held waits for
@@ -64,7 +66,8 @@ class Intake:
         wanted: set[str] = set()
         waiting: list[Position] = []
         for record in polled:
-            named = sealed_key(record.value) if record.position.topic == PROMPTS else None
+            named = sealed_key(record.value, model) if record.position.topic == PROMPTS \
+                else None
             if named is not None and not keyring.holds(named[0]):
                 wanted.add(named[0])
                 waiting.append(record.position)

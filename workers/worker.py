@@ -225,7 +225,7 @@ class Worker:
                     await (consumer.pause if full else consumer.resume)(PROMPTS)
                 # Paused, only control events come: poll briefly, to see freed slots soon.
                 polled = await consumer.poll_batch(POLL_RECORDS, 0.02 if full else 0.05)
-                ahead = self.intake.keys_ahead(polled)  # a batch's new keys read together
+                ahead = self.intake.keys_ahead(polled, self.engine.model_name)  # together
                 for record in polled:
                     if record.position.topic == PROMPTS:  # taken in its partition's lane
                         self.tracker.taken((PROMPTS, record.position.partition),
@@ -282,7 +282,8 @@ class Worker:
         topic, partition, offset = record.position.topic, record.position.partition, \
             record.position.offset
         try:
-            event, key = await self.codec.decode_keyed_async(record.value)
+            event, key = await self.codec.decode_keyed_async(record.value, lambda e: not (
+                isinstance(e, PromptSubmitted) and e.model != self.engine.model_name))
         except DecodeError as exc:
             log.warning("dead-lettering %s: %s", record.position, exc)
             self.metrics.dead_letters.inc()
@@ -297,7 +298,7 @@ class Worker:
             await self.flights.control(event, logged_at(record))
             self._done((topic, partition), offset)
             return
-        # Judged whatever its model: every group keeps the same ledger of the partition.
+        # Judged whatever its model (another's left sealed): every group keeps the ledger.
         verdict = await self.ledgers.judge(event, partition, offset)
         if verdict is Verdict.ACCEPTED and event.model != self.engine.model_name:
             # Another model's turn: its own group runs it.
