@@ -69,7 +69,8 @@ class Output:
         self.codec = codec  # seals a turn's records with its conversation's key
         self._open: dict[int, _Open] = {}
         self._gathering = False  # a gather is scheduled or holding
-        self._holding: asyncio.TimerHandle | None = None  # the gather's bound, held
+        # While a gather holds: what releases it (its bound, or the spacing's end).
+        self._holding: asyncio.TimerHandle | None = None
         self.records = 0  # live records written (queued)
         # A batch is sealed past this: half the largest record the topic takes.
         self.max_bytes = writer.limit(LIVE) // 2
