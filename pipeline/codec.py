@@ -264,6 +264,17 @@ def sealed_key(data: bytes | None, model: str | None = None
     return found.sealed.key, at.timestamp() if at is not None else None
 
 
+def names_model(data: bytes | None, model: str) -> bool:
+    """Whether a record's event names ``model`` (a prompt that model's workers run), read
+    without decoding the rest of it: not if it is not an event."""
+    if not data:
+        return False
+    try:
+        return _sealed_of.decode(data).model == model
+    except msgspec.DecodeError:
+        return False
+
+
 def parse(data: bytes | None) -> Event:
     """The event in a record's value, its sealed content, if any, left sealed (content
     empty, ``sealed`` set). Fields this code does not know are kept; an event older than

@@ -658,3 +658,50 @@ def test_a_prompt_whose_key_does_not_come_holds_back_nothing_but_itself(
             out.send(KEYS, filled.record_key, filled.value, filled.partition)
             assert out.flush(30) == []
             assert end_offsets(bootstrap, KEYS)[filled.partition] == place + 1
+
+
+def test_a_takeover_reads_back_only_to_its_own_models_oldest_unfinished_prompt(
+        sim_stack: Stack) -> None:
+    """What earlier owners wrote is scanned from the oldest prompt past the committed
+    offset of the worker's own model, not of any model: another model's turns are its
+    own workers' to resume. A model's first group starts at the partition's start (or
+    where the single group of earlier versions stopped), so scanning from any model's
+    oldest prompt had a model added to an old log read every turn's live stream since;
+    a partition with no prompt of the model past the committed offset is not scanned."""
+    from pipeline.codec import names_model
+    from pipeline.kafka import first_records
+    from pipeline.kafka.plain import PlainWriter
+    from pipeline.topics import CLOCK_SKEW_MS
+    from tests.logread import end_offsets
+    from workers.takeover import scan_starts
+
+    bootstrap = sim_stack.bootstrap
+    model = f"scan-{uuid.uuid4().hex[:8]}"
+    other = f"other-{model}"
+
+    def prompt(of: str) -> bytes:
+        return CLEAR.encode(PromptSubmitted(
+            conversation_id=uuid.uuid4(), request_id=f"{of}-{uuid.uuid4().hex}", model=of,
+            messages=(ChatMessage(role="user", content="x"),)), None)
+
+    committed = end_offsets(bootstrap, PROMPTS)
+    out = PlainWriter(bootstrap, f"scan-{model}")
+    for partition in (0, 1):
+        out.send(PROMPTS, b"k", prompt(other), partition=partition)
+    assert out.flush(30) == []
+    time.sleep(1.5)  # the log's times of the two models' prompts apart
+    out.send(PROMPTS, b"k", prompt(model), partition=0)
+    assert out.flush(30) == []
+    ends = end_offsets(bootstrap, PROMPTS)
+    firsts = first_records(bootstrap, PROMPTS, {p: (committed[p], ends[p]) for p in (0, 1)})
+    mine = first_records(bootstrap, PROMPTS, {0: (committed[0], ends[0])},
+                         wanted=lambda r: names_model(r.value, model))
+    assert mine[0].timestamp_ms >= firsts[0].timestamp_ms + 1000  # another model's first
+
+    starts = scan_starts(bootstrap, {(PROMPTS, p): committed[p] for p in (0, 1)}, model,
+                         recovery_window_s=300)
+    assert starts == {0: mine[0].timestamp_ms - CLOCK_SKEW_MS}
+    # Another model's worker: partition 1 too, each from its first prompt.
+    assert scan_starts(bootstrap, {(PROMPTS, p): committed[p] for p in (0, 1)}, other,
+                       recovery_window_s=300) == {
+        p: firsts[p].timestamp_ms - CLOCK_SKEW_MS for p in (0, 1)}

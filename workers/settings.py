@@ -46,9 +46,8 @@ class WorkerSettings(BaseSettings):
     metrics_port: int = 0
     # How soon the group notices a dead worker and hands its prompts on.
     session_timeout_ms: int = Field(default=10_000, ge=6_000)
-    # A worker handed a partition reads its generations back to the oldest unfinished
-    # prompt, however old; this is how far back it reads when no such prompt can be read
-    # (only aborted ones past the committed offset), and past it the reading is logged.
+    # A worker handed a partition reads its generations back to its model's oldest
+    # unfinished prompt, however old; past this the reading is logged.
     recovery_window_s: float = Field(default=300.0, gt=0)
     # The longest a transaction may stay open. A worker that dies mid-transaction holds
     # back readers of its partitions' generations this long at most.

@@ -4,7 +4,9 @@ any of their prompts (on the consumer's thread, inside the rebalance).
 * The prompts' committed offsets, where the partitions' ledgers and offsets start.
 * What earlier owners wrote for the turns not committed yet: the durable record's
   starts and ends, and the live stream's deltas (``workers.recovery`` folds them), from
-  the oldest unfinished prompt's time on.
+  the oldest unfinished prompt of the worker's model on (another model's turns are its
+  own workers' to resume: a model's first worker on an old log reads back only as far
+  as its own prompts waiting, not to where the group's start is).
 * The recent control events, so a turn cancelled or abandoned while its prompt waited is
   known before the prompt comes up.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
-from pipeline.codec import TP, Codec, parse_or_none
+from pipeline.codec import TP, Codec, names_model, parse_or_none
 from pipeline.kafka import (
     GroupConsumer,
     KafkaException,
@@ -62,11 +64,11 @@ def retrying(take: Callable[[], T]) -> T:
 
 def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
                   controls: list[int], book: ControlBook, running: Container[str], *,
-                  codec: Codec, recovery_window_s: float,
+                  codec: Codec, model: str, recovery_window_s: float,
                   transaction_timeout_ms: int) -> Handover:
-    """What the new owner of ``prompts`` and ``controls`` needs; the control events read
-    go into ``book``; turns in ``running`` (already here) are left out. ``codec`` opens
-    the text turns resume from."""
+    """What the new owner of ``prompts`` and ``controls``, a worker of ``model``, needs;
+    the control events read go into ``book``; turns in ``running`` (already here) are left
+    out. ``codec`` opens the text turns resume from."""
     # Prompts are read on from the committed offsets: the ledger and the offsets of each
     # transaction start there, and the scans below start at the oldest of them. A model's
     # group the first time: where the single group of earlier versions stopped, so
@@ -74,7 +76,7 @@ def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
     committed = consumer.committed_sync(
         [(PROMPTS, p) for p in prompts],
         fallback=lambda missing: group_committed(bootstrap, WORKERS_GROUP, missing))
-    since = scan_starts(bootstrap, committed, recovery_window_s)
+    since = scan_starts(bootstrap, committed, model, recovery_window_s)
     # What earlier owners wrote (committed, or resolved if still open: scan_partitions).
     # Open transactions of an earlier owner end within the transaction timeout.
     wait_s = max(60.0, 3 * transaction_timeout_ms / 1000)
@@ -117,11 +119,11 @@ class Rebalances:
     those taken away are abandoned to their next owner."""
 
     def __init__(self, owner: Owner, bootstrap: str, consumer: GroupConsumer,
-                 flights: Flights, codec: Codec, recovery_window_s: float,
+                 flights: Flights, codec: Codec, model: str, recovery_window_s: float,
                  transaction_timeout_ms: int) -> None:
         self.owner, self.bootstrap, self.consumer, self.flights = (
             owner, bootstrap, consumer, flights)
-        self.codec = codec
+        self.codec, self.model = codec, model
         self.recovery_window_s = recovery_window_s
         self.transaction_timeout_ms = transaction_timeout_ms
 
@@ -134,7 +136,8 @@ class Rebalances:
         controls = [p for t, p in assigned if t == CONTROL]
         handover = read_handover(
             self.bootstrap, self.consumer, prompts, controls, self.flights.book,
-            self.flights.running, codec=self.codec, recovery_window_s=self.recovery_window_s,
+            self.flights.running, codec=self.codec, model=self.model,
+            recovery_window_s=self.recovery_window_s,
             transaction_timeout_ms=self.transaction_timeout_ms)
         self.owner.took_over(handover, self.consumer.group_metadata_sync())
         log.info("assigned prompts %s; recent: %s", prompts, handover.found.describe())
@@ -145,22 +148,23 @@ class Rebalances:
         self.owner.give_up([p for t, p in revoked if t == PROMPTS])
 
 
-def scan_starts(bootstrap: str, committed: dict[TP, int],
+def scan_starts(bootstrap: str, committed: dict[TP, int], model: str,
                 recovery_window_s: float) -> dict[int, int]:
-    """Per prompt partition with unfinished prompts, the time to scan from: the oldest
-    uncommitted prompt's (what its turn and later ones wrote came after it), less clock
-    skew, however long ago: a turn whose history was read in part would run again from
-    its start, under seqs its readers have seen (and one whose clients left would run
-    on). The recovery window applies only to a partition with no readable prompt past
-    its committed offset. Partitions whose prompts are all committed need no scan."""
+    """Per prompt partition with prompts of ``model`` past its committed offset, the time
+    to scan from: the oldest of them's (what its turn and later ones wrote came after it),
+    less clock skew, however long ago: a turn whose history was read in part would run
+    again from its start, under seqs its readers have seen (and one whose clients left
+    would run on). A partition with none needs no scan: every turn of ``model`` before its
+    committed offset has ended, and another model's turns are its own workers' to resume,
+    however far back the group's start is (a model's first group starts at the
+    partition's start: see ``read_handover``)."""
     ends = high_watermarks(bootstrap, PROMPTS, [p for _, p in committed])
     spans = {p: (o, ends[p]) for (_, p), o in committed.items() if o < ends[p]}
-    oldest = {p: r.timestamp_ms for p, r in first_records(bootstrap, PROMPTS, spans).items()}
-    now_ms = int(time.time() * 1000)
-    window_ms = int(recovery_window_s * 1000)
-    starts = {p: oldest.get(p, now_ms - window_ms) - CLOCK_SKEW_MS for p in spans}
-    back_ms = now_ms - min(starts.values(), default=now_ms)
-    if back_ms > window_ms + CLOCK_SKEW_MS:
+    oldest = first_records(bootstrap, PROMPTS, spans,
+                           wanted=lambda record: names_model(record.value, model))
+    starts = {p: record.timestamp_ms - CLOCK_SKEW_MS for p, record in oldest.items()}
+    back_ms = int(time.time() * 1000) - min(starts.values(), default=int(time.time() * 1000))
+    if back_ms > (recovery_window_s * 1000) + CLOCK_SKEW_MS:
         log.warning("taking over: reading %s back %.0f s, to the oldest unfinished prompt "
                     "(past the %.0f s recovery window)", GENERATIONS, back_ms / 1000,
                     recovery_window_s)

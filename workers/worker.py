@@ -191,7 +191,7 @@ class Worker:
                               self.engine.max_model_len, self.engine.max_token_bytes,
                               load=self.waiting.load)
         rebalances = Rebalances(self, self.bootstrap, consumer, self.flights, self.codec,
-                                self.settings.recovery_window_s,
+                                self.engine.model_name, self.settings.recovery_window_s,
                                 self.settings.transaction_timeout_ms)
         consumer.subscribe([PROMPTS, CONTROL], on_assign=rebalances.on_assign,
                            on_revoke=rebalances.on_revoke)

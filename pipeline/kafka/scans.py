@@ -4,7 +4,7 @@ status pages, audits, benches and tests."""
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from confluent_kafka import (
     Consumer,
@@ -152,16 +152,21 @@ def iter_spans(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
 
 
 def first_records(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
-                  timeout: float = 60.0) -> dict[int, Record]:
+                  timeout: float = 60.0, wanted: Callable[[Record], bool] | None = None
+                  ) -> dict[int, Record]:
     """The first committed record in ``[start, end)`` of each partition that has one (a
-    consumer's committed offset may be a transaction marker's, or an aborted record's)."""
+    consumer's committed offset may be a transaction marker's, or an aborted record's);
+    ``wanted`` given, the first it takes (a partition's whole span is read if none)."""
     found: dict[int, Record] = {}
-    wanted = sum(start < end for start, end in spans.values())
+    partitions = sum(start < end for start, end in spans.values())
     records = iter_spans(bootstrap, topic, spans, timeout)
     try:
         for record in records:
+            if wanted is not None and (record.position.partition in found
+                                       or not wanted(record)):
+                continue
             found.setdefault(record.position.partition, record)
-            if len(found) == wanted:
+            if len(found) == partitions:
                 break
     finally:
         records.close()
