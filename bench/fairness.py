@@ -29,21 +29,15 @@ are counted as served evenly between that and its ``GenerationFinished``.
 from __future__ import annotations
 
 import math
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.process import free_port
+from bench.stack import sim_worker
 from pipeline.codec import CLEAR, conversation_key, parse
 from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.topics import GENERATIONS, PROMPTS
@@ -80,43 +74,6 @@ def jain(values: list[float]) -> float:
     total = sum(values)
     squares = sum(v * v for v in values)
     return total * total / (len(values) * squares) if squares else float("nan")
-
-
-@contextmanager
-def _worker(bootstrap: str, log_dir: Path, model: str, env: dict[str, str]) -> Iterator[str]:
-    """A SIMULATED worker of its own model; gives its metrics' address."""
-    metrics = free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / f"fairness-{model}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "launch", "worker", "--engine", "sim", "--served-model-name",
-             model, "--max-num-seqs", str(SLOTS), "--metrics-port", str(metrics)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": bootstrap,
-                 "WORKER_SIM_TOKENS_PER_S": str(TOKENS_PER_S), **env})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the worker exited; see {log.name}"
-            assert time.monotonic() < deadline, f"the worker never took partitions; {log.name}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics",
-                                            timeout=2) as resp:
-                    text = resp.read().decode()
-                if any(line.startswith("worker_assigned_partitions ")
-                       and float(line.split()[1]) > 0 for line in text.splitlines()):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{metrics}/metrics"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _send(producer: PlainWriter, model: str, tenant: str, count: int, tokens: int,
@@ -215,7 +172,8 @@ def run(bootstrap: str, log_dir: Path, quick: bool) -> dict[str, Any]:
     for i, (side, env) in enumerate(SIDES, 1):
         model = f"sim-fairness-{uuid.uuid4().hex[:6]}"
         print(f"[{i}/{len(SIDES)}] {side} ...", flush=True)
-        with _worker(bootstrap, log_dir, model, env) as metrics:
+        with sim_worker(bootstrap, log_dir / f"fairness-{model}.log", model, SLOTS,
+                        TOKENS_PER_S, env) as (metrics, _):
             since = int(time.time() * 1000) - 5000
             # The worker's first turns (its partitions' ledgers read, its first batches)
             # are slower than any after: a round first, not counted.

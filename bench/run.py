@@ -18,7 +18,7 @@ from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
 PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics", "sealing",
-         "hotpath", "memory")
+         "hotpath", "worker", "memory")
 # Parts run only when named: a year of state takes its own stack and the better part of
 # an hour.
 NAMED_ONLY = ("scale",)
@@ -132,6 +132,50 @@ def log(common: CommonSettings, quick: bool, out: Path, before: Path | None) -> 
           "Text: the UTF-8 bytes of the users' messages and of the replies as the clients "
           f"received them. On {figures['machine']}. Measured with `pipeline bench log"
           f"{' --quick' if quick else ''}{' --before PATH' if before else ''}`.")
+    return table
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What ``pipeline bench worker`` runs, as its flags say: ``streams`` turns at
+    ``rate`` tokens/s each; with ``trees`` (side A's and B's checkouts), ``pairs`` pairs."""
+
+    streams: int = 256
+    rate: float = 100.0
+    trees: dict[str, Path | None] | None = None
+    pairs: int = 2
+
+    def flags(self) -> str:
+        said = f" --streams {self.streams} --rate {self.rate:g}"
+        for side, tree in (self.trees or {}).items():
+            said += f" --{side.lower()}-tree {tree}" if tree is not None else ""
+        return said + (f" --pairs {self.pairs}" if self.trees else "")
+
+
+def worker(common: CommonSettings, quick: bool, out: Path, load: WorkerLoad) -> str:
+    from bench import worker as bench
+    from pipeline.keystore import open_keyring
+
+    with open_keyring(common, "bench-worker") as keyring:
+        logs = common.state_dir / "bench-logs"
+        if load.trees:
+            figures = bench.paired(common.kafka_bootstrap, keyring, logs, quick, load.streams,
+                                   load.rate, load.trees, load.pairs)
+        else:
+            figures = bench.run(common.kafka_bootstrap, keyring, logs, quick, load.streams,
+                                load.rate)
+    figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
+    table = bench.table(figures)
+    _save(out, "worker" if not load.trees else "worker-pair",
+          "One worker at a GPU's rate: its CPU per token", figures, table,
+          f"One SIMULATED worker and the broker alone on {figures['machine']}: prompts of "
+          "conversations of their own, sealed with keys the bench wrote to chat.keys, "
+          f"written straight to chat.prompts, open loop, {load.streams} turns running at "
+          f"{load.rate:g} tokens/s each, {4 * load.rate:.0f} tokens a turn; no reader of "
+          "chat.live. CPU is each process's user + system time from /proc over the "
+          "measured window, per token the worker generated in it (the SIMULATED engine's "
+          "own work included, as vLLM's output processing would be). Measured with "
+          f"`pipeline bench worker{' --quick' if quick else ''}{load.flags()}`.")
     return table
 
 
@@ -263,7 +307,7 @@ def _now() -> str:
 def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
         resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
         before: Path | None = None, conversations: int = 1_000_000,
-        shape: ServingShape | None = None) -> None:
+        shape: ServingShape | None = None, load: WorkerLoad | None = None) -> None:
     started = time.monotonic()
     for part in parts:
         print(f"\n== {part} ==", flush=True)
@@ -282,6 +326,8 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
             table = _in_process(part, quick, out)
         elif part == "memory":
             table = memory(common, quick, out)
+        elif part == "worker":
+            table = worker(common, quick, out, load or WorkerLoad())
         elif part == "scale":
             table = scale(common, quick, out, conversations)
         else:

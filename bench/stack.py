@@ -1,10 +1,20 @@
 """What the benchmarks need of the local stack besides load: a log the store has caught up
-with, so no projector's catching up is measured as the load's cost."""
+with, so no projector's catching up is measured as the load's cost; a SIMULATED worker
+of a model of its own."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+from infra.process import free_port
 from pipeline.kafka import GroupStatus
 from pipeline.topics import CONVERSATION_TOPICS
 from projections.settings import ProjectorSettings
@@ -27,3 +37,45 @@ def wait_projected(bootstrap: str, timeout: float = 600.0) -> None:
             time.sleep(2)
     finally:
         status.close()
+
+
+@contextmanager
+def sim_worker(bootstrap: str, log: Path, model: str, slots: int, tokens_per_s: float,
+               env: dict[str, str], tree: Path | None = None) -> Iterator[tuple[str, int]]:
+    """A SIMULATED worker serving ``model`` alone (``slots`` sequences at ``tokens_per_s``
+    each), running ``tree``'s code (this checkout's by default), its output in ``log``;
+    gives its metrics' address and its pid once it has taken its partitions."""
+    metrics = free_port()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": bootstrap,
+           "WORKER_SIM_TOKENS_PER_S": str(tokens_per_s), **env}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tree), env.get("PYTHONPATH"))))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launch", "worker", "--engine", "sim", "--served-model-name",
+             model, "--max-num-seqs", str(slots), "--metrics-port", str(metrics)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=tree)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the worker exited; see {log}"
+            assert time.monotonic() < deadline, f"the worker never took partitions; {log}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics",
+                                            timeout=2) as resp:
+                    text = resp.read().decode()
+                if any(line.startswith("worker_assigned_partitions ")
+                       and float(line.split()[1]) > 0 for line in text.splitlines()):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        yield f"http://127.0.0.1:{metrics}/metrics", proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -191,7 +191,8 @@ def parser() -> argparse.ArgumentParser:
                        help="serving (the engine, vllm serve, the pipeline), capacity "
                             "(simulated engine), log (bytes), fairness (between tenants), "
                             "projection, analytics, sealing, hotpath (the worker's per-"
-                            "token path), memory; default: all of "
+                            "token path), worker (one worker alone at a GPU's rate), memory; "
+                            "default: all of "
                             "those; scale (a year of state, its own stack), when named; "
                             "or pair, alone (below)")
     bench.add_argument("--conversations", type=_positive, default=1_000_000,
@@ -226,7 +227,8 @@ def parser() -> argparse.ArgumentParser:
                          "on a GPU: 1,32,256)")
     ab = bench.add_argument_group(
         "pair", "pipeline bench pair: one change's effect as before / after ratios measured "
-        "in one run, side A (before) then B (after), alternating; figures under .state/bench")
+        "in one run, side A (before) then B (after), alternating; figures under .state/bench. "
+        "pipeline bench worker takes --a-tree, --b-tree, --pairs, --streams and --rate too")
     for side in ("a", "b"):
         ab.add_argument(f"--{side}-env", action="append", default=[], type=_setting,
                         metavar="NAME=VALUE", help=f"a setting for side {side.upper()}'s "
@@ -238,8 +240,8 @@ def parser() -> argparse.ArgumentParser:
                         help=f"the Python side {side.upper()}'s processes run, a virtual "
                              "environment's bin/python with this project installed "
                              "(default: this one's)")
-    ab.add_argument("--rate", type=_rate, default=20.0,
-                    help="tokens/s per stream (default %(default)s): the SIMULATED "
+    ab.add_argument("--rate", type=_rate,
+                    help="tokens/s per stream (default 20; worker: 100): the SIMULATED "
                          "engine's steps per second")
     ab.add_argument("--streams", type=_positive,
                     help="streams at once (default 256); fewer at a higher --rate "

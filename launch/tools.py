@@ -51,9 +51,14 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
             raise SystemExit("pipeline bench pair: the sides are the same; give side B (or "
                              "A) a setting (--b-env NAME=VALUE), a checkout (--b-tree PATH) "
                              "or an interpreter (--b-python PATH)")
-    elif pairing or args.streams is not None:
-        raise SystemExit("--a-env, --b-env, --a-tree, --b-tree, --a-python, --b-python and "
-                         "--streams are for pipeline bench pair")
+    elif args.part == ["worker"]:
+        if args.a_env or args.b_env or args.a_python or args.b_python:
+            raise SystemExit("pipeline bench worker compares checkouts only (--a-tree, "
+                             "--b-tree): its settings and interpreter are this one's")
+    elif pairing or args.streams is not None or args.rate is not None:
+        raise SystemExit("--a-env, --b-env, --a-tree, --b-tree, --a-python, --b-python, "
+                         "--streams and --rate are for pipeline bench pair (and worker, "
+                         "alone)")
     infra_up(common, "DATABASE_URL" in os.environ)  # the stack the bench runs on
     try:
         if "pair" in args.part:
@@ -62,7 +67,8 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
             sides = (Side("A", dict(args.a_env), args.a_tree, args.a_python),
                      Side("B", dict(args.b_env), args.b_tree, args.b_python))
             report = bench.pair(common, args.out or common.state_dir / "bench", args.label,
-                                sides, rate=args.rate, pairs=args.pairs, rounds=args.rounds,
+                                sides, rate=args.rate or 20.0, pairs=args.pairs,
+                                rounds=args.rounds,
                                 streams=args.streams or 256)
             print(f"\n{report}")
         else:
@@ -74,8 +80,11 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
                 if getattr(args, name) is not None}
             shape = bench.ServingShape(engine, args.clients, args.max_tokens,
                                        args.prompt_tokens)
+            trees = ({"A": args.a_tree, "B": args.b_tree}
+                     if args.a_tree or args.b_tree else None)
+            load = bench.WorkerLoad(args.streams or 256, args.rate or 100.0, trees, args.pairs)
             bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
-                      resolve_model, args.before, args.conversations, shape)
+                      resolve_model, args.before, args.conversations, shape, load)
     except StartupFailed as exc:
         raise SystemExit(f"pipeline bench: {exc}") from None
     return 0

@@ -60,12 +60,37 @@ def test_a_pair_bench_alternates_its_sides_and_gives_the_median_of_each_pairs_ra
     (["capacity", "--a-python", sys.executable], 1, "are for pipeline bench pair"),
     (["capacity", "--streams", "64"], 1, "are for pipeline bench pair"),
     (["pair", "--b-env", "A=1", "--streams", "0"], 2, "--streams"),
+    (["capacity", "--rate", "50"], 1, "are for pipeline bench pair"),
+    (["worker", "--b-env", "A=1"], 1, "compares checkouts only"),
+    (["worker", "capacity", "--streams", "8"], 1, "are for pipeline bench pair"),
 ])
 def test_a_pair_bench_given_what_it_cannot_run_says_why_and_runs_nothing(
         argv: list[str], code: int, said: str) -> None:
     done = subprocess.run([sys.executable, "-m", "launch", "bench", *argv], timeout=120,
                           capture_output=True, text=True)
     assert done.returncode == code and said in done.stderr, done.stderr
+
+
+def test_the_worker_bench_pairs_its_sides_and_reports_each_figures_median_ratio() -> None:
+    from bench import worker
+
+    def figures(worker_us: float, live: float) -> dict[str, float]:
+        return {"tokens_per_s": 25_000.0, "worker_us_per_token": worker_us,
+                "worker_cores": worker_us * 0.025, "broker_us_per_token": 20.0,
+                "transactions_per_s": 40.0, "live_records_per_s": live}
+
+    runs = [("A", 0, figures(34.0, 600.0)), ("B", 0, figures(20.0, 300.0)),
+            ("B", 1, figures(21.0, 300.0)), ("A", 1, figures(30.0, 0.0)),
+            ("A", 2, figures(1.0, 1.0))]  # an unpaired last run counts in no ratio
+    summary = worker.summarise(runs)
+    assert summary["worker_us_per_token"] == pytest.approx(
+        {"A": 30.0, "B": 20.5, "ratio": (20 / 34 + 21 / 30) / 2, "least": 20 / 34,
+         "most": 21 / 30})
+    assert summary["live_records_per_s"]["ratio"] == 0.5  # a side without the counter: no ratio
+    table = worker.table({"summary": summary})
+    assert "| worker µs/token | 30.0 | 20.5 | 0.64x (0.59 - 0.70) |" in table
+    assert "| 256 x 100 | 25,000 | 34.0 |" in worker.table(
+        {"streams": 256, "rate": 100.0, **figures(34.0, 600.0)})
 
 
 def test_the_load_generator_reads_sse_messages_split_anyhow_and_times_each_by_its_last_read(
