@@ -664,16 +664,17 @@ def test_a_takeover_reads_back_only_to_its_own_models_oldest_unfinished_prompt(
         sim_stack: Stack) -> None:
     """What earlier owners wrote is scanned from the oldest prompt past the committed
     offset of the worker's own model, not of any model: another model's turns are its
-    own workers' to resume. A model's first group starts at the partition's start (or
-    where the single group of earlier versions stopped), so scanning from any model's
-    oldest prompt had a model added to an old log read every turn's live stream since;
-    a partition with no prompt of the model past the committed offset is not scanned."""
-    from pipeline.codec import names_model
-    from pipeline.kafka import first_records
+    own workers' to resume; a partition with no prompt of the model there is not scanned.
+    A model's group the first time starts at its model's first prompt, else at the end:
+    it started at the partition's start (or where the single group of earlier versions
+    stopped), so a model added to an old log judged every prompt since, and read every
+    turn's live stream since, before it served."""
+    from pipeline.codec import Codec
     from pipeline.kafka.plain import PlainWriter
     from pipeline.topics import CLOCK_SKEW_MS
     from tests.logread import end_offsets
-    from workers.takeover import scan_starts
+    from workers.control import ControlBook
+    from workers.takeover import oldest_prompts, read_handover, scan_starts
 
     bootstrap = sim_stack.bootstrap
     model = f"scan-{uuid.uuid4().hex[:8]}"
@@ -691,17 +692,26 @@ def test_a_takeover_reads_back_only_to_its_own_models_oldest_unfinished_prompt(
     assert out.flush(30) == []
     time.sleep(1.5)  # the log's times of the two models' prompts apart
     out.send(PROMPTS, b"k", prompt(model), partition=0)
+    out.send(PROMPTS, b"k", prompt(other), partition=0)
     assert out.flush(30) == []
     ends = end_offsets(bootstrap, PROMPTS)
-    firsts = first_records(bootstrap, PROMPTS, {p: (committed[p], ends[p]) for p in (0, 1)})
-    mine = first_records(bootstrap, PROMPTS, {0: (committed[0], ends[0])},
-                         wanted=lambda r: names_model(r.value, model))
-    assert mine[0].timestamp_ms >= firsts[0].timestamp_ms + 1000  # another model's first
+    since = {(PROMPTS, p): committed[p] for p in (0, 1)}
+    mine, _ = oldest_prompts(bootstrap, since, model)
+    theirs, _ = oldest_prompts(bootstrap, since, other)
+    assert sorted(mine) == [0] and sorted(theirs) == [0, 1]
+    assert [r.position.offset for r in (mine[0], theirs[0], theirs[1])] == [
+        committed[0] + 1, committed[0], committed[1]]
+    assert mine[0].timestamp_ms >= theirs[0].timestamp_ms + 1000
+    assert scan_starts(mine, 300) == {0: mine[0].timestamp_ms - CLOCK_SKEW_MS}
+    assert scan_starts(theirs, 300) == {p: theirs[p].timestamp_ms - CLOCK_SKEW_MS
+                                        for p in (0, 1)}
 
-    starts = scan_starts(bootstrap, {(PROMPTS, p): committed[p] for p in (0, 1)}, model,
-                         recovery_window_s=300)
-    assert starts == {0: mine[0].timestamp_ms - CLOCK_SKEW_MS}
-    # Another model's worker: partition 1 too, each from its first prompt.
-    assert scan_starts(bootstrap, {(PROMPTS, p): committed[p] for p in (0, 1)}, other,
-                       recovery_window_s=300) == {
-        p: firsts[p].timestamp_ms - CLOCK_SKEW_MS for p in (0, 1)}
+    # The model's group the first time: it never committed.
+    consumer = GroupConsumer(bootstrap, workers_group(model), "test")
+    try:
+        handover = read_handover(bootstrap, consumer, [0, 1], [], ControlBook(), set(),
+                                 codec=Codec(), model=model, recovery_window_s=300,
+                                 transaction_timeout_ms=10_000)
+    finally:
+        asyncio.run(consumer.close())
+    assert handover.committed == {0: committed[0] + 1, 1: ends[1]}

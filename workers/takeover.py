@@ -1,7 +1,8 @@
 """Taking partitions over: what a worker handed prompt partitions reads before it runs
 any of their prompts (on the consumer's thread, inside the rebalance).
 
-* The prompts' committed offsets, where the partitions' ledgers and offsets start.
+* The prompts' committed offsets, where the partitions' ledgers and offsets start (a
+  model's group the first time: at the model's first prompt).
 * What earlier owners wrote for the turns not committed yet: the durable record's
   starts and ends, and the live stream's deltas (``workers.recovery`` folds them), from
   the oldest unfinished prompt of the worker's model on (another model's turns are its
@@ -70,13 +71,26 @@ def read_handover(bootstrap: str, consumer: GroupConsumer, prompts: list[int],
     the control events read go into ``book``; turns in ``running`` (already here) are left
     out. ``codec`` opens the text turns resume from."""
     # Prompts are read on from the committed offsets: the ledger and the offsets of each
-    # transaction start there, and the scans below start at the oldest of them. A model's
-    # group the first time: where the single group of earlier versions stopped, so
-    # nothing that group ran runs again (else the partition's start).
-    committed = consumer.committed_sync(
-        [(PROMPTS, p) for p in prompts],
-        fallback=lambda missing: group_committed(bootstrap, WORKERS_GROUP, missing))
-    since = scan_starts(bootstrap, committed, model, recovery_window_s)
+    # transaction start there, and the scans below start at the oldest unfinished prompt
+    # of the model past them.
+    fresh: list[TP] = []
+
+    def earlier(missing: list[TP]) -> dict[TP, int]:
+        fresh.extend(missing)
+        return group_committed(bootstrap, WORKERS_GROUP, missing)
+
+    committed = consumer.committed_sync([(PROMPTS, p) for p in prompts], fallback=earlier)
+    firsts, ends = oldest_prompts(bootstrap, committed, model)
+    # A model's group the first time starts at the model's first prompt past where the
+    # single group of earlier versions stopped (nothing that group ran runs again), else
+    # past the partition's start; at the end if there is none: the prompts before are
+    # other models', whose verdicts the ledger reads when a later prompt's history needs
+    # them (``workers.ledger``). So a model added to an old log does not judge every
+    # prompt since its start before it serves.
+    for tp in fresh:
+        first = firsts.get(tp[1])
+        committed[tp] = first.position.offset if first is not None else ends[tp[1]]
+    since = scan_starts(firsts, recovery_window_s)
     # What earlier owners wrote (committed, or resolved if still open: scan_partitions).
     # Open transactions of an earlier owner end within the transaction timeout.
     wait_s = max(60.0, 3 * transaction_timeout_ms / 1000)
@@ -148,22 +162,29 @@ class Rebalances:
         self.owner.give_up([p for t, p in revoked if t == PROMPTS])
 
 
-def scan_starts(bootstrap: str, committed: dict[TP, int], model: str,
-                recovery_window_s: float) -> dict[int, int]:
-    """Per prompt partition with prompts of ``model`` past its committed offset, the time
-    to scan from: the oldest of them's (what its turn and later ones wrote came after it),
-    less clock skew, however long ago: a turn whose history was read in part would run
-    again from its start, under seqs its readers have seen (and one whose clients left
-    would run on). A partition with none needs no scan: every turn of ``model`` before its
-    committed offset has ended, and another model's turns are its own workers' to resume,
-    however far back the group's start is (a model's first group starts at the
-    partition's start: see ``read_handover``)."""
+def oldest_prompts(bootstrap: str, committed: dict[TP, int], model: str
+                   ) -> tuple[dict[int, Record], dict[int, int]]:
+    """Per prompt partition, the oldest prompt of ``model`` past its committed offset
+    (none: no turn of the model there is unfinished), and each partition's end, below
+    which every prompt was read (an open transaction's is waited for)."""
     ends = high_watermarks(bootstrap, PROMPTS, [p for _, p in committed])
     spans = {p: (o, ends[p]) for (_, p), o in committed.items() if o < ends[p]}
-    oldest = first_records(bootstrap, PROMPTS, spans,
-                           wanted=lambda record: names_model(record.value, model))
+    return first_records(bootstrap, PROMPTS, spans,
+                         wanted=lambda record: names_model(record.value, model)), ends
+
+
+def scan_starts(oldest: dict[int, Record], recovery_window_s: float) -> dict[int, int]:
+    """Per prompt partition with an unfinished prompt of the worker's model (``oldest``:
+    the oldest of them, ``oldest_prompts``), the time to scan from: that prompt's (what
+    its turn and later ones wrote came after it), less clock skew, however long ago: a
+    turn whose history was read in part would run again from its start, under seqs its
+    readers have seen (and one whose clients left would run on). A partition with none
+    needs no scan: every turn of the model before its committed offset has ended, and
+    another model's turns are its own workers' to resume. Past the recovery window, the
+    reading is logged."""
     starts = {p: record.timestamp_ms - CLOCK_SKEW_MS for p, record in oldest.items()}
-    back_ms = int(time.time() * 1000) - min(starts.values(), default=int(time.time() * 1000))
+    now_ms = int(time.time() * 1000)
+    back_ms = now_ms - min(starts.values(), default=now_ms)
     if back_ms > (recovery_window_s * 1000) + CLOCK_SKEW_MS:
         log.warning("taking over: reading %s back %.0f s, to the oldest unfinished prompt "
                     "(past the %.0f s recovery window)", GENERATIONS, back_ms / 1000,
