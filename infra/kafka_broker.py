@@ -18,6 +18,8 @@ from infra.process import port_open, read_pid, spawn_daemon, stop_pid, wait_unti
 from infra.tls import Authority
 
 POM_DIR = Path(__file__).resolve().parent / "kafka"
+# About 10 years (docs/deploying.md).
+OFFSETS_RETENTION_MINUTES = 5_256_000
 
 
 def gather_jars(libs: Path, pom: Path = POM_DIR / "pom.xml") -> Path:
@@ -149,6 +151,10 @@ class KafkaBroker:
             # record is lost to a failover.
             "unclean.leader.election.enable": "false",
             "group.initial.rebalance.delay.ms": "0",
+            # A group's committed offsets outlive any stop of its members (Kafka's default
+            # drops them 7 days after the last member left: the group would start again
+            # at its model's first prompt, or the projector at the log's start).
+            "offsets.retention.minutes": str(OFFSETS_RETENTION_MINUTES),
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
         }
