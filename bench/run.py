@@ -174,8 +174,11 @@ def worker(common: CommonSettings, quick: bool, out: Path, load: WorkerLoad) -> 
           f"{load.rate:g} tokens/s each, {4 * load.rate:.0f} tokens a turn; no reader of "
           "chat.live. CPU is each process's user + system time from /proc over the "
           "measured window, per token the worker generated in it (the SIMULATED engine's "
-          "own work included, as vLLM's output processing would be). Measured with "
-          f"`pipeline bench worker{' --quick' if quick else ''}{load.flags()}`.")
+          "own work included, as vLLM's output processing would be)."
+          + (" Side A ran {A}, side B {B}; each pair's ratio is B / A.".format(
+              **figures["trees"]) if load.trees else "")
+          + f" Measured with `pipeline bench worker{' --quick' if quick else ''}"
+          f"{load.flags()}`.")
     return table
 
 

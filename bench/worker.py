@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -198,9 +199,19 @@ def paired(bootstrap: str, keyring: Keyring, log_dir: Path, quick: bool, streams
         runs.append((side, i // 2, run(bootstrap, keyring, log_dir, quick, streams, rate,
                                        trees[side])))
     return {"streams": streams, "rate": rate, "pairs": pairs,
-            "trees": {side: str(tree or ".") for side, tree in trees.items()},
+            "trees": {side: _commit(tree) for side, tree in trees.items()},
             "runs": [{"side": s, "pair": at, "figures": f} for s, at, f in runs],
             "summary": summarise(runs)}
+
+
+def _commit(tree: Path | None) -> str:
+    """The commit a checkout is at (this one's if None), with ``+`` if it has changes."""
+    where = str(tree or Path(__file__).resolve().parent.parent)
+    head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    changed = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, check=False).stdout.strip()
+    return f"{head or where}{'+' if changed else ''}"
 
 
 def summarise(runs: list[tuple[str, int, dict[str, Any]]]) -> dict[str, dict[str, float]]:
