@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.capacity import _cpu_snapshot, _cpu_used, _sample
+from bench.capacity import _cpu_snapshot, _cpu_used, _sample, _scrape
 from bench.stack import sim_worker
 from pipeline.codec import conversation_key
 from pipeline.kafka import EventProducer, GroupConsumer
@@ -101,17 +101,12 @@ async def _feed(producer: EventProducer, keyring: Keyring, keys: list[DataKey], 
     await asyncio.gather(*written)
 
 
-def _running(metrics: str) -> float:
-    with urllib.request.urlopen(metrics, timeout=10) as resp:
-        return _sample(resp.read().decode(), "worker_running_sequences")
-
-
 async def _window(metrics: str, pid: int, slots: int, warm_s: float, seconds: float
                   ) -> dict[str, Any]:
     """The worker's and the broker's CPU and the worker's counters over ``seconds``, from
     ``warm_s`` after the engine's ``slots`` are all taken."""
     deadline = time.monotonic() + 300
-    while await asyncio.to_thread(_running, metrics) < slots:
+    while await asyncio.to_thread(_scrape, metrics, "worker_running_sequences") < slots:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the worker never ran {slots} turns at once")
         await asyncio.sleep(0.2)
