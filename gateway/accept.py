@@ -227,13 +227,19 @@ class Accept:
                 log.warning("prompt %s not accepted: %s", prompt.request_id, exc)
                 KAFKA.trip(exc)
                 raise LogUnavailable(prompt.request_id) from exc
-            ref = written.offset
             if view is not None:
                 await self._judge(view, prompt, written.offset)
-                # An idempotent retry racing its original runs as the original: its
-                # prompt's offset is the turn's reference.
-                ref = view.turns[prompt.request_id].prompt_offset or ref
-            following = self.follow.accepted(sub, ref, prompt)
+                original = view.turns[prompt.request_id]
+                if original.prompt_offset != written.offset:
+                    # An idempotent retry that raced its original and lost runs as the
+                    # original, which may have started (and streamed) before this
+                    # following began: it is followed as a late client follows a turn,
+                    # from the log.
+                    self.follow.unfollow(sub)
+                    self.metrics.idempotent_replays.inc()
+                    return await self.follow.attach_turn(view, original, admitted.tenant,
+                                                         None)
+            following = self.follow.accepted(sub, written.offset, prompt)
         except BaseException:
             self.follow.unfollow(sub)
             raise
