@@ -57,7 +57,7 @@ from pipeline.keystore import Keyring, KeyringError, KeyringLimits, load_kek, op
 from pipeline.settings import REPO_ROOT, CommonSettings
 from pipeline.topics import GENERATIONS, KEYS, PROMPTS, TopicPolicy, topic_specs
 from projections.migrate import migrate
-from schemas import GenerationStarted, PromptSubmitted
+from schemas import GenerationFailed, GenerationFinished, GenerationStarted, PromptSubmitted
 from tests.conftest import PARTITIONS, Pipeline, Service, Stack, start_service, wait_healthy
 from tests.logread import end_offsets, hold, read_events
 from tests.replaying import differences
@@ -373,8 +373,10 @@ def check(fleet: Fleet, clients: Clients, fault: str, frozen_s: float = 0.0
     fleet.wait_projected(timeout=120)
     prompts = Counter(e.request_id for _, e in read_events(fleet.stack.bootstrap, PROMPTS)
                       if isinstance(e, PromptSubmitted))
-    started = {e.request_id for _, e in read_events(fleet.stack.bootstrap, GENERATIONS)
-               if isinstance(e, GenerationStarted)}
+    generations = [e for _, e in read_events(fleet.stack.bootstrap, GENERATIONS)]
+    started = {e.request_id for e in generations if isinstance(e, GenerationStarted)}
+    ended = {e.request_id: type(e).__name__ for e in generations
+             if isinstance(e, (GenerationFinished, GenerationFailed))}
     with psycopg.connect(fleet.stack.database_url) as conn:
         replies = Counter(r for (r,) in conn.execute(
             "SELECT g.request_id FROM generations g JOIN messages m"
@@ -413,11 +415,19 @@ def check(fleet: Fleet, clients: Clients, fault: str, frozen_s: float = 0.0
     }
     print(json.dumps(report))
     problems = [t for t in turns if t.problem is not None]
+    def seen(t: Turn) -> dict[str, object]:
+        """A failed turn as its client saw it, and as the log and the store have it (a
+        turn never run is the workers' to explain; one run and not streamed, the
+        gateway's)."""
+        return {**asdict(t), "prompts": prompts.get(t.request_id or "", 0),
+                "started": t.request_id in started, "ended": ended.get(t.request_id or ""),
+                "stored": stored.get(t.session or "")}
+
     with open(fleet.stack.logs / "outages.json", "a") as out:  # with what failed, whole
         out.write(json.dumps({**report, "failed turns": [
-            asdict(t) for t in [*problems, *lost, *ghosts][:10]]}) + "\n")
-    assert not problems, [asdict(t) for t in problems[:5]]
-    assert not lost, [(asdict(t), stored.get(t.session or "")) for t in lost[:5]]
+            seen(t) for t in [*problems, *lost, *ghosts][:10]]}) + "\n")
+    assert not problems, [seen(t) for t in problems[:5]]
+    assert not lost, [seen(t) for t in lost[:5]]
     assert not duplicated, duplicated
     assert not ghosts, [asdict(t) for t in ghosts[:5]]
     assert {a.status for a in five_xx} <= {503}, Counter(a.status for a in five_xx)
