@@ -261,6 +261,7 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     health.start()
     metrics.backlog.set_function(lambda: fleet.backlog)
     metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
+    metrics.tail_rereads.set_function(lambda: tail.rereads)
     metrics.prompt_transactions.set_function(lambda: prompts.transactions)
     guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
                   failed_lookups=settings.failed_key_lookups,

@@ -60,3 +60,7 @@ class GatewayMetrics:
         self.tailed_partitions = Gauge("gateway_tailed_partitions",
                                        "Generation partitions this process reads",
                                        registry=registry)
+        self.tail_rereads = Gauge(
+            "gateway_tail_rereads",
+            "Tailed partitions read again since start because they had records to read "
+            "and read none for 10 s (a fetch that stopped)", registry=registry)

@@ -18,12 +18,18 @@ waiting for it.
 * Timing is swept, not timed per event: once a second the fan-out wakes readers that
   have had nothing for ``KEEPALIVE_S`` (a keep-alive is due) or whose deadline passed,
   so a delta costs its reader no timer.
+* A tailed partition that has records to read and has read none for ``STALL_S`` is
+  read again from where it stopped (``_check_stalls``): librdkafka's fetcher for an
+  assigned partition can stop for good once its brokers restart (librdkafka #5153,
+  #4492; seen here once after the whole cluster was lost twice), and every stream on
+  it would then wait until its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -45,6 +51,10 @@ log = logging.getLogger(__name__)
 # close connections that stay silent), or to give up once its deadline has passed.
 KEEPALIVE_S = 15.0
 SWEEP_S = 1.0
+# A tailed partition whose position has not moved for this long while its end is past
+# it is read again from there (a fetcher that stopped); an idle one costs a position
+# look-up every ``STALL_S`` / 2 and an end asked of Kafka every ``STALL_S``.
+STALL_S = 10.0
 TAILED = (LIVE, GENERATIONS)
 
 
@@ -204,6 +214,10 @@ class GenerationTail:
         self._adding = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.undecodable = 0  # live records that did not decode (passed over)
+        # Per tailed partition: its position when last seen to move, and since when.
+        self._moved: dict[tuple[str, int], tuple[int, float]] = {}
+        self._last_check = time.monotonic()
+        self.rereads = 0  # partitions read again because they stopped (``_check_stalls``)
 
     @property
     def partitions(self) -> list[int]:
@@ -271,6 +285,8 @@ class GenerationTail:
                 for tp in ends:
                     del self._next[tp]
                 raise
+            now = time.monotonic()
+            self._moved.update({tp: (offset, now) for tp, offset in ends.items()})
         log.info("tailing partition %d of %s from %s", partition, " and ".join(TAILED),
                  " and ".join(str(o) for o in ends.values()))
 
@@ -290,9 +306,42 @@ class GenerationTail:
             del self._idle_since[p]
             for topic in TAILED:
                 self._next.pop((topic, p), None)
+                self._moved.pop((topic, p), None)
         if idle:
             await self._consumer.drop_partitions([(t, p) for p in idle for t in TAILED])
             log.info("stopped tailing partitions %s", idle)
+
+    async def _check_stalls(self) -> None:
+        """Read again each tailed partition whose position has not moved for ``STALL_S``
+        while its end is past it (see the module). Its records from ``_next`` on are
+        fetched anew: none routed already comes again."""
+        now = time.monotonic()
+        if now - self._last_check < STALL_S / 2:
+            return
+        self._last_check = now
+        tailed = list(self._moved)
+        positions = await self._consumer.positions(tailed) if tailed else {}
+        for tp in tailed:
+            if tp not in self._next:
+                continue  # dropped meanwhile
+            # No position yet (nothing read since it was assigned): where it was.
+            position = positions.get(tp, self._next[tp])
+            seen, since = self._moved[tp]
+            if position != seen or now - since < STALL_S:
+                if position != seen:
+                    self._moved[tp] = (position, now)
+                continue
+            self._moved[tp] = (position, now)  # asked again in ``STALL_S`` at the soonest
+            end = await self._end_of(*tp)
+            if end <= position or tp not in self._next:
+                continue  # idle: nothing to read
+            start = self._next[tp]
+            log.warning("partition %d of %s has had records to read for %.0f s and this "
+                        "gateway read none: reading it again from %d (its end: %d)", tp[1],
+                        tp[0], now - since, start, end)
+            self.rereads += 1
+            await from_log(functools.partial(self._consumer.read_again, {tp: start}),
+                           self._timeout_s)
 
     async def _route(self, record: Record) -> None:
         pos = record.position
@@ -358,6 +407,7 @@ class GenerationTail:
                     await self._route(record)
                 if sweep:
                     await self._drop_idle()
+                    await self._check_stalls()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

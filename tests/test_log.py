@@ -9,7 +9,9 @@
   takes is 413 in under a second, while requests beside it are served;
 * a reader whose fetch queue fills reads on at once (``QUEUE_REFILL``): a look-up or a
   range read through more than its queue holds never waits out librdkafka's queue
-  backoff, a second each time.
+  backoff, a second each time;
+* a gateway's tail whose fetch of a partition stops reads it again from where it
+  stopped, and the turns followed there go on.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Producer, TopicPartition
 
+from gateway.tail import STALL_S, GenerationTail
 from infra.process import free_port
-from pipeline.codec import Position, conversation_key
+from pipeline.codec import Codec, Position, conversation_key
 from pipeline.kafka import ensure_topics
 from pipeline.kafka.lookup import PositionReader
+from pipeline.kafka.plain import PlainWriter
 from pipeline.kafka.reader import LogReader
 from pipeline.partitioning import partition_for
 from pipeline.topics import GENERATIONS, LIVE, PROMPTS, TopicSpec
 from schemas import PromptSubmitted
-from schemas.live import Delta, Start
+from schemas.live import Delta, Start, write_batch
 from tests.conftest import (
     PARTITIONS,
     Pipeline,
@@ -382,3 +386,47 @@ def test_a_reader_whose_queue_fills_reads_on_at_once(stack: Stack) -> None:
         keys.close()
         asyncio.run(log.close())
     assert min(looked_up) < 0.5 and min(ranged) < 0.9, (looked_up, ranged)
+
+
+def test_a_tailed_partition_whose_fetch_stops_is_read_again(stack: Stack) -> None:
+    """librdkafka's fetcher for an assigned partition can stop for good once its brokers
+    restart (librdkafka #5153): in the outage suite, after the whole cluster was lost
+    twice, one gateway's streams got nothing until their clients gave up. Here the fetch
+    is stopped by pausing the partition; a record for a followed turn comes after. The
+    tail finds the partition with records to read and none read for ``STALL_S``, reads it
+    again from where it stopped (once), and the turn's items come."""
+    request_id = f"chatcmpl-stall-{uuid.uuid4().hex[:8]}"
+    ref = 2**40  # a reference no turn of the suite has
+
+    async def scenario() -> tuple[list[object], int]:
+        meta = LogReader(stack.bootstrap, f"stall-meta-{uuid.uuid4().hex[:8]}", "test")
+
+        async def end_of(topic: str, partition: int) -> int:
+            return (await meta.watermarks(topic, partition))[1]
+
+        tail = GenerationTail(stack.bootstrap, Codec(), end_of)
+        await tail.start()
+        try:
+            sub = await tail.follow(request_id, b"stall", 0)
+            reader = tail._consumer  # its fetch of chat.live/0 stops, as librdkafka's can
+            await reader.call(reader._consumer.pause, [TopicPartition(LIVE, 0)])
+            out = PlainWriter(stack.bootstrap, "stalled-live")
+            out.send(LIVE, None, write_batch("stall-test", int(time.time() * 1000),
+                                             [(ref, 0, request_id)],
+                                             [(ref, 0, "again", (7,))], [], [], []), 0)
+            assert out.flush(30) == []
+            items: list[object] = []
+            deadline = time.monotonic() + 3 * STALL_S
+            while len(items) < 2 and time.monotonic() < deadline:
+                got = await asyncio.wait_for(sub.get(), 3 * STALL_S)
+                if got is not None:  # None: a keep-alive was due
+                    items.append(got.item)
+            return items, tail.rereads
+        finally:
+            await tail.stop()
+            await meta.close()
+
+    items, rereads = asyncio.run(scenario())
+    assert items == [Start(0, request_id), Delta(0, "again", (7,))]
+    assert rereads == 1
+

@@ -54,6 +54,15 @@ class LogReader(AsyncConsumer):
     def drop_partitions_sync(self, partitions: list[TP]) -> None:
         self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
 
+    def read_again_sync(self, starts: dict[TP, int]) -> None:
+        """Read these assigned partitions again from the given offsets, with new fetch
+        state: dropped, assigned and resumed in one call (none is left unassigned)."""
+        self.drop_partitions_sync(list(starts))
+        partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
+        self._consumer.incremental_assign(partitions)
+        self._consumer.resume(partitions)
+        self._wake_fetcher(partitions)
+
     def read_range_sync(
         self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0
     ) -> list[Record]:
@@ -141,6 +150,9 @@ class LogReader(AsyncConsumer):
 
     async def drop_partitions(self, partitions: list[TP]) -> None:
         await self.call(self.drop_partitions_sync, partitions)
+
+    async def read_again(self, starts: dict[TP, int]) -> None:
+        await self.call(self.read_again_sync, starts)
 
     async def follow_from_end(self, topic: str) -> None:
         await self.call(self.follow_from_end_sync, topic)
