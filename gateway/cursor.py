@@ -18,7 +18,6 @@ any gateway. No I/O.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from gateway import openai_api
@@ -27,8 +26,6 @@ from gateway.ids import event_id
 from gateway.problems import GenerationFailure, InvalidLastEventId
 from gateway.tail import Delivered
 from schemas.live import TERMINAL, Delta, End, Failure, Start
-
-log = logging.getLogger(__name__)
 
 # Failures caused by the request itself; the client gets a 400 for them.
 CLIENT_FAILURES = {"context_length_exceeded", "invalid_sampling_params", "invalid_request",
@@ -139,9 +136,6 @@ class Cursor:
         if isinstance(event, Delta):
             if event.seq < self.next_seq:
                 return []  # a duplicate (a worker that lost the turn wrote it again)
-            if event.seq > self.next_seq:
-                log.error("gap in %s: expected seq %d, got %d", self.completion_id,
-                          self.next_seq, event.seq)
             self.next_seq = event.seq + item.span
             if not event.text:
                 return []
@@ -158,3 +152,37 @@ class Cursor:
                                                       self.model, event.usage)))
             return out
         return [self._sse(api_error(failure(event)).body(), item)]
+
+
+class Seqs:
+    """Where a client's stream of a turn stands: the ``seq`` its next delta has (the
+    count of deltas it got), known once it is past the item it resumes after."""
+
+    def __init__(self, resume_after: tuple[str, int, int] | None) -> None:
+        self.resume_after = resume_after
+        self.next = 0
+
+    def passed(self, delivered: Delivered) -> None:
+        """``delivered`` went on to the client (or, before the resume point, was read)."""
+        item = delivered.item
+        if self.resume_after is not None:
+            if delivered.key != self.resume_after:
+                return
+            self.resume_after = None
+        if isinstance(item, Delta):
+            self.next = max(self.next, item.seq + delivered.span)
+
+    def missed(self, delivered: Delivered) -> bool:
+        """Whether deltas come before ``delivered`` that the client has not got."""
+        if self.resume_after is not None:
+            return False
+        item = delivered.item
+        if isinstance(item, Delta):
+            return item.seq > self.next
+        return isinstance(item, End) and item.deltas > self.next
+
+    def after_gap(self, delivered: Delivered) -> bool:
+        """Whether ``delivered``, read again from the log, is one the client has not got:
+        a delta from ``next`` on, or the turn's end (a start it has had, or needs not)."""
+        item = delivered.item
+        return isinstance(item, TERMINAL) or (isinstance(item, Delta) and item.seq >= self.next)

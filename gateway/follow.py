@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
-from gateway.cursor import failure
+from gateway.cursor import Seqs, failure
 from gateway.dependencies import from_log
 from gateway.ids import EventPosition, conversation_of
 from gateway.metrics import GatewayMetrics
@@ -181,7 +181,7 @@ class Follow:
                     gone = resume[1] < await self.store.start_of(resume[0], partition)
                     resume = None
             history, held = ([], False) if gone else await self._read_turn(
-                conversation, turn, sub, spans, resume)
+                conversation, turn.request_id, sub, spans, resume)
             if gone or (resume is not None and not any(d.key == resume for d in history)):
                 if held:  # the log holds that position, and it is another turn's
                     raise InvalidLastEventId()
@@ -230,12 +230,12 @@ class Follow:
             spans[topic] = (min(start, end), end)
         return spans
 
-    async def _read_turn(self, conversation: uuid.UUID, turn: TurnState, sub: Subscription,
+    async def _read_turn(self, conversation: uuid.UUID, request_id: str, sub: Subscription,
                          spans: dict[str, tuple[int, int]],
                          resume: tuple[str, int, int] | None
                          ) -> tuple[list[Delivered], bool]:
-        """The turn's items in its ``spans`` (from the resume position in its topic), and
-        whether the log held a record at the resume position."""
+        """The items of turn ``request_id`` in its ``spans`` (from the resume position in
+        its topic), and whether the log held a record at the resume position."""
         partition = sub.partition
         starts = {topic: resume[1] if resume is not None and resume[0] == topic else start
                   for topic, (start, _) in spans.items()}
@@ -246,15 +246,14 @@ class Follow:
                                                 keyed=False):
             held = held or (resume is not None and resume[:2] == (GENERATIONS,
                                                                   r.position.offset))
-            if isinstance(event, GenerationEvent) and event.request_id == turn.request_id \
+            if isinstance(event, GenerationEvent) and event.request_id == request_id \
                     and (d := legacy(r, event)) is not None:
                 items.append(d)
         ref = sub.ref
         for record, batch in await self.store.live(partition, starts[LIVE], spans[LIVE][1]):
             held = held or (resume is not None and resume[:2] == (LIVE, record.position.offset))
             for index, entry_ref, item in entries(batch):
-                if ref is None and isinstance(item, Start) and \
-                        item.request_id == turn.request_id:
+                if ref is None and isinstance(item, Start) and item.request_id == request_id:
                     ref = entry_ref
                     self.tail.bind(sub, ref)
                 if entry_ref == ref:
@@ -304,15 +303,76 @@ class Follow:
     async def _events(self, f: Following) -> AsyncIterator[Delivered | None]:
         """The turn's events: those read from the log, then the live ones; None when a
         keep-alive is due (nothing came for a while). Past ``generation_timeout_s``,
-        ``GenerationTimeout``."""
+        ``GenerationTimeout``. A live item past a gap (a delta, or the end, after seqs
+        this client never got) is not sent on: what follows its last item is read again
+        from the log (``_refill``), once per gap, and a gap the log has too is logged."""
+        seqs = Seqs(f.resume_after)
         for item in f.history:
+            seqs.passed(item)
             yield item
         deadline = f.sub.deadline = time.monotonic() + self.settings.generation_timeout_s
+        refilled_at = -1
         while True:
             live = await f.sub.get()
-            if live is None and time.monotonic() >= deadline:
-                raise GenerationTimeout()
+            if live is None:
+                if time.monotonic() >= deadline:
+                    raise GenerationTimeout()
+                yield None
+                continue
+            if seqs.missed(live) and seqs.next != refilled_at:
+                refilled_at = seqs.next
+                refill = await self._refill(f, deadline)
+                if refill is not None:
+                    for item in refill:
+                        if seqs.after_gap(item):
+                            self._pass(f, seqs, item)
+                            yield item
+                    continue
+            self._pass(f, seqs, live)
             yield live
+
+    def _pass(self, f: Following, seqs: Seqs, item: Delivered) -> None:
+        """``item`` goes to the client; with a gap before it, which is said."""
+        if seqs.missed(item):
+            self.metrics.stream_gaps.inc()
+            log.error("gap in %s: expected seq %d, got %s", f.completion_id, seqs.next,
+                      item.item)
+        seqs.passed(item)
+
+    async def _refill(self, f: Following, deadline: float) -> list[Delivered] | None:
+        """The turn's items in the log, read again, and ``f`` moved to a new subscription
+        that reads on from where that read ends; None if the log could not be read (the
+        client's stream goes on as it was)."""
+        old = f.sub
+        self.metrics.stream_refills.inc()
+        log.warning("the live items of %s came with a gap: reading the turn again from the "
+                    "log", f.completion_id)
+        try:
+            sub = await self.tail.follow(f.completion_id, old.key, old.partition, old.ref)
+        except Problem as exc:
+            log.warning("could not read %s again: %s", f.completion_id, exc)
+            return None
+        # From its submission (the gateway's clock), or no longer ago than the longest
+        # turn where that is not known, as ``_span`` reads a turn not started yet.
+        since = (f.created - 1) * 1000 if f.created else int(
+            (time.time() - self.settings.generation_timeout_s) * 1000)
+        try:
+            spans = {topic: (min(await self.store.offset_at(
+                topic, old.partition, since - CLOCK_SKEW_MS), end), end)
+                for topic, end in sub.starts.items()}
+            history, _ = await self._read_turn(f.conversation_id, f.completion_id, sub,
+                                               spans, None)
+        except Problem as exc:
+            self.tail.unfollow(sub)
+            log.warning("could not read %s again: %s", f.completion_id, exc)
+            return None
+        except BaseException:
+            self.tail.unfollow(sub)
+            raise
+        self.tail.unfollow(old)
+        sub.deadline = deadline
+        f.sub = sub
+        return history
 
     def _observe(self, f: Following, delivered: Delivered) -> None:
         """The gateway's metrics for a turn's item (per delta: a counter only)."""

@@ -60,6 +60,12 @@ class GatewayMetrics:
         self.tailed_partitions = Gauge("gateway_tailed_partitions",
                                        "Generation partitions this process reads",
                                        registry=registry)
+        self.stream_refills = Counter(
+            "gateway_stream_refills", "Turns read again from the log for a client because "
+            "their live items came with a gap", registry=registry)
+        self.stream_gaps = Counter(
+            "gateway_stream_gaps", "Gaps a client's stream was sent with: the log lacked the "
+            "deltas too, or could not be read", registry=registry)
         self.tail_rereads = Gauge(
             "gateway_tail_rereads",
             "Tailed partitions read again since start because they had records to read "

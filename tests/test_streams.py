@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.cursor import Cursor
+from gateway.cursor import Cursor, Seqs
 from gateway.errors import api_error
 from gateway.eventstream import ServerSend, Streams
 from gateway.problems import InvalidLastEventId
@@ -135,6 +135,29 @@ def test_a_stream_sends_each_seq_once_and_one_role_chunk() -> None:
 def test_an_eventsource_stream_has_id_lines_equal_to_the_positions() -> None:
     events = sent(Cursor("chatcmpl-x", 1, "m", include_usage=True, id_lines=True), LOG)
     assert [e.get("id") for e in events] == positions(events)
+
+
+@pytest.mark.parametrize("last", [None, 0, 1, 2, 5])
+def test_no_gap_is_seen_in_a_whole_stream_or_after_any_resume_point(last: int | None) -> None:
+    """What a stream checks its live items against (``Follow._events``): the log's own
+    items, a takeover's and a late duplicate among them, show no gap from any point."""
+    seqs = Seqs(None if last is None else (LIVE, last, 0))
+    for item in LOG:
+        assert not seqs.missed(item), item
+        seqs.passed(item)
+    assert seqs.next == 3
+
+
+def test_a_gap_is_seen_at_a_delta_or_an_end_past_what_was_passed() -> None:
+    seqs = Seqs(None)
+    seqs.passed(at(0, started()))
+    seqs.passed(Delivered(Position(LIVE, 0, 2), delta(0, "ab"), 0, span=2))  # merged
+    assert not seqs.missed(at(3, delta(2, "c")))
+    assert seqs.missed(at(3, delta(3, "d"))) and seqs.missed(at(3, finished("abcd")))
+    # Read again from the log at the gap: what the client has is passed over.
+    assert [seqs.after_gap(at(o, i)) for o, i in enumerate(
+        [started(), delta(1, "b"), delta(2, "c"), finished("abc")])] == [False, False, True,
+                                                                        True]
 
 
 @pytest.mark.parametrize("last", [0, 1, 2, 5, 6])  # the offsets whose chunks carry an id
