@@ -154,6 +154,11 @@ class Cursor:
         return [self._sse(api_error(failure(event)).body(), item)]
 
 
+def next_seq(items: list[Delivered]) -> int:
+    """The ``seq`` that follows the deltas among ``items`` (0: none)."""
+    return max((d.item.seq + d.span for d in items if isinstance(d.item, Delta)), default=0)
+
+
 class Seqs:
     """Where a client's stream of a turn stands: the ``seq`` its next delta has (the
     count of deltas it got), known once it is past the item it resumes after."""

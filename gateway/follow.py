@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
-from gateway.cursor import Seqs, failure
+from gateway.cursor import Seqs, failure, next_seq
 from gateway.dependencies import from_log
 from gateway.ids import EventPosition, conversation_of
 from gateway.metrics import GatewayMetrics
@@ -169,7 +169,7 @@ class Follow:
             (GENERATIONS if last_event_id[2] is None else LIVE), last_event_id[1],
             last_event_id[2] or 0)
         sub = await self.tail.follow(turn.request_id, conversation_key(conversation), partition,
-                                     turn.prompt_offset)
+                                     turn.prompt_offset, held=True)
         try:
             spans = await self._span(turn, partition, sub)
             gone = False
@@ -191,6 +191,7 @@ class Follow:
             elif resume is None and turn.status not in UNFINISHED and not any(
                     isinstance(d.item, TERMINAL) for d in history):
                 history = await self._whole(turn, partition)  # its live items are gone
+            sub.hand_off(next_seq(history))
             attachment = uuid.uuid4().hex
             ended = any(isinstance(d.item, TERMINAL) for d in history)
             if not ended:
@@ -321,7 +322,7 @@ class Follow:
                 continue
             if seqs.missed(live) and seqs.next != refilled_at:
                 refilled_at = seqs.next
-                refill = await self._refill(f, deadline)
+                refill = await self._refill(f, deadline, seqs.next)
                 if refill is not None:
                     for item in refill:
                         if seqs.after_gap(item):
@@ -339,16 +340,18 @@ class Follow:
                       item.item)
         seqs.passed(item)
 
-    async def _refill(self, f: Following, deadline: float) -> list[Delivered] | None:
+    async def _refill(self, f: Following, deadline: float,
+                      had: int) -> list[Delivered] | None:
         """The turn's items in the log, read again, and ``f`` moved to a new subscription
-        that reads on from where that read ends; None if the log could not be read (the
-        client's stream goes on as it was)."""
+        that reads on from where that read ends (its client had deltas up to ``had``);
+        None if the log could not be read (the client's stream goes on as it was)."""
         old = f.sub
         self.metrics.stream_refills.inc()
         log.warning("the live items of %s came with a gap: reading the turn again from the "
                     "log", f.completion_id)
         try:
-            sub = await self.tail.follow(f.completion_id, old.key, old.partition, old.ref)
+            sub = await self.tail.follow(f.completion_id, old.key, old.partition, old.ref,
+                                         held=True)
         except Problem as exc:
             log.warning("could not read %s again: %s", f.completion_id, exc)
             return None
@@ -369,6 +372,7 @@ class Follow:
         except BaseException:
             self.tail.unfollow(sub)
             raise
+        sub.hand_off(max(had, next_seq(history)))
         self.tail.unfollow(old)
         sub.deadline = deadline
         f.sub = sub

@@ -12,9 +12,14 @@ waiting for it.
 * The same partition of ``chat.generations`` is read beside it, for turns written
   before the live stream (their ``TokenDelta`` events are there): filtered by key
   (conversation) before decoding, and only events without a reference (v1) count.
+* A subscription gets the records from its ``starts`` on, none before: a client that
+  attaches to a running turn reads it from the log up to there, then live, with no
+  record in both. No entry of a followed turn goes out with its text still sealed, even
+  when the turn was followed while a key was read for its record.
 * Each subscription is bounded. While its reader lags, consecutive deltas are merged
-  into one; past ``max_items`` items or ``max_bytes`` of text it is dropped (the client
-  resumes from its ``Last-Event-ID``), so a slow client never stalls others.
+  into one (once its reader has said which it has: ``hand_off``); past ``max_items``
+  items or ``max_bytes`` of text it is dropped (the client resumes from its
+  ``Last-Event-ID``), so a slow client never stalls others.
 * Timing is swept, not timed per event: once a second the fan-out wakes readers that
   have had nothing for ``KEEPALIVE_S`` (a keep-alive is due) or whose deadline passed,
   so a delta costs its reader no timer.
@@ -108,12 +113,17 @@ class Overflow(Exception):
 class Subscription:
     def __init__(self, request_id: str, key: bytes, partition: int,
                  starts: dict[str, int] | None = None, ref: int | None = None,
-                 max_items: int = 1000, max_bytes: int = 4_000_000) -> None:
+                 max_items: int = 1000, max_bytes: int = 4_000_000,
+                 held: bool = False) -> None:
         self.request_id = request_id
         self.key = key
         self.partition = partition
-        # Per tailed topic, the offset from which every record arrives through push().
+        # Per tailed topic, the offset from which every record arrives through push()
+        # (and none before it: the log is read up to there).
         self.starts = starts or {}
+        # Its reader first gets the turn's items up to ``starts`` from the log: deltas
+        # are merged only once it is known which it has (``hand_off``).
+        self.held = held
         self.ref = ref  # the turn's reference in chat.live, once known
         self.max_items = max_items
         self.max_bytes = max_bytes
@@ -144,7 +154,7 @@ class Subscription:
                 return
             self._next_seq = new.seq + 1
             self._bytes += len(new.text)
-        last = self._items[-1] if self._items else None
+        last = self._items[-1] if self._items and not self.held else None
         if (last is not None and isinstance(last.item, Delta) and isinstance(new, Delta)
                 and new.seq == last.item.seq + last.span):
             merged = Delta(last.item.seq, last.item.text + new.text,
@@ -157,6 +167,16 @@ class Subscription:
             self.overflowed = True
             self._items.clear()
         self._wake()
+
+    def hand_off(self, next_seq: int) -> None:
+        """Its reader has every delta below ``next_seq`` (read from the log): those queued
+        are dropped, and consecutive deltas merge from now on. Merged before, a delta it
+        has and one it lacks would be one item, taken for a duplicate whole."""
+        self._next_seq = max(self._next_seq, next_seq)
+        self._items = deque(d for d in self._items
+                            if not isinstance(d.item, Delta) or d.item.seq >= next_seq)
+        self._bytes = sum(len(d.item.text) for d in self._items if isinstance(d.item, Delta))
+        self.held = False
 
     def nudge(self) -> None:
         """Wake the reader with nothing: a keep-alive is due, or its deadline passed."""
@@ -229,13 +249,14 @@ class GenerationTail:
         self._task = asyncio.create_task(self._run(), name="generation-tail")
 
     async def follow(self, request_id: str, key: bytes, partition: int,
-                     ref: int | None = None) -> Subscription:
+                     ref: int | None = None, held: bool = False) -> Subscription:
         """Subscribe to a turn's items from the current end of its partition on; ``ref``:
-        its reference, if known (else its start entry tells it)."""
+        its reference, if known (else its start entry tells it); ``held``: its reader
+        reads the turn from the log first, and says what it has (``hand_off``)."""
         await self._ensure(partition)
         sub = Subscription(request_id, key, partition,
                            {t: self._next[(t, partition)] for t in TAILED}, ref,
-                           *self._limits)
+                           *self._limits, held=held)
         self._subs.setdefault(request_id, set()).add(sub)
         if ref is not None:
             self._bind(partition, ref, request_id)
@@ -348,7 +369,9 @@ class GenerationTail:
         tp = (pos.topic, pos.partition)
         if tp not in self._next:
             return  # dropped while this batch was in flight
-        self._next[tp] = pos.offset + 1
+        # Never back: a record fetched before its partition was dropped and added again
+        # may come after; a subscription's ``starts`` is where the log was read up to.
+        self._next[tp] = max(self._next[tp], pos.offset + 1)
         if pos.topic == LIVE:
             await self._route_live(record)
         elif record.key in self._keys:
@@ -358,10 +381,18 @@ class GenerationTail:
         partition = record.position.partition
         try:
             batch = parse_live(record.value)
-            if batch.sealed:  # open the text of the turns followed here, no other's
+            # The text of the turns followed here is opened, no other's. A turn followed
+            # while a key was read for this is opened too, before any entry goes out:
+            # no entry of a turn followed here goes out with its text sealed.
+            tried: set[int] = set()
+            while batch.sealed:
                 followed = {ref for ref, *_ in batch.sealed if (partition, ref) in self._refs}
                 followed |= {ref for ref, _, request_id in batch.starts
                              if request_id in self._subs}
+                followed -= tried
+                if not followed:
+                    break
+                tried |= followed
                 batch = await self._codec.open_live_async(batch, followed)
         except DecodeError as exc:
             self.undecodable += 1
@@ -378,6 +409,8 @@ class GenerationTail:
             if subs:
                 delivered = Delivered(record.position, item, index)
                 for sub in subs:
+                    if record.position.offset < sub.starts.get(LIVE, 0):
+                        continue  # its reader reads it from the log
                     if sub.first_live is None:
                         sub.first_live = (record.timestamp_ms, time.time_ns())
                     sub.push(delivered)
@@ -392,7 +425,8 @@ class GenerationTail:
             delivered = legacy(record, event)
             if delivered is not None:
                 for sub in subs:
-                    sub.push(delivered)
+                    if record.position.offset >= sub.starts.get(GENERATIONS, 0):
+                        sub.push(delivered)
 
     async def _run(self) -> None:
         last_sweep = time.monotonic()

@@ -137,6 +137,23 @@ def test_an_eventsource_stream_has_id_lines_equal_to_the_positions() -> None:
     assert [e.get("id") for e in events] == positions(events)
 
 
+def test_a_reader_that_reads_the_log_first_gets_no_delta_it_has_merged_with_one_it_lacks(
+) -> None:
+    """A client attached to a running turn gets its deltas from the log, then the live
+    ones. Live ones that came meanwhile are not merged until it is known which the log
+    gave: merged, seq 7 (a copy) and seq 8 (new) would be one item, dropped whole as a
+    copy, and the client would never get seq 8 (a race of retries lost deltas so)."""
+    sub = Subscription("chatcmpl-x", b"k", 0, held=True)
+    for seq, text in ((7, "h"), (8, "i"), (9, "j")):
+        sub.push(at(seq, delta(seq, text)))
+    sub.hand_off(8)  # the log gave up to seq 7
+    assert [(d.item.seq, d.item.text, d.span) for d in drain(sub)] == [(8, "i", 1),
+                                                                      (9, "j", 1)]
+    for seq, text in ((7, "h"), (10, "k"), (11, "l")):  # a copy is dropped; then merged
+        sub.push(at(seq, delta(seq, text)))
+    assert [(d.item.seq, d.item.text, d.span) for d in drain(sub)] == [(10, "kl", 2)]
+
+
 @pytest.mark.parametrize("last", [None, 0, 1, 2, 5])
 def test_no_gap_is_seen_in_a_whole_stream_or_after_any_resume_point(last: int | None) -> None:
     """What a stream checks its live items against (``Follow._events``): the log's own
