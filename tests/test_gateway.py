@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -584,6 +585,40 @@ def test_idempotent_retry_does_not_generate_twice(gw: Gateways) -> None:
               if e.request_id == replies[0]["id"]]
     assert sum(isinstance(e, GenerationStarted) for e in events) == 1  # generated once
     assert sum(isinstance(e, GenerationFinished) for e in events) == 1
+
+
+def test_retries_racing_their_originals_get_the_whole_turn_even_once_it_has_streamed(
+        gw: Gateways) -> None:
+    """A retry whose prompt lands after its original's runs as the original, which may
+    have started streaming before the retry's gateway began to follow it: that client
+    is sent the turn from the log, from its first token (CI once saw a reply without
+    it), then the live items after what the log read held. Many keys race at once,
+    each through both gateways, answered whole and streamed, so some retries lose
+    their race late. (Streams here once missed deltas from the middle: a live delta
+    the log read had already given was merged with the next, and the two were dropped
+    as one duplicate.)"""
+    keys = [{"Idempotency-Key": f"race-{uuid.uuid4()}"} for _ in range(8)]
+    body = chat("raced", 10)
+
+    def post(url: str, key: dict[str, str]) -> str:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=key, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["id"] + " " + r.json()["choices"][0]["message"]["content"]
+
+    def stream(url: str, key: dict[str, str]) -> str:
+        s = stream_chat(url, body, headers=key, timeout=60)
+        return f"{s.request_id} {s.text}"
+
+    with ThreadPoolExecutor(len(keys) * 2) as pool:
+        races = [(pool.submit(post, gw.url, key), pool.submit(stream, gw.second, key))
+                 for key in keys]
+        answers = [{f.result().split(" ", 1)[0]: f.result().split(" ", 1)[1] for f in race}
+                   for race in races]  # request id -> text, per key
+    assert all(list(a.values()) == [expected(10)] for a in answers), answers  # one, whole
+    ids = [request_id for a in answers for request_id in a]
+    starts = Counter(e.request_id for _, e in read_events(gw.stack.bootstrap, GENERATIONS)
+                     if isinstance(e, GenerationStarted) and e.request_id in ids)
+    assert starts == Counter(ids)  # each generated once
 
 
 def accepted(url: str, body: dict[str, Any]) -> str:
