@@ -1,7 +1,6 @@
 """The worker's writes are fenced by its consumer group (KIP-447), against the real broker:
 once a member has left the group, a transaction that shows the broker its old group
-metadata is refused, and its records never reach a read_committed reader. And its reads
-go on: a prompt partition whose fetch stopped is found once records wait there."""
+metadata is refused, and its records never reach a read_committed reader."""
 
 from __future__ import annotations
 
@@ -12,14 +11,12 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka import Producer, TopicPartition
 
 from pipeline.codec import CLEAR
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
     RecordTooLarge,
-    StallWatch,
     TransactionalProducer,
     TransactionSettings,
     ensure_topics,
@@ -377,43 +374,3 @@ def test_a_record_larger_than_its_topic_takes_is_refused_alone_and_at_once(
     written = [v.split(b'"request_id":"')[1].split(b'"')[0]
                for _, v, _ in read_records(sim_stack.bootstrap, topic)]
     assert written == [f"r{i}".encode() for i in range(1, 11) if i != 5]
-
-
-def test_a_fetch_that_stopped_while_caught_up_is_found_once_records_come(
-        sim_stack: Stack) -> None:
-    """librdkafka's fetch of an assigned partition can stop for good once its brokers
-    restart (librdkafka #5153). A stopped fetch no longer updates the cached watermarks
-    a worker counts its lag from, so one that stopped while caught up looked idle for
-    good, its prompts never run. Here the fetch is stopped by pausing the partition, and
-    a record comes after: the cached lag stays 0, and the watch, asking Kafka the end of
-    a partition that has not moved, finds it and restarts its fetch."""
-    suffix = uuid.uuid4().hex[:8]
-    source = f"stall.in.{suffix}"
-    ensure_topics(sim_stack.bootstrap, [TopicSpec(source, 1, {})])
-    producer = Producer({"bootstrap.servers": sim_stack.bootstrap})
-
-    def write(value: bytes) -> None:
-        producer.produce(source, value, partition=0)
-        assert producer.flush(10) == 0
-
-    async def scenario() -> tuple[dict[tuple[str, int], int], list[list[tuple[str, int]]]]:
-        member = await _assigned(sim_stack.bootstrap, f"stall-{suffix}", source)
-        try:
-            write(b"first")
-            deadline = time.monotonic() + 30
-            while not await member.poll_batch(10, 0.2):  # caught up: a position of 1
-                assert time.monotonic() < deadline, "the first record never came"
-            await member.call(member._consumer.pause, [TopicPartition(source, 0)])
-            write(b"second")  # no fetch will see it
-            lag = await member.lag()
-            watch = StallWatch(member, stall_s=0.5)
-            found = [await watch.check(lag, paused=False)]  # where it stands
-            await asyncio.sleep(0.6)
-            found.append(await watch.check(lag, paused=False))
-            return lag, found
-        finally:
-            await member.close()
-
-    lag, found = asyncio.run(scenario())
-    assert lag == {(source, 0): 0}  # the cached end: as when the fetch stopped
-    assert found == [[], [(source, 0)]]

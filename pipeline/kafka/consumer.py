@@ -274,47 +274,26 @@ class GroupConsumer(AsyncConsumer):
 class StallWatch:
     """Restarts the fetch of partitions that have records waiting but have not moved for
     ``stall_s`` while fetching: a fetcher stuck after a leader change (seen in the outage
-    suite; ``GroupConsumer.restart_fetch_sync``). The records waiting are counted from
-    cached watermarks, which a fetch that stopped no longer updates: a partition that
-    seems caught up and has not moved has its end asked of Kafka (once per ``stall_s``),
-    so one that stopped while caught up is found once records come."""
+    suite; ``GroupConsumer.restart_fetch_sync``)."""
 
     def __init__(self, consumer: GroupConsumer, stall_s: float = 10.0) -> None:
         self.consumer, self.stall_s = consumer, stall_s
         self._progress: dict[TP, tuple[int | None, float]] = {}  # position, since when
 
-    async def check(self, lag: dict[TP, int], paused: bool) -> list[TP]:
-        """``lag``: records waiting per partition (cached); ``paused``: not fetching them
-        now. The partitions whose fetch was restarted."""
+    async def check(self, lag: dict[TP, int], paused: bool) -> None:
+        """``lag``: records waiting per partition; ``paused``: not fetching them now."""
         now = time.monotonic()
         positions = await self.consumer.positions(list(lag))
         stalled = []
-        reachable = True  # once an end cannot be had, none is asked again this time
         for tp, behind in lag.items():
             position = positions.get(tp)
             last = self._progress.get(tp)
-            if paused or last is None or last[0] != position:
+            if paused or behind == 0 or last is None or last[0] != position:
                 self._progress[tp] = (position, now)
-                continue
-            if now - last[1] <= self.stall_s:
-                continue
-            self._progress[tp] = (position, now)  # looked at again in ``stall_s``
-            if behind == 0 and position is not None and reachable:
-                ended = await self._end(tp)
-                reachable = ended is not None
-                behind = max((ended or 0) - position, 0)
-            if behind > 0:
+            elif now - last[1] > self.stall_s:
                 stalled.append(tp)
+                self._progress[tp] = (position, now)
         if stalled:
             log.warning("partitions %s have records waiting but did not move for %.0f s: "
                         "restarting their fetch", stalled, self.stall_s)
             await self.consumer.restart_fetch(stalled)
-        return stalled
-
-    async def _end(self, tp: TP) -> int | None:
-        """The end of ``tp`` Kafka gives now; None if it cannot be had in a second."""
-        try:
-            return (await self.consumer.watermarks(*tp, request_s=1.0))[1]
-        except KafkaException as exc:
-            log.debug("no end of %s to check its fetch against: %s", tp, exc)
-            return None
