@@ -283,6 +283,11 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
     conversation = uuid.uuid4()
     ids = {"conversation_id": conversation, "request_id": f"chatcmpl-{suffix}"}
 
+    # References no prompt of the suite has: the stack is shared, and a reader of the
+    # live stream names a turn by the prompt at its reference (a turn of test_workers
+    # once took these deltas for its own).
+    ref = 2**40 + 7
+
     async def scenario() -> str:
         member = await _assigned(sim_stack.bootstrap, group, source,
                                  **{"session.timeout.ms": 6000})
@@ -293,20 +298,20 @@ def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         writer.set_group(await member.call(member.group_metadata_sync))
         output = Output(writer, worker, CLEAR)
         key = str(conversation).encode()
-        output.start(0, 7, GenerationStarted(**ids, ref=7, model="m", worker=worker,
+        output.start(0, ref, GenerationStarted(**ids, ref=ref, model="m", worker=worker,
                                              reply_seq=1, prompt_tokens=3), key, writer.epoch,
                      None)
-        output.delta(0, 7, 0, "before ", (1,), writer.epoch)
-        output.delta(1, 9, 0, "another turn ", (2,), writer.epoch)  # another partition
+        output.delta(0, ref, 0, "before ", (1,), writer.epoch)
+        output.delta(1, ref + 2, 0, "another turn ", (2,), writer.epoch)  # another partition
         output.flush(writer.epoch)
         assert await asyncio.to_thread(writer.flush_sync, 30)
         await member.close()  # the member leaves and another takes the partition
         successor = await _assigned(sim_stack.bootstrap, group, source)
-        output.delta(0, 7, 1, "after", (3,), writer.epoch)
+        output.delta(0, ref, 1, "after", (3,), writer.epoch)
         finished = GenerationFinished(
-            **ids, ref=7, model="m", reply_seq=1, finish_reason="stop", text="before after",
+            **ids, ref=ref, model="m", reply_seq=1, finish_reason="stop", text="before after",
             usage=Usage(prompt_tokens=3, completion_tokens=2), deltas=2, duration_ms=1)
-        ended = output.end(0, 7, finished, key, CLEAR.encode(finished))
+        ended = output.end(0, ref, finished, key, CLEAR.encode(finished))
         output.flush(writer.epoch)
         try:
             await ended
