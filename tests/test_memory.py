@@ -377,7 +377,9 @@ def test_one_tenants_recalls_at_once_neither_hold_back_nor_crowd_out_another(
     alpha, (status, beta_s, served_s), alone_s = asyncio.run(scenario())
     statuses = [s for s, _ in alpha]
     assert status == 200 and set(statuses) == {200, 429}, set(statuses)
-    assert statuses.count(200) >= 40  # 8 running and 32 waiting, at least
+    # 32 waiting and the places running, at least: 8, or 7 once beta's (which may come
+    # while alpha's still arrive, on a busy host) holds one (CI once counted 39).
+    assert statuses.count(200) >= 39
     print({"beta_alone_s": alone_s, "beta_beside_s": beta_s, "beta_in_service_s": served_s,
            "alpha_answered": statuses.count(200)})
     assert beta_s < max(10 * alone_s, 1.0), (alone_s, beta_s)
