@@ -21,10 +21,11 @@ Three stages, as vLLM's input processor hands a request to its core:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.admission import Admission
@@ -38,6 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ChatRequest
 from gateway.problems import (
     LogUnavailable,
+    NotAcceptedInTime,
     OverLimit,
     PromptTooLarge,
     SessionNotFound,
@@ -45,6 +47,7 @@ from gateway.problems import (
 )
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
+from gateway.tail import Subscription
 from gateway.view import ConversationView
 from pipeline.codec import conversation_key
 from pipeline.kafka import ProduceError, RecordTooLarge, TransactionalProducer
@@ -99,16 +102,37 @@ class Accept:
         """Write the turn's PromptSubmitted (with ``trace``, its trace context, in the
         record's headers); return once Kafka acknowledged it. With an idempotency key
         that was used before, follow the original turn instead."""
-        admitted = await self._admit(request, session, caller.tenant, idempotency_key)
-        if isinstance(admitted, Following):
-            return admitted
-        prompt = await self._build(admitted, request, caller, session)
-        return await self._commit(admitted, prompt, request.user, trace)
+        self.admission.check_limits(request)
+        admitted = self._name(request, session, caller.tenant, idempotency_key)
+        async with self._before_commit(admitted):
+            replayed = await self._admit(admitted, request, session, idempotency_key)
+            if replayed is not None:
+                return replayed
+            prompt = await self._build(admitted, request, caller, session)
+            value = await self._seal(admitted, prompt, request.user)
+            # Follow before producing, so no event of this turn can pass unseen.
+            sub = await self.follow.watch(prompt.request_id, admitted.conversation)
+        return await self._commit(admitted, prompt, value, sub, trace)
+
+    @contextlib.asynccontextmanager
+    async def _before_commit(self, admitted: Admitted) -> AsyncIterator[None]:
+        """Every step before the commit, within the acceptance's deadline, whatever each
+        waits on (the store, the log, a key, memory): past it the turn is refused (503),
+        and certainly never written. A commit once asked waits for the broker's answer."""
+        try:
+            async with asyncio.timeout(admitted.deadline - time.monotonic()) as bound:
+                yield
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            self.metrics.accept_timeouts.inc()
+            raise NotAcceptedInTime(admitted.request_id,
+                                    self.settings.accept_timeout_s) from None
 
     # -- 1. admit -------------------------------------------------------------------
-    async def _admit(self, request: ChatRequest, session: uuid.UUID | None, tenant: str,
-                     key: str | None) -> Admitted | Following:
-        self.admission.check_limits(request)
+    def _name(self, request: ChatRequest, session: uuid.UUID | None, tenant: str,
+              key: str | None) -> Admitted:
+        """The turn's conversation, id, version and deadline."""
         # The whole acceptance is bounded: past this, a prompt not yet asked to commit is
         # refused (503), and certainly never written.
         deadline = time.monotonic() + self.settings.accept_timeout_s
@@ -118,10 +142,15 @@ class Accept:
         version, routed_by = self.admission.route(request.model, conversation)
         request_id = completion_id(conversation, key_digest)
         bind_turn(request_id=request_id, conversation_id=conversation, tenant=tenant)
-        admitted = Admitted(conversation, request_id, tenant, version, routed_by, deadline,
-                            key_digest)
+        return Admitted(conversation, request_id, tenant, version, routed_by, deadline,
+                        key_digest)
+
+    async def _admit(self, admitted: Admitted, request: ChatRequest,
+                     session: uuid.UUID | None, key: str | None) -> Following | None:
+        """Admit the turn (None), or follow the original turn of a retried key."""
+        tenant, request_id = admitted.tenant, admitted.request_id
         if session is not None or key is not None:
-            view = admitted.view = await self.store.view(conversation)
+            view = admitted.view = await self.store.view(admitted.conversation)
             turn = view.turns.get(request_id) if key is not None else None
             if turn is not None and view.visible_to(tenant):
                 self.metrics.idempotent_replays.inc()
@@ -133,8 +162,8 @@ class Accept:
                 if busy is not None:
                     raise TurnInProgress(busy.request_id)
                 admitted.history = view.history()
-        self.admission.admit(version, tenant, request.stream)
-        return admitted
+        self.admission.admit(admitted.version, tenant, request.stream)
+        return None
 
     # -- 2. build -------------------------------------------------------------------
     async def _build(self, admitted: Admitted, request: ChatRequest, caller: Caller,
@@ -197,23 +226,27 @@ class Accept:
         return tuple(r for r in recalled if not self.keys.erased(r.id))
 
     # -- 3. commit ------------------------------------------------------------------
-    async def _commit(self, admitted: Admitted, prompt: PromptSubmitted, end_user: str | None,
-                      trace: Sequence[tuple[str, bytes]]) -> Following:
-        conversation, view = admitted.conversation, admitted.view
+    async def _seal(self, admitted: Admitted, prompt: PromptSubmitted,
+                    end_user: str | None) -> bytes:
+        """The prompt's record value, sealed with its conversation's data key."""
         # Text past a MiB is sealed as it is (``pipeline.sealing``): a record at least
         # that long. One the log would refuse is refused before it costs a seal.
         text = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in prompt.messages)
         if text > max(DEFLATE_UP_TO, self.prompts.limit(PROMPTS)):
             raise PromptTooLarge(text, self.prompts.topic_limit(PROMPTS))
         # Its content is sealed with the conversation's data key, durable before it.
-        data_key = await self.keys.for_content(conversation, admitted.tenant, end_user, view)
+        data_key = await self.keys.for_content(admitted.conversation, admitted.tenant,
+                                               end_user, admitted.view)
         # Sealed once: each encoding draws a new nonce.
         value = self.keys.codec.encode(prompt, data_key)
-        size = len(value) + len(str(conversation))  # its value and its key
+        size = len(value) + len(str(admitted.conversation))  # its value and its key
         if size > self.prompts.limit(PROMPTS):
             raise PromptTooLarge(size, self.prompts.topic_limit(PROMPTS))
-        # Follow before producing, so no event of this turn can pass unseen.
-        sub = await self.follow.watch(prompt.request_id, conversation)
+        return value
+
+    async def _commit(self, admitted: Admitted, prompt: PromptSubmitted, value: bytes,
+                      sub: Subscription, trace: Sequence[tuple[str, bytes]]) -> Following:
+        conversation, view = admitted.conversation, admitted.view
         try:
             if KAFKA.open:  # refused at once, until a probe sees Kafka answer
                 raise LogUnavailable(prompt.request_id)

@@ -18,6 +18,7 @@ from gateway.problems import (
     MemoryUnavailable,
     ModelNotFound,
     ModelUnavailable,
+    NotAcceptedInTime,
     OverLimit,
     Problem,
     PromptTooLarge,
@@ -100,6 +101,9 @@ def api_error(problem: Problem) -> APIError:
             ids = {"X-Request-Id": problem.request_id} if problem.request_id else {}
             return APIError(503, message, code="log_unavailable",
                             headers={"Retry-After": "2", **ids})
+        case NotAcceptedInTime():
+            return APIError(503, message, code="accept_timeout",
+                            headers={"Retry-After": "2", "X-Request-Id": problem.request_id})
         case MemoryUnavailable():
             if not problem.configured:
                 return APIError(400, message, code="memory_not_enabled", param="memory")

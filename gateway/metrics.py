@@ -13,6 +13,9 @@ class GatewayMetrics:
                                 ["route", "status"], registry=registry)
         self.accepted = Counter("gateway_turns_accepted",
                                 "Turns whose prompt Kafka acknowledged", registry=registry)
+        self.accept_timeouts = Counter(
+            "gateway_accept_timeouts", "New turns refused because the steps before their "
+            "commit outlasted GATEWAY_ACCEPT_TIMEOUT_S (never written)", registry=registry)
         self.routed = Counter("gateway_routed_turns",
                               "Accepted turns asked for a model alias, by the version that "
                               "serves them", ["alias", "version"], registry=registry)

@@ -78,6 +78,17 @@ class LogUnavailable(Problem):
         self.request_id = request_id
 
 
+class NotAcceptedInTime(Problem):
+    """A new turn whose steps before its commit (its session, key, memories, following)
+    took longer than the acceptance's bound: never written, never run."""
+
+    def __init__(self, request_id: str, bound_s: float) -> None:
+        super().__init__(f"The request was not accepted within {bound_s:g} s: a service it "
+                         "needs answered too slowly. It was not written and will never run; "
+                         "retry shortly (with the same Idempotency-Key, a retry is safe).")
+        self.request_id = request_id
+
+
 class StoreUnavailable(Problem):
     def __init__(self) -> None:
         super().__init__("The conversation store is unavailable; retry shortly.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -407,6 +408,36 @@ def test_a_turn_that_cannot_recall_is_refused_and_not_written(mem: Memory) -> No
         assert r.status_code == 503 and r.json()["error"]["code"] == "memory_unavailable"
     finally:
         away.stop()
+
+
+def test_a_turn_whose_recall_outlasts_the_acceptance_bound_is_refused_in_it(
+        mem: Memory) -> None:
+    """Every step before a turn's commit is held to GATEWAY_ACCEPT_TIMEOUT_S, whatever
+    bound the service it waits on has: a memory service that takes connections and never
+    answers (its client would wait 60 s) gets the turn refused once the 2 s are up, with
+    its id, and it is never written."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never answers
+        port = free_port()
+        slow = start_service(
+            mem.pipeline.stack, "memory-silent-gateway", "gateway", "--port", str(port),
+            GATEWAY_MEMORY_URL=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            GATEWAY_MEMORY_TIMEOUT_S="60", GATEWAY_ACCEPT_TIMEOUT_S="2")
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", [slow], timeout=60)
+            content = f"never written {uuid.uuid4().hex}"
+            started = time.monotonic()
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "memory": True, "user": "u",
+                "messages": [{"role": "user", "content": content}]})
+            took = time.monotonic() - started
+        finally:
+            slow.stop()
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "accept_timeout"
+    assert r.headers["retry-after"] and r.headers["x-request-id"].startswith("chatcmpl-")
+    assert 2 <= took < 2 + 3, took
+    assert not [e for _, e in read_events(mem.pipeline.stack.bootstrap, PROMPTS)
+                if isinstance(e, PromptSubmitted) and e.messages[-1].content == content]
 
 
 def test_a_session_created_with_memory_recalls_and_remembers_for_its_user(mem: Memory) -> None:
