@@ -3,7 +3,7 @@ key new content of a conversation is sealed with, found or made durable first.""
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import uuid
 
 from gateway.dependencies import from_log
@@ -14,7 +14,7 @@ from gateway.view import ConversationView
 from pipeline.kafka import EventProducer
 from pipeline.keylimits import KeyringError
 from pipeline.keystore import Keyring
-from pipeline.sealing import DataKey
+from pipeline.sealing import DataKey, looked_up
 from pipeline.topics import KEYS
 
 
@@ -44,7 +44,8 @@ class ConversationKeys:
             return held
         for ref in view.key_refs if view is not None else ():
             try:
-                found = await asyncio.to_thread(self.keyring.fetch, ref)
+                found = await from_log(functools.partial(looked_up, self.keyring.fetch, ref),
+                                       self.settings.dependency_timeout_s)
             except KeyringError as exc:
                 raise LogUnavailable(str(conversation)) from exc
             if found is not None:

@@ -214,7 +214,7 @@ class Codec:
             finally:
                 sealing.LOOKED_UP.reset(token)  # for this call alone
             try:  # the key, or None if it is gone (or it raises)
-                looked_up[miss.key_id] = await asyncio.to_thread(
+                looked_up[miss.key_id] = await sealing.looked_up(
                     self.cipher.reading_key, miss.key_id, miss.written_at)
             except sealing.RingUnavailable as exc:
                 if not exc.unreachable:

@@ -21,16 +21,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import itertools
 import os
 import uuid
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+T = TypeVar("T")
 
 NONCE_BYTES = 12
 # The box's first byte, after decryption: how the payload is packed.
@@ -198,6 +203,19 @@ class Cipher:
 # Seals nothing, opens nothing: content written in the clear, sealed content read as
 # erased.
 CLEAR = Cipher()
+
+
+# Key look-ups that wait on Kafka run on threads of their own: however many wait (Kafka
+# away), they take none of the threads the rest of the process shares (API keys'
+# hashing, refreshes); the keyring makes one look-up at a time anyway.
+_LOOKUPS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="key-look-up")
+
+
+async def looked_up(call: Callable[..., T], *args: object) -> T:
+    """``call(*args)``, a key look-up that may wait on Kafka, on the look-ups' threads;
+    one whose caller stopped waiting before it began is never made."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _LOOKUPS, functools.partial(call, *args))
 
 
 def _on_a_loop() -> bool:
