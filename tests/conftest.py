@@ -127,17 +127,22 @@ class Pipeline:
 
     def wait_projected(self, timeout: float = 60) -> None:
         """Until the projector's stored positions reach the current end of its topics."""
-        ends = {(t, p): o for t in STORE_TOPICS
-                for p, o in end_offsets(self.stack.bootstrap, t).items() if o > 0}
-        deadline = time.monotonic() + timeout
-        with psycopg.connect(self.stack.database_url, autocommit=True) as conn:
-            while True:
-                stored = {(t, p): o for t, p, o in conn.execute(
-                    "SELECT topic, partition, next_offset FROM projector_positions")}
-                if all(stored.get(tp, 0) >= end for tp, end in ends.items()):
-                    return
-                assert time.monotonic() < deadline, f"projection stuck: {stored} < {ends}"
-                time.sleep(0.05)
+        wait_projected(self.stack, timeout)
+
+
+def wait_projected(stack: Stack, timeout: float = 60) -> None:
+    """Until the projector's stored positions reach the current end of its topics."""
+    ends = {(t, p): o for t in STORE_TOPICS
+            for p, o in end_offsets(stack.bootstrap, t).items() if o > 0}
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        while True:
+            stored = {(t, p): o for t, p, o in conn.execute(
+                "SELECT topic, partition, next_offset FROM projector_positions")}
+            if all(stored.get(tp, 0) >= end for tp, end in ends.items()):
+                return
+            assert time.monotonic() < deadline, f"projection stuck: {stored} < {ends}"
+            time.sleep(0.05)
 
 
 def wait_healthy(url: str, services: list[Service], timeout: float) -> None:

@@ -367,8 +367,9 @@ def check(fleet: Fleet, clients: Clients, fault: str, frozen_s: float = 0.0
           ) -> dict[str, int | float | str]:
     """What every outage must leave: see the module. A refusal comes within the accept
     timeout, plus ``frozen_s`` where the fault froze or killed a broker that may
-    coordinate the gateways' transactions: a prompt whose commit was asked of it is
-    answered when the log decides (it may have been written), not before."""
+    coordinate the gateways' transactions, or cut a gateway off from the brokers: a
+    prompt whose commit was asked is answered when the log decides (it may have been
+    written), not before."""
     turns = clients.turns
     fleet.wait_projected(timeout=120)
     prompts = Counter(e.request_id for _, e in read_events(fleet.stack.bootstrap, PROMPTS)
