@@ -118,7 +118,8 @@ class Accept:
     async def _before_commit(self, admitted: Admitted) -> AsyncIterator[None]:
         """Every step before the commit, within the acceptance's deadline, whatever each
         waits on (the store, the log, a key, memory): past it the turn is refused (503),
-        and certainly never written. A commit once asked waits for the broker's answer."""
+        and certainly never written. A commit once asked waits for the broker's answer.
+        A refusal for the log names the turn (``X-Request-Id``), whichever step met it."""
         try:
             async with asyncio.timeout(admitted.deadline - time.monotonic()) as bound:
                 yield
@@ -128,6 +129,10 @@ class Accept:
             self.metrics.accept_timeouts.inc()
             raise NotAcceptedInTime(admitted.request_id,
                                     self.settings.accept_timeout_s) from None
+        except LogUnavailable as exc:  # refused, and named: a retry may name it too
+            if exc.request_id == admitted.request_id:
+                raise
+            raise LogUnavailable(admitted.request_id) from exc
 
     # -- 1. admit -------------------------------------------------------------------
     def _name(self, request: ChatRequest, session: uuid.UUID | None, tenant: str,

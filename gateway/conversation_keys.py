@@ -47,7 +47,7 @@ class ConversationKeys:
                 found = await from_log(functools.partial(looked_up, self.keyring.fetch, ref),
                                        self.settings.dependency_timeout_s)
             except KeyringError as exc:
-                raise LogUnavailable(str(conversation)) from exc
+                raise LogUnavailable() from exc
             if found is not None:
                 return found
         new = self.keyring.new_key(conversation, tenant, user)
