@@ -8,14 +8,17 @@ refused alone, before anything is written.
 
 Three stages, as vLLM's input processor hands a request to its core:
 
-1. **admit** (``_admit``): the request's limits, the version that serves it, the
-   session (or the original turn of a retried idempotency key, followed instead), the
-   tenant's caps;
+1. **admit** (``_name``, ``_admit``): the request's limits, the version that serves
+   it, its id and deadline, the session (or the original turn of a retried idempotency
+   key, followed instead), the tenant's caps;
 2. **build** (``_build``): the history, the memories recalled, the context's bound, the
    charge, the prompt;
-3. **commit** (``_commit``): the data key, the sealed record and its size, the
-   following begun, the record produced in a transaction, its verdict in its session,
-   and the turn's reference bound.
+3. **commit** (``_seal``, ``_commit``): the data key, the sealed record and its size,
+   the following begun, the record produced in a transaction, its verdict in its
+   session, and the turn's reference bound.
+
+Everything before the record is produced is held to the acceptance's deadline
+(``_before_commit``).
 """
 
 from __future__ import annotations
