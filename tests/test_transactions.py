@@ -47,12 +47,11 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
     source, sink, group = f"fence.in.{suffix}", f"fence.out.{suffix}", f"fence-{suffix}"
     ensure_topics(sim_stack.bootstrap, [TopicSpec(source, 1, {}), TopicSpec(sink, 1, {})])
 
-    async def scenario() -> tuple[list[str], int]:
-        fenced_calls = 0
+    async def scenario() -> tuple[list[str], list[bool]]:
+        shown: list[bool] = []  # per refusal: it names the group metadata the writer had
 
-        def on_fenced(_answered: bool) -> None:
-            nonlocal fenced_calls
-            fenced_calls += 1
+        def on_fenced(_answered: bool, group: object) -> None:
+            shown.append(group is metadata)
 
         member = await _assigned(sim_stack.bootstrap, group, source,
                                  **{"session.timeout.ms": 6000})
@@ -60,7 +59,8 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
             sim_stack.bootstrap, f"fence-writer-{suffix}", TransactionSettings(timeout_ms=10_000),
             lambda: {(source, 0): 0}, on_committed=lambda _: None, on_fenced=on_fenced)
         await asyncio.to_thread(writer.start)
-        writer.set_group(await member.call(member.group_metadata_sync))
+        metadata = await member.call(member.group_metadata_sync)
+        writer.set_group(metadata)
 
         def event(name: str) -> SessionCreated:  # no content: sent bare
             return SessionCreated(conversation_id=uuid.uuid4(), request_id=name)
@@ -78,10 +78,10 @@ def test_a_writer_whose_member_left_the_group_is_refused(sim_stack: Stack) -> No
                 outcomes.append("refused")
         await asyncio.to_thread(writer.close)
         await successor.close()
-        return outcomes, fenced_calls
+        return outcomes, shown
 
-    outcomes, fenced_calls = asyncio.run(scenario())
-    assert outcomes == ["refused", "refused"] and fenced_calls >= 1
+    outcomes, shown = asyncio.run(scenario())
+    assert outcomes == ["refused", "refused"] and shown and all(shown), shown
     committed = [v for _, v, _ in read_records(sim_stack.bootstrap, sink)]
     everything = [v for _, v, _ in read_records(sim_stack.bootstrap, sink, committed=False)]
     assert [b"while a member" in v for v in committed] == [True]

@@ -47,13 +47,7 @@ from pipeline.kafka import (
 )
 from pipeline.logs import turn_fields
 from pipeline.roster import Heartbeat
-from pipeline.topics import (
-    CONTROL,
-    GENERATIONS,
-    LIVE,
-    PROMPTS,
-    workers_group,
-)
+from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
 from pipeline.tracing import from_record
 from schemas import (
     GenerationFailed,
@@ -165,6 +159,7 @@ class Worker:
         self.assignments = 0  # bumped by each assignment, so the loop re-applies pausing
         self._fenced = asyncio.Event()
         self._rejoin = False  # a refusal that no rebalance answers: leave and rejoin
+        self._refused: object = None  # the group metadata the latest refusal showed
         self._fatal: BaseException | None = None
         self._stopping = False
 
@@ -209,13 +204,17 @@ class Worker:
                     # from a pause refused a generation the group still had): then
                     # rejoin, so an assignment comes to this worker or to another.
                     # (Rejoining on every refusal would refuse the other workers'
-                    # transactions with a rebalance, and they would rejoin in turn.)
+                    # transactions with a rebalance, and they would rejoin in turn.) A
+                    # refusal of an assignment older than this worker's was answered
+                    # already: its revocation dropped the turns, and those this one
+                    # started again stay (dropped, they would wait for a rebalance).
                     self._fenced.clear()
                     rejoin, self._rejoin = self._rejoin, False
-                    await self.abandon(self.ledgers.partitions)
-                    self.output.drop()
-                    if rejoin:
-                        await consumer.rejoin()
+                    if self._refused is self.writer.group:
+                        await self.abandon(self.ledgers.partitions)
+                        self.output.drop()
+                        if rejoin:
+                            await consumer.rejoin()
                 full = (len(self.flights) + len(self.waiting) + len(self.intake) >= self.capacity
                         or self.waiting.size >= self.settings.read_ahead_chars)
                 # A new assignment may hold partitions paused before a rebalance, or
@@ -492,9 +491,10 @@ class Worker:
         if flights:
             log.info("handed %d unfinished turns to the next owner", len(flights))
 
-    def _on_fenced(self, answered: bool) -> None:
-        """The broker refused a transaction (called on the writer's thread); ``answered``:
-        an assignment under way, or made since, starts the dropped turns again."""
+    def _on_fenced(self, answered: bool, group: object) -> None:
+        """The broker refused a transaction showing ``group`` (called on the writer's
+        thread); ``answered``: an assignment under way, or made since, starts the dropped
+        turns again."""
         self.metrics.fenced.inc()
-        self._rejoin = self._rejoin or not answered
+        self._rejoin, self._refused = self._rejoin or not answered, group
         self.loop.call_soon_threadsafe(self._fenced.set)

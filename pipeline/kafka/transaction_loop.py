@@ -47,7 +47,7 @@ class TransactionLoop:
                  own_id: bool, offsets: Callable[[], dict[TP, int]] | None,
                  offset_metadata: Callable[[TP], str] | None,
                  on_committed: Callable[[dict[TP, int]], None],
-                 on_fenced: Callable[[bool], None]) -> None:
+                 on_fenced: Callable[[bool, Any], None]) -> None:
         self._config = config
         self._producer = Producer(config)
         self._outbox = outbox
@@ -308,9 +308,10 @@ class TransactionLoop:
                             "%s", err)
                 self._outbox.new_epoch()
                 # Answered by an assignment: one under way (a rebalance, or no partitions
-                # held), or one made since this transaction's.
+                # held), or one made since this transaction's (``group``: the one it
+                # showed).
                 self._on_fenced(code in (KafkaError.REBALANCE_IN_PROGRESS, KafkaError._STATE)
-                                or group is not self.group)
+                                or group is not self.group, group)
             return False  # (else: records of turns already given up at a revocation)
         self._quiet.warning("transaction aborted, sending its %d records again: %s",
                             len(batch), err)

@@ -63,10 +63,11 @@ class TransactionalProducer:
     that failed for a passing reason is aborted and its records sent again (aborted
     records are never visible, so each is written once); one refused for ownership is
     dropped (``Fenced``) and ``on_fenced`` is called, with whether an assignment answers
-    the refusal: one under way, or one made since that transaction's. A producer
-    fenced by its epoch (Kafka 4 bumps it when it ends a transaction itself) is
-    replaced, and its records are sent again: if that transaction was a commit whose
-    answer was lost, which had happened, the log holds a copy, which every reader drops.
+    the refusal (one under way, or one made since that transaction's) and the group
+    metadata that transaction showed. A producer fenced by its epoch (Kafka 4 bumps it
+    when it ends a transaction itself) is replaced, and its records are sent again: if
+    that transaction was a commit whose answer was lost, which had happened, the log
+    holds a copy, which every reader drops.
 
     Transactions are spaced ``interval_ms`` apart at least (counted from one's begin to
     the next's), so that more records share each one's fixed cost. A sender that
@@ -94,7 +95,7 @@ class TransactionalProducer:
         settings: TransactionSettings = TransactionSettings(),
         offsets: Callable[[], dict[TP, int]] | None = None, *,
         on_committed: Callable[[dict[TP, int]], None] = lambda _o: None,
-        on_fenced: Callable[[bool], None] = lambda _answered: None,
+        on_fenced: Callable[[bool, Any], None] = lambda _answered, _group: None,
         offset_metadata: Callable[[TP], str] | None = None,
     ) -> None:
         config = {
@@ -218,6 +219,11 @@ class TransactionalProducer:
         (``workers.engine.Pace``), so that a worker whose log is slow lets its engine's
         outputs merge rather than queue without end."""
         return self.room() if self._outbox.backlogged else None
+
+    @property
+    def group(self) -> Any:
+        """The group metadata transactions now show (``set_group``)."""
+        return self._loop.group
 
     def set_group(self, metadata: Any) -> None:
         """The consumer's group metadata, as read after its latest assignment: what each
