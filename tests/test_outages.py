@@ -427,8 +427,8 @@ def check(fleet: Fleet, clients: Clients, fault: str, frozen_s: float = 0.0
     with open(fleet.stack.logs / "outages.json", "a") as out:  # with what failed, whole
         out.write(json.dumps({**report, "failed turns": [
             seen(t) for t in [*problems, *lost, *ghosts][:10]]}) + "\n")
-    assert not problems, [seen(t) for t in problems[:5]]
-    assert not lost, [seen(t) for t in lost[:5]]
+    assert not problems, told(fleet, problems, seen)
+    assert not lost, told(fleet, lost, seen)
     assert not duplicated, duplicated
     assert not ghosts, [asdict(t) for t in ghosts[:5]]
     assert {a.status for a in five_xx} <= {503}, Counter(a.status for a in five_xx)
@@ -439,6 +439,29 @@ def check(fleet: Fleet, clients: Clients, fault: str, frozen_s: float = 0.0
     assert all(code is None for code in fleet.alive().values()), fleet.logs()
     assert differences(fleet.stack) == {}
     return report
+
+
+def told(fleet: Fleet, failed: list[Turn], seen: Callable[[Turn], dict[str, object]]) -> str:
+    """Failed turns for the assertion's message, whole (a string: pytest keeps it so on CI,
+    where nothing else of the run comes back): how many, the first three as their client,
+    the log and the store have them, what the services logged naming them, and the last
+    warnings each service logged."""
+    lines = [f"{len(failed)} failed turns"]
+    for t in failed[:3]:
+        facts = {k: v for k, v in seen(t).items() if k != "answers"}
+        facts["answers"] = [(a.status, round(a.answered - a.sent, 2)) for a in t.answers]
+        lines.append(json.dumps(facts, default=str))
+        for service in fleet.services.values():
+            text = service.log.read_text(errors="replace") if service.log.exists() else ""
+            named = [line for line in text.splitlines() if t.request_id and t.request_id in line]
+            lines += [f"  {service.name}: {line[:300]}" for line in named[-8:]]
+    for service in fleet.services.values():
+        text = service.log.read_text(errors="replace") if service.log.exists() else ""
+        warned = [line for line in text.splitlines()
+                  if (" WARNING " in line or " ERROR " in line)
+                  and not any(noise in line for noise in ("librdkafka", "kafka.client"))]
+        lines += [f"  {service.name}: {line[:300]}" for line in warned[-6:]]
+    return "\n".join(lines)
 
 
 def under_load(fleet: Fleet, label: str, fault: Callable[[], None],
