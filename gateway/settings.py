@@ -80,6 +80,11 @@ class GatewaySettings(BaseSettings):
     # 408 and the connection closes (gateway/connections.py).
     header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # An idle kept-alive connection is closed after this long: longer than its clients'
+    # and proxies' own idle timeouts (nginx's and AWS load balancers' 60 s), so the
+    # gateway never closes a connection as they send on it. (uvicorn's 5 s did: a client
+    # slow to reuse a connection got a reset instead of an answer.)
+    keep_alive_s: int = Field(default=75, ge=1, le=3600)
     # Connections one client address may hold open at once on a gateway process (a
     # trusted proxy's are not counted: it bounds its own clients); past it, 429.
     max_connections_per_address: int = Field(default=512, ge=1)

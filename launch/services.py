@@ -63,6 +63,7 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=LOGGING_CONFIG if log_format() == "text" else None,
                             access_log=False, timeout_graceful_shutdown=settings.drain_s,
+                            timeout_keep_alive=settings.keep_alive_s,
                             loop="uvloop", http=protocol(app.state.connections),
                             # The client's address is the gateway's to tell, from its
                             # GATEWAY_TRUSTED_PROXIES only (uvicorn's own would believe
