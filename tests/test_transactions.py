@@ -1,6 +1,7 @@
 """The worker's writes are fenced by its consumer group (KIP-447), against the real broker:
 once a member has left the group, a transaction that shows the broker its old group
-metadata is refused, and its records never reach a read_committed reader."""
+metadata is refused, and its records never reach a read_committed reader. And its reads
+go on: a prompt partition whose fetch stopped is found once records wait there."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import time
 import uuid
 
 import pytest
+from confluent_kafka import Producer, TopicPartition
 
 from pipeline.codec import CLEAR
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
+    LogReader,
     RecordTooLarge,
+    StallWatch,
     TransactionalProducer,
     TransactionSettings,
     ensure_topics,
@@ -379,3 +383,52 @@ def test_a_record_larger_than_its_topic_takes_is_refused_alone_and_at_once(
     written = [v.split(b'"request_id":"')[1].split(b'"')[0]
                for _, v, _ in read_records(sim_stack.bootstrap, topic)]
     assert written == [f"r{i}".encode() for i in range(1, 11) if i != 5]
+
+
+def test_a_fetch_that_stopped_while_caught_up_is_found_once_records_come(
+        sim_stack: Stack) -> None:
+    """librdkafka's fetch of an assigned partition can stop for good once its brokers
+    restart (librdkafka #5153). A stopped fetch no longer updates the cached watermarks a
+    worker counts its lag from, so one that stopped while caught up looked idle for good,
+    its prompts never run. Here partition 0's fetch is stopped by pausing it, and a record
+    comes after: with a cached lag of 0, the watch, asking Kafka on a client of its
+    own the end of partitions that have not moved, finds it and restarts its fetch. The
+    caught-up partition beside it, where nothing came, is left be."""
+    suffix = uuid.uuid4().hex[:8]
+    source = f"stall.in.{suffix}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(source, 2, {})])
+    producer = Producer({"bootstrap.servers": sim_stack.bootstrap})
+
+    def write(value: bytes, partition: int) -> None:
+        producer.produce(source, value, partition=partition)
+        assert producer.flush(10) == 0
+
+    async def scenario() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        member = await _assigned(sim_stack.bootstrap, f"stall-{suffix}", source)
+        watch = StallWatch(member, LogReader(sim_stack.bootstrap, f"ends-{suffix}", "ends"),
+                           stall_s=0.5)
+        try:
+            for partition in (0, 1):
+                write(b"first", partition)
+            deadline, read = time.monotonic() + 30, 0
+            while read < 2:  # caught up: a position of 1 on each
+                assert time.monotonic() < deadline, "the first records never came"
+                read += len(await member.poll_batch(10, 0.2))
+            await member.call(member._consumer.pause, [TopicPartition(source, 0)])
+            write(b"second", 0)  # no fetch will see it
+            # The cached lag of a fetch that stopped while caught up. (A fetch in flight
+            # at the pause may still bring partition 0's new end: that lag the watch
+            # acts on without asking; here, the case where none came.)
+            lag = {(source, 0): 0, (source, 1): 0}
+            at_once = await watch.check(lag, paused=False)  # where each stands
+            deadline = time.monotonic() + 20
+            while not (found := await watch.check(lag, paused=False)):
+                assert time.monotonic() < deadline, "the stopped fetch was never found"
+                await asyncio.sleep(0.1)
+            return at_once, found
+        finally:
+            await watch.close()
+            await member.close()
+
+    at_once, found = asyncio.run(scenario())
+    assert at_once == [] and found == [(source, 0)]

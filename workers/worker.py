@@ -39,6 +39,7 @@ from pipeline.codec import TP, Codec, DecodeError
 from pipeline.kafka import (
     Fenced,
     GroupConsumer,
+    LogReader,
     Record,
     StallWatch,
     TransactionalProducer,
@@ -193,7 +194,7 @@ class Worker:
         paused: bool | None = None  # as applied to the assignment of version `applied`
         applied = -1
         last_lag = last_commit = 0.0
-        stalls = StallWatch(consumer)
+        stalls = StallWatch(consumer, LogReader(self.bootstrap, f"ends-{self.name}", "ends"))
         try:
             while not stop.is_set() and self._fatal is None:
                 if self._fenced.is_set():
@@ -204,10 +205,9 @@ class Worker:
                     # from a pause refused a generation the group still had): then
                     # rejoin, so an assignment comes to this worker or to another.
                     # (Rejoining on every refusal would refuse the other workers'
-                    # transactions with a rebalance, and they would rejoin in turn.) A
-                    # refusal of an assignment older than this worker's was answered
-                    # already: its revocation dropped the turns, and those this one
-                    # started again stay (dropped, they would wait for a rebalance).
+                    # transactions with a rebalance, and they would rejoin in turn.) One
+                    # of an older assignment was answered: its revocation dropped the
+                    # turns, and those restarted since stay (else they wait for one).
                     self._fenced.clear()
                     rejoin, self._rejoin = self._rejoin, False
                     if self._refused is self.writer.group:
@@ -260,7 +260,7 @@ class Worker:
             await self.intake.close()
             await asyncio.to_thread(heartbeat.leave)
             await asyncio.to_thread(self.writer.close)
-            await consumer.close()
+            await asyncio.gather(consumer.close(), stalls.close())
             await self._history_reader.close()
         if self._fatal is not None:
             raise self._fatal

@@ -274,26 +274,78 @@ class GroupConsumer(AsyncConsumer):
 class StallWatch:
     """Restarts the fetch of partitions that have records waiting but have not moved for
     ``stall_s`` while fetching: a fetcher stuck after a leader change (seen in the outage
-    suite; ``GroupConsumer.restart_fetch_sync``)."""
+    suite; ``GroupConsumer.restart_fetch_sync``), or stopped for good once its brokers
+    restarted (librdkafka #5153).
 
-    def __init__(self, consumer: GroupConsumer, stall_s: float = 10.0) -> None:
-        self.consumer, self.stall_s = consumer, stall_s
+    The records waiting are counted from librdkafka's cached watermarks, which a fetch
+    that stopped no longer updates: one that stopped while caught up shows none. So the
+    end of a partition that seems caught up and has not moved for ``stall_s`` is asked of
+    Kafka on ``ends`` (a client of its own, closed with the watch: never the group
+    member's thread, which polls), in a task beside the caller's loop, which never waits
+    for it; an answer past a position that has not moved since restarts that fetch too.
+    One end that cannot be had in ``ASK_S`` ends that round's asking."""
+
+    ASK_S = 1.0
+
+    def __init__(self, consumer: GroupConsumer, ends: AsyncConsumer | None = None,
+                 stall_s: float = 10.0) -> None:
+        self.consumer, self.ends, self.stall_s = consumer, ends, stall_s
         self._progress: dict[TP, tuple[int | None, float]] = {}  # position, since when
+        self._asking: asyncio.Task[dict[TP, tuple[int, int]]] | None = None
 
-    async def check(self, lag: dict[TP, int], paused: bool) -> None:
-        """``lag``: records waiting per partition; ``paused``: not fetching them now."""
+    async def check(self, lag: dict[TP, int], paused: bool) -> list[TP]:
+        """``lag``: records waiting per partition (cached); ``paused``: not fetching them
+        now. The partitions whose fetch was restarted."""
         now = time.monotonic()
         positions = await self.consumer.positions(list(lag))
-        stalled = []
+        answered = self._answers()  # (position when asked, end) per partition
+        stalled: list[TP] = []
+        quiet: list[tuple[TP, int]] = []
         for tp, behind in lag.items():
             position = positions.get(tp)
             last = self._progress.get(tp)
-            if paused or behind == 0 or last is None or last[0] != position:
+            if paused or last is None or last[0] != position:
                 self._progress[tp] = (position, now)
-            elif now - last[1] > self.stall_s:
+                continue
+            asked = answered.get(tp)
+            if asked is not None and position is not None and asked[0] == position < asked[1]:
+                stalled.append(tp)  # records wait that its fetch never brought
+            elif now - last[1] <= self.stall_s:
+                continue
+            elif behind > 0:
                 stalled.append(tp)
-                self._progress[tp] = (position, now)
+            elif position is not None:
+                quiet.append((tp, position))
+            self._progress[tp] = (position, now)  # looked at again in ``stall_s``
+        if quiet and self.ends is not None and self._asking is None:
+            self._asking = asyncio.create_task(self._ask(quiet))
         if stalled:
             log.warning("partitions %s have records waiting but did not move for %.0f s: "
                         "restarting their fetch", stalled, self.stall_s)
             await self.consumer.restart_fetch(stalled)
+        return stalled
+
+    def _answers(self) -> dict[TP, tuple[int, int]]:
+        if self._asking is None or not self._asking.done():
+            return {}
+        asking, self._asking = self._asking, None
+        return asking.result()
+
+    async def _ask(self, quiet: list[tuple[TP, int]]) -> dict[TP, tuple[int, int]]:
+        assert self.ends is not None
+        answered: dict[TP, tuple[int, int]] = {}
+        for tp, position in quiet:
+            try:
+                answered[tp] = (position, (await self.ends.watermarks(*tp, self.ASK_S))[1])
+            except KafkaException as exc:  # Kafka away: asked again in ``stall_s``
+                log.debug("no end of %s to check its fetch against: %s", tp, exc)
+                break
+        return answered
+
+    async def close(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KafkaException):
+                await self._asking
+        if self.ends is not None:
+            await self.ends.close()
