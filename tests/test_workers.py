@@ -563,6 +563,8 @@ def test_a_worker_refused_for_a_generation_it_no_longer_has_rejoins_and_ends_its
         assignments = worker.assignments
         running = submit()
         worker._on_fenced(True, stale)  # as the writer's thread calls it
+        # Its flag is set on the loop before this runs there (in order), then handled.
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)
         wait_for(lambda: not worker._fenced.is_set(), 10, "the loop to handle the refusal")
         ended_whole(running, 20, "the turn running at a late refusal to end")
         assert worker.assignments == assignments
