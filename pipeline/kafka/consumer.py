@@ -329,7 +329,7 @@ class StallWatch:
         if self._asking is None or not self._asking.done():
             return {}
         asking, self._asking = self._asking, None
-        return asking.result()
+        return {} if asking.cancelled() else asking.result()
 
     async def _ask(self, quiet: list[tuple[TP, int]]) -> dict[TP, tuple[int, int]]:
         assert self.ends is not None
@@ -337,8 +337,8 @@ class StallWatch:
         for tp, position in quiet:
             try:
                 answered[tp] = (position, (await self.ends.watermarks(*tp, self.ASK_S))[1])
-            except KafkaException as exc:  # Kafka away: asked again in ``stall_s``
-                log.debug("no end of %s to check its fetch against: %s", tp, exc)
+            except Exception as exc:  # Kafka away (or no answer): asked again in ``stall_s``
+                log.debug("no end of %s to check its fetch against: %r", tp, exc)
                 break
         return answered
 
