@@ -41,9 +41,11 @@ class LogReader(AsyncConsumer):
 
     def add_partitions_sync(self, starts: dict[TP, int]) -> None:
         """Also read these partitions, each from the given offset (the rest keep their
-        place), fetching them at once (see ``resume_sync``)."""
+        place), fetching them at once (see ``resume_sync``): a pause left from an earlier
+        assignment of one is lifted."""
         partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
         self._consumer.incremental_assign(partitions)
+        self._consumer.resume(partitions)
         self._wake_fetcher(partitions)
 
     def follow_from_end_sync(self, topic: str) -> None:
@@ -58,10 +60,7 @@ class LogReader(AsyncConsumer):
         """Read these assigned partitions again from the given offsets, with new fetch
         state: dropped, assigned and resumed in one call (none is left unassigned)."""
         self.drop_partitions_sync(list(starts))
-        partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
-        self._consumer.incremental_assign(partitions)
-        self._consumer.resume(partitions)
-        self._wake_fetcher(partitions)
+        self.add_partitions_sync(starts)
 
     def read_range_sync(
         self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0
