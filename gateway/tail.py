@@ -361,7 +361,7 @@ class GenerationTail:
                         "gateway read none: reading it again from %d (its end: %d)", tp[1],
                         tp[0], now - since, start, end)
             self.rereads += 1
-            await from_log(functools.partial(self._consumer.read_again, {tp: start}),
+            await from_log(functools.partial(self._consumer.add_partitions, {tp: start}),
                            self._timeout_s)
 
     async def _route(self, record: Record) -> None:

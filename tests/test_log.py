@@ -439,6 +439,45 @@ def test_a_tailed_partition_whose_fetch_stops_is_read_again(stack: Stack) -> Non
     assert rereads == 1
 
 
+def test_a_partition_whose_add_was_given_up_on_is_tailed_all_the_same(stack: Stack) -> None:
+    """A call to Kafka that its caller stopped waiting for (a timeout, a read's deadline)
+    still runs to its end on the client's thread: a gateway's add of a tailed partition
+    given up on left that partition assigned, and librdkafka refused every later add of it
+    (``_CONFLICT``), so each stream of a conversation there failed on that gateway for good.
+    Here the add goes through behind the tail's back; the tail's own add of the partition
+    then follows it, and a turn's items come."""
+    request_id = f"chatcmpl-added-{uuid.uuid4().hex[:8]}"
+    ref = 2**40 + 1  # a reference no turn of the suite has
+
+    async def scenario() -> list[object]:
+        meta = LogReader(stack.bootstrap, f"added-meta-{uuid.uuid4().hex[:8]}", "test")
+
+        async def end_of(topic: str, partition: int) -> int:
+            return (await meta.watermarks(topic, partition))[1]
+
+        tail = GenerationTail(stack.bootstrap, Codec(), end_of)
+        await tail.start()
+        try:  # the add a timed-out caller left behind, from the start of the topics
+            await tail._consumer.add_partitions({(LIVE, 1): 0, (GENERATIONS, 1): 0})
+            sub = await tail.follow(request_id, b"added", 1)
+            out = PlainWriter(stack.bootstrap, "added-live")
+            out.send(LIVE, None, write_batch("added-test", int(time.time() * 1000),
+                                             [(ref, 0, request_id)],
+                                             [(ref, 0, "here", (9,))], [], [], []), 1)
+            assert out.flush(30) == []
+            items: list[object] = []
+            while len(items) < 2:
+                got = await asyncio.wait_for(sub.get(), 30)
+                if got is not None:  # None: a keep-alive was due
+                    items.append(got.item)
+            return items
+        finally:
+            await tail.stop()
+            await meta.close()
+
+    assert asyncio.run(scenario()) == [Start(0, request_id), Delta(0, "here", (9,))]
+
+
 def test_a_stream_whose_live_items_come_with_a_gap_is_filled_from_the_log(
         stack: Stack) -> None:
     """Once, in a race of eight idempotent retries through two gateways, a client's stream

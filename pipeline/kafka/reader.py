@@ -41,9 +41,15 @@ class LogReader(AsyncConsumer):
 
     def add_partitions_sync(self, starts: dict[TP, int]) -> None:
         """Also read these partitions, each from the given offset (the rest keep their
-        place), fetching them at once (see ``resume_sync``): a pause left from an earlier
-        assignment of one is lifted."""
+        place), fetching them at once (see ``resume_sync``). One read already is read
+        again from its offset, with new fetch state: an earlier add that its caller
+        stopped waiting for (a timeout) went through all the same, and librdkafka refuses
+        to assign a partition twice. A pause left from an earlier assignment is lifted."""
         partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
+        read = {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+        again = [TopicPartition(t, p) for t, p in starts if (t, p) in read]
+        if again:
+            self._consumer.incremental_unassign(again)
         self._consumer.incremental_assign(partitions)
         self._consumer.resume(partitions)
         self._wake_fetcher(partitions)
@@ -55,12 +61,6 @@ class LogReader(AsyncConsumer):
 
     def drop_partitions_sync(self, partitions: list[TP]) -> None:
         self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
-
-    def read_again_sync(self, starts: dict[TP, int]) -> None:
-        """Read these assigned partitions again from the given offsets, with new fetch
-        state: dropped, assigned and resumed in one call (none is left unassigned)."""
-        self.drop_partitions_sync(list(starts))
-        self.add_partitions_sync(starts)
 
     def read_range_sync(
         self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0
@@ -149,9 +149,6 @@ class LogReader(AsyncConsumer):
 
     async def drop_partitions(self, partitions: list[TP]) -> None:
         await self.call(self.drop_partitions_sync, partitions)
-
-    async def read_again(self, starts: dict[TP, int]) -> None:
-        await self.call(self.read_again_sync, starts)
 
     async def follow_from_end(self, topic: str) -> None:
         await self.call(self.follow_from_end_sync, topic)
