@@ -41,7 +41,7 @@ from gateway.follow import Follow
 from gateway.http import Resources, resources
 from gateway.memory import MemoryClient
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestIds, RequestMetrics
+from gateway.middleware import AnswerDeadline, RequestIds, RequestMetrics
 from gateway.openapi import openapi_spec
 from gateway.problems import Problem, StoreUnavailable
 from gateway.session_log import Sessions
@@ -174,10 +174,11 @@ def create_app(settings: GatewaySettings, common: CommonSettings) -> Starlette:
         },
     )
     # Last added runs first: metrics count every answer, then the host and the body's type
-    # are checked before anyone is authenticated.
+    # are checked before anyone is authenticated, and a read's deadline counts from then.
     app.add_middleware(Authenticate)
     app.add_middleware(JsonOnly)
     app.add_middleware(AllowedHosts, allowed=served_hosts(settings))
+    app.add_middleware(AnswerDeadline, timeout_s=settings.answer_timeout_s)
     app.add_middleware(RequestIds)
     app.add_middleware(ClientAddress, trusted=networks(settings.trusted_proxies))
     app.add_middleware(RequestMetrics, metrics=gateway_metrics)

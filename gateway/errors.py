@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.problems import (
+    AnswerTimeout,
     BacklogFull,
     CompletionNotFound,
     ContextTooLong,
@@ -111,6 +112,9 @@ def api_error(problem: Problem) -> APIError:
                             headers={"Retry-After": "2"})
         case StoreUnavailable():
             return APIError(503, message, code="store_unavailable",
+                            headers={"Retry-After": "2"})
+        case AnswerTimeout():
+            return APIError(503, message, code="answer_timeout",
                             headers={"Retry-After": "2"})
         case StoreLagging():
             return APIError(503, message, code="projection_lagging",

@@ -1,12 +1,20 @@
-"""Wrapping middleware that every request passes: counting, and request ids."""
+"""Wrapping middleware that every request passes: counting, request ids, and reads'
+deadlines."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import api_error
 from gateway.metrics import GatewayMetrics
+from gateway.problems import AnswerTimeout
+from pipeline.retry import QuietLog
+
+_quiet = QuietLog(logging.getLogger(__name__))
 
 REFUSALS = (400, 401, 409, 413, 415, 429, 503)
 
@@ -73,3 +81,45 @@ class RequestIds:
             await send(message)
 
         await self.app(scope, receive, identified_send)
+
+
+class AnswerDeadline:
+    """A read (GET, HEAD) starts its answer within ``timeout_s`` of reaching the app,
+    however many calls to Kafka and PostgreSQL it makes one after another (each bounded
+    alone by ``GATEWAY_DEPENDENCY_TIMEOUT_S``, and a dependency that is slow but not down
+    opens no breaker): past it, what it waits on is cancelled and its answer is 503
+    ``answer_timeout`` with Retry-After. A stream's answer starts with its events: what
+    it sends after that is not bounded here. Writes are not cut short: one stopped
+    between its record's write and its answer would leave its client not knowing whether
+    it was taken (each of their waits has its own bound: ``GATEWAY_ACCEPT_TIMEOUT_S``)."""
+
+    # Reads or changes only the start of a response (``gateway.eventstream.ServerSend``).
+    START_ONLY = True
+    READS = frozenset({"GET", "HEAD"})
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.READS:
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def timed_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                deadline.reschedule(None)  # answering: no longer bounded here
+            await send(message)
+
+        try:
+            async with asyncio.timeout(self.timeout_s) as deadline:
+                await self.app(scope, receive, timed_send)
+        except TimeoutError:
+            if started or not deadline.expired():
+                raise  # not this deadline's
+            _quiet.warning("a read of %s took longer than %g s to answer: refused (503)",
+                           scope.get("path", "?")[:200], self.timeout_s)
+            await api_error(AnswerTimeout(self.timeout_s)).response()(scope, receive, send)

@@ -94,6 +94,15 @@ class StoreUnavailable(Problem):
         super().__init__("The conversation store is unavailable; retry shortly.")
 
 
+class AnswerTimeout(Problem):
+    """A read whose calls to the log and the store took longer, all together, than its
+    answer may (``GATEWAY_ANSWER_TIMEOUT_S``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"The service could not answer within {timeout_s:g} s; retry "
+                         "shortly.")
+
+
 class StoreLagging(Problem):
     def __init__(self) -> None:
         super().__init__("The conversation store is too far behind the log; retry shortly.")

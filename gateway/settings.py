@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.settings import CommaList
@@ -24,6 +24,10 @@ class GatewaySettings(BaseSettings):
     # How long any one call to Kafka or PostgreSQL may take before the request is refused
     # (503 with Retry-After): the gateway answers within bounded time when either is away.
     dependency_timeout_s: float = Field(default=5.0, gt=0)
+    # How long a read (GET) may take to start its answer, all its calls to Kafka and
+    # PostgreSQL together: past it, 503 with Retry-After (gateway/middleware.py). Longer
+    # than projection_wait_s, which a read may spend waiting alone.
+    answer_timeout_s: float = Field(default=15.0, gt=0, le=3600)
     # How long a starting gateway waits for Kafka to answer before it gives up.
     startup_timeout_s: float = Field(default=120.0, gt=0)
     # How long a new turn may wait for the log to take its prompt. A prompt not in a
@@ -110,6 +114,15 @@ class GatewaySettings(BaseSettings):
     # address is its own client, whatever it sends: per-address limits (wrong keys) then
     # hold per client behind an ingress, and no client can pick its address.
     trusted_proxies: CommaList = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _answer_after_projection(self) -> GatewaySettings:
+        if self.answer_timeout_s <= self.projection_wait_s:
+            raise ValueError(
+                f"GATEWAY_ANSWER_TIMEOUT_S ({self.answer_timeout_s:g}) must be longer than "
+                f"GATEWAY_PROJECTION_WAIT_S ({self.projection_wait_s:g}): a read may wait "
+                "that long for the projection alone")
+        return self
 
     @field_validator("trusted_proxies")
     @classmethod

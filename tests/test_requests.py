@@ -91,6 +91,64 @@ def test_event_streams_refuse_a_middleware_that_could_touch_their_bodies() -> No
     from gateway.settings import GatewaySettings
 
     app = create_app(GatewaySettings(), CommonSettings())
-    assert len(app.user_middleware) == 6  # the gateway's own: each says START_ONLY
+    assert len(app.user_middleware) == 7  # the gateway's own: each says START_ONLY
     with pytest.raises(TypeError, match="START_ONLY"):
         app.add_middleware(GZipMiddleware)
+
+
+def test_a_read_answers_within_its_deadline_however_long_its_calls_take() -> None:
+    """A read (GET) that chains slow calls is answered 503 ``answer_timeout`` once
+    ``GATEWAY_ANSWER_TIMEOUT_S`` has passed, and what it waited on is cancelled. A stream
+    that has started its answer runs on past it, and a write is never cut short."""
+    import httpx
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from gateway.eventstream import ServerSend
+    from gateway.middleware import AnswerDeadline
+
+    cancelled: list[str] = []
+
+    async def slow(request: object) -> JSONResponse:
+        try:
+            for _ in range(3):  # three calls, each within a dependency's own timeout
+                await asyncio.sleep(0.4)
+        except asyncio.CancelledError:
+            cancelled.append("read")
+            raise
+        return JSONResponse({"late": True})
+
+    async def stream(request: object) -> StreamingResponse:
+        async def body() -> object:
+            for part in (b"a", b"b", b"c"):
+                await asyncio.sleep(0.3)
+                yield part
+        return StreamingResponse(body())
+
+    app = ServerSend(routes=[Route("/read", slow, methods=["GET", "POST"]),
+                             Route("/stream", stream, methods=["GET"])])
+    app.add_middleware(AnswerDeadline, timeout_s=0.5)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as http:
+            return [await http.get("/read"), await http.get("/stream"),
+                    await http.post("/read")]
+
+    refused, streamed, written = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+    assert refused.json()["error"]["code"] == "answer_timeout"
+    assert "0.5 s" in refused.json()["error"]["message"]
+    assert cancelled == ["read"]
+    assert (streamed.status_code, streamed.content) == (200, b"abc")
+    assert (written.status_code, written.json()) == (200, {"late": True})
+
+
+def test_a_read_deadline_shorter_than_the_projection_wait_is_refused_at_start() -> None:
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+
+    with pytest.raises(ValidationError, match=r"GATEWAY_ANSWER_TIMEOUT_S \(8\) must be longer"):
+        GatewaySettings(answer_timeout_s=8, projection_wait_s=10)
+    assert GatewaySettings().answer_timeout_s > GatewaySettings().projection_wait_s
