@@ -275,6 +275,71 @@ def test_records_dropped_while_a_transaction_waits_for_its_floor_leave_the_write
     assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == [b"r0", b"r2"]
 
 
+class _Hanging(Producer):
+    """A real producer whose calls hang as librdkafka's that ignore their timeout can
+    (librdkafka #5456): the first one made hangs in its registration; the second one's
+    first transaction fails its flush, and its abort hangs. Each returns on ``release``."""
+
+    made = 0
+    release = threading.Event()
+
+    def __init__(self, config: dict[str, object]) -> None:
+        super().__init__(config)
+        _Hanging.made += 1
+        self.number, self.flushed = _Hanging.made, False
+
+    def init_transactions(self, *args: object) -> None:
+        if self.number == 1:
+            _Hanging.release.wait(120)
+        super().init_transactions(*args)
+
+    def flush(self, *args: object) -> int:
+        if self.number == 2 and not self.flushed:
+            self.flushed = True
+            return 1  # a record not delivered: the transaction is aborted
+        return super().flush(*args)
+
+    def abort_transaction(self, *args: object) -> None:
+        if self.number == 2:
+            _Hanging.release.wait(120)
+        super().abort_transaction(*args)
+
+
+def test_a_producer_stuck_outside_a_transaction_is_replaced_and_loses_nothing(
+        sim_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog replaced a producer stuck in a transaction's steps, but not one stuck
+    registering its id (a writer that never started) or aborting (one that never wrote
+    again). Here the first producer hangs registering, its replacement hangs aborting;
+    each is replaced past its call's timeout, and every record is written once. The
+    stuck calls then return, and their abandoned threads do nothing more."""
+    import pipeline.kafka.transaction_loop as transaction_loop
+
+    monkeypatch.setattr(transaction_loop, "Producer", _Hanging)
+    sink = f"hanging.{uuid.uuid4().hex[:8]}"
+    ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
+
+    async def scenario() -> float:
+        writer = TransactionalProducer(sim_stack.bootstrap, f"hanging-{uuid.uuid4().hex[:8]}",
+                                       TransactionSettings(timeout_ms=2000))
+        started = time.monotonic()
+        writer.start()
+        sent = [writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(),
+                                                 request_id=f"r{i}")) for i in range(5)]
+        await asyncio.wait_for(asyncio.gather(*sent), 60)
+        took = time.monotonic() - started
+        _Hanging.release.set()
+        await asyncio.sleep(1)  # the abandoned threads' calls return
+        await writer.send(sink, SessionCreated(conversation_id=uuid.uuid4(), request_id="r5"))
+        await asyncio.to_thread(writer.close, 30)
+        return took
+
+    took = asyncio.run(scenario())
+    assert _Hanging.made >= 3 and took > 8  # registering: 3 x 2 s its own, 2 s more
+    written = [value or b"" for _, value, _ in read_records(sim_stack.bootstrap, sink)]
+    assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == \
+        [f"r{i}".encode() for i in range(6)]
+
+
 def test_a_replaced_workers_live_batches_and_turn_ends_are_fenced_together(
         sim_stack: Stack) -> None:
     """A worker's turns write their deltas to chat.live, many turns to a record, and their

@@ -66,6 +66,9 @@ class TransactionLoop:
         self._committing = False  # its commit was asked for: it may have happened
         self._doomed = False  # a record of it was answered NotAccepted: it must abort
         self._began: float | None = None  # when it began (monotonic)
+        # A call outside a transaction (registering, aborting) not returned yet: when it
+        # is late (monotonic), and what it is.
+        self._waiting: tuple[float, str] | None = None
         self._generation = 0  # bumped when a stuck thread is abandoned
         self.group: Any = None  # the consumer's group metadata as of its last assignment
         self._stop = False
@@ -89,7 +92,8 @@ class TransactionLoop:
     def _run(self, generation: int) -> None:
         """Register the transactional id (fencing an earlier process that used it), then
         commit transactions until the outbox stops or the watchdog abandons this thread."""
-        self._register()
+        if not self._register(generation) and self._abandoned(generation):
+            return  # the thread that replaced it registers its own producer
         self.ready.set()
         backoff = Backoff(0.05, 2.0)
         while (batch := self._outbox.next_batch(lambda: generation == self._generation)
@@ -108,18 +112,29 @@ class TransactionLoop:
 
     def replace_if_stuck(self) -> None:
         """If a step before the commit has not returned within the transaction timeout,
-        leave its thread behind: a new producer under the id fences the stuck one, and a
-        new thread sends its records again (see ``TransactionalProducer``)."""
-        stuck_since = self._began
-        if not (self._outbox.busy and not self._committing and stuck_since is not None
-                and time.monotonic() - stuck_since > self._timeout_s):
+        or a call outside a transaction (registering, aborting) well past its own, leave
+        its thread behind: a new producer under the id fences the stuck one, and a new
+        thread sends its records again (see ``TransactionalProducer``)."""
+        if self._stuck(time.monotonic()) is None:
             return
         # Made here, not holding the lock (a sender on an event loop waits for it).
         fresh = Producer(self._config)
         with self._cond:
-            if self._outbox.busy and not self._committing and self._began == stuck_since:
-                fresh = self._abandon_stuck(time.monotonic() - stuck_since, fresh)
+            what = self._stuck(time.monotonic())  # still: its call may have returned
+            if what is not None:
+                fresh = self._abandon_stuck(what, fresh)
         del fresh  # the one not used, destroyed outside the lock
+
+    def _stuck(self, now: float) -> str | None:
+        """What has not returned in time on the transactions' thread, if anything."""
+        began, waiting = self._began, self._waiting
+        if (began is not None and now - began > self._timeout_s and self._outbox.busy
+                and not self._committing):
+            return f"a Kafka transaction has not reached its commit in {now - began:.0f} s"
+        if waiting is not None and now > waiting[0]:
+            return (f"the transactional producer's {waiting[1]} has not returned "
+                    f"{now - waiting[0] + self._timeout_s:.0f} s past its timeout")
+        return None
 
     def doom_late(self, now: float) -> list[Queued]:
         """(Holding the lock.) The open transaction's records past their deadline, if it
@@ -130,14 +145,15 @@ class TransactionLoop:
         self._doomed = self._doomed or bool(doomed)
         return doomed
 
-    def _abandon_stuck(self, waited_s: float, fresh: Producer) -> Producer:
+    def _abandon_stuck(self, what: str, fresh: Producer) -> Producer:
         """(Holding the lock.) Leave the stuck thread behind; ``fresh`` and a new thread
         take over. Returns the producer let go, for the caller to drop outside the lock."""
-        log.error("a Kafka transaction has not reached its commit in %.0f s (a librdkafka "
-                  "call that ignores its timeout: librdkafka #5456, #5511); replacing the "
-                  "producer and sending its %d records again", waited_s, len(self._current))
+        log.error("%s (a librdkafka call that ignores its timeout: librdkafka #5456, "
+                  "#5511); replacing the producer and sending its %d records again", what,
+                  len(self._current))
         self._generation += 1
         current, self._current, self._began = self._current, [], None
+        self._waiting = None
         self._outbox.give_back(current)
         # The new producer's registration fences the stuck one.
         old, self._producer = self._producer, fresh
@@ -147,22 +163,60 @@ class TransactionLoop:
 
     # One transaction.
 
-    def _register(self) -> None:
-        """init_transactions, retried until the broker answers."""
+    def _register(self, generation: int) -> bool:
+        """init_transactions, retried until the broker answers; False if the loop stopped
+        or the watchdog abandoned this thread (``_abandoned``) first."""
         backoff = Backoff(0.2, 5.0)
         while not self._stop:
+            p = self._watch(generation, self._timeout_s * 3, "registration")
+            if p is None:
+                return False
             try:
-                self._producer.init_transactions(self._timeout_s * 3)
-                return
+                p.init_transactions(self._timeout_s * 3)
             except KafkaException as exc:
+                if not self._unwatch(generation):
+                    return False
                 err = exc.args[0]
                 if err.code() == KafkaError._STATE and "state Ready" in err.str():
-                    return  # a call that timed out here went on and registered it
+                    return True  # a call that timed out here went on and registered it
                 if err.fatal():
-                    self._producer = Producer(self._config)
+                    self._renew_producer(generation)
                 self._quiet.warning("could not register the transactional producer, "
                                     "retrying: %s", exc)
                 time.sleep(backoff.next())
+                continue
+            return self._unwatch(generation)
+        return False
+
+    def _watch(self, generation: int, timeout_s: float, what: str) -> Producer | None:
+        """The producer, for a call outside a transaction (``what``) that should return
+        within ``timeout_s``: past it and the transaction timeout more, the watchdog
+        replaces it. None if this thread was abandoned."""
+        with self._cond:
+            if generation != self._generation:
+                return None
+            self._waiting = (time.monotonic() + timeout_s + self._timeout_s, what)
+            return self._producer
+
+    def _unwatch(self, generation: int) -> bool:
+        """The watched call returned: False if this thread was abandoned meanwhile (it
+        then does nothing more: its records were given to the thread that replaced it)."""
+        with self._cond:
+            if generation != self._generation:
+                return False
+            self._waiting = None
+            return True
+
+    def _abandoned(self, generation: int) -> bool:
+        with self._cond:
+            return generation != self._generation
+
+    def _renew_producer(self, generation: int) -> None:
+        fresh = Producer(self._config)  # made outside the lock, like the watchdog's
+        with self._cond:
+            if generation == self._generation:
+                fresh, self._producer = self._producer, fresh
+        del fresh  # the one let go
 
     def _transact(self, batch: list[Queued], generation: int) -> bool:
         """One transaction; True if its records must be sent again. A thread the watchdog
@@ -209,7 +263,7 @@ class TransactionLoop:
                 # producer as the call returned left two threads renewing it, each
                 # fencing the other's; seen once in CI, a worker's turns then stalled.)
                 self._began = None
-            return self._failed(exc.args[0], batch, group)
+            return self._failed(exc.args[0], batch, group, generation)
         finally:
             with self._cond:
                 if generation == self._generation:
@@ -267,7 +321,8 @@ class TransactionLoop:
         limits = self._outbox.limits
         refuse(item, RecordTooLarge(item.topic, item.size, limits.of(item.topic)))
 
-    def _failed(self, err: KafkaError, batch: list[Queued], group: Any) -> bool:
+    def _failed(self, err: KafkaError, batch: list[Queued], group: Any,
+                generation: int) -> bool:
         """Handle a failed transaction (``group``: the metadata it showed the broker); True
         if its records must be sent again. Its records are never visible (aborted), so
         sending them again writes each exactly once."""
@@ -292,13 +347,23 @@ class TransactionLoop:
             # committed copy precedes them, and every reader drops copies (a prompt's
             # request id, a delta's seq; seen in the outage suite).
             log.warning("transactional producer fenced (%s); starting a new one", err)
-            self._renew()
+            self._renew(generation)
             return True  # whether this worker still owns its partitions, the group decides
+        p = self._watch(generation, self._step_s, "abort")
+        if p is None:
+            return False
         try:
-            self._producer.abort_transaction(self._step_s)
+            p.abort_transaction(self._step_s)
         except KafkaException as exc:
+            if not self._unwatch(generation):
+                return False
             log.warning("could not abort a transaction (%s); starting a new producer", exc)
-            self._renew()  # a new producer under the id aborts the old one's transaction
+            self._renew(generation)  # a new producer aborts the old one's transaction
+            if self._abandoned(generation):
+                return False
+        else:
+            if not self._unwatch(generation):
+                return False  # abandoned: the thread that replaced it sends its records
         if code in _GROUP_FENCING or (code == KafkaError._STATE and "no partition" in err.str()):
             for item in batch:
                 settle(item, Fenced(str(err)))
@@ -317,11 +382,11 @@ class TransactionLoop:
                             len(batch), err)
         return True
 
-    def _renew(self) -> None:
+    def _renew(self, generation: int) -> bool:
         """Replace a producer that failed for good with a new one under the same id (which
-        fences the old one and aborts its open transaction)."""
-        self._producer = Producer(self._config)
-        self._register()
+        fences the old one and aborts its open transaction); False as ``_register``."""
+        self._renew_producer(generation)
+        return self._register(generation)
 
     def _give_up(self, err: KafkaError, batch: list[Queued]) -> bool:
         log.error("the transactional producer failed for good: %s", err)
