@@ -278,7 +278,8 @@ def test_records_dropped_while_a_transaction_waits_for_its_floor_leave_the_write
 class _Hanging(Producer):
     """A real producer whose calls hang as librdkafka's that ignore their timeout can
     (librdkafka #5456): the first one made hangs in its registration; the second one's
-    first transaction fails its flush, and its abort hangs. Each returns on ``release``."""
+    first transaction fails its flush, and its abort hangs; the third one's commit hangs.
+    Each returns on ``release``."""
 
     made = 0
     release = threading.Event()
@@ -304,14 +305,20 @@ class _Hanging(Producer):
             _Hanging.release.wait(120)
         super().abort_transaction(*args)
 
+    def commit_transaction(self, *args: object) -> None:
+        if self.number == 3:
+            _Hanging.release.wait(120)
+        super().commit_transaction(*args)
+
 
 def test_a_producer_stuck_outside_a_transaction_is_replaced_and_loses_nothing(
         sim_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     """The watchdog replaced a producer stuck in a transaction's steps, but not one stuck
-    registering its id (a writer that never started) or aborting (one that never wrote
-    again). Here the first producer hangs registering, its replacement hangs aborting;
-    each is replaced past its call's timeout, and every record is written once. The
-    stuck calls then return, and their abandoned threads do nothing more."""
+    registering its id (a writer that never started), committing or aborting (one that
+    never wrote again). Here the first producer hangs registering, the second aborting,
+    the third committing; each is replaced past its call's timeout, and every record is
+    written once. The stuck calls then return, and their abandoned threads do nothing
+    more."""
     import pipeline.kafka.transaction_loop as transaction_loop
 
     monkeypatch.setattr(transaction_loop, "Producer", _Hanging)
@@ -334,7 +341,7 @@ def test_a_producer_stuck_outside_a_transaction_is_replaced_and_loses_nothing(
         return took
 
     took = asyncio.run(scenario())
-    assert _Hanging.made >= 3 and took > 8  # registering: 3 x 2 s its own, 2 s more
+    assert _Hanging.made >= 4 and took > 8  # registering: 3 x 2 s its own, 2 s more
     written = [value or b"" for _, value, _ in read_records(sim_stack.bootstrap, sink)]
     assert [v.split(b'"request_id":"')[1].split(b'"')[0] for v in written] == \
         [f"r{i}".encode() for i in range(6)]

@@ -66,8 +66,8 @@ class TransactionLoop:
         self._committing = False  # its commit was asked for: it may have happened
         self._doomed = False  # a record of it was answered NotAccepted: it must abort
         self._began: float | None = None  # when it began (monotonic)
-        # A call outside a transaction (registering, aborting) not returned yet: when it
-        # is late (monotonic), and what it is.
+        # A call with a timeout of its own (registering, committing, aborting) not
+        # returned yet: when it is late (monotonic), and what it is.
         self._waiting: tuple[float, str] | None = None
         self._generation = 0  # bumped when a stuck thread is abandoned
         self.group: Any = None  # the consumer's group metadata as of its last assignment
@@ -112,9 +112,10 @@ class TransactionLoop:
 
     def replace_if_stuck(self) -> None:
         """If a step before the commit has not returned within the transaction timeout,
-        or a call outside a transaction (registering, aborting) well past its own, leave
-        its thread behind: a new producer under the id fences the stuck one, and a new
-        thread sends its records again (see ``TransactionalProducer``)."""
+        or a call with a timeout of its own (registering, committing, aborting) a
+        transaction timeout past it, leave its thread behind: a new producer under the
+        id fences the stuck one, and a new thread sends its records again (see
+        ``TransactionalProducer``)."""
         if self._stuck(time.monotonic()) is None:
             return
         # Made here, not holding the lock (a sender on an event loop waits for it).
@@ -153,7 +154,7 @@ class TransactionLoop:
                   len(self._current))
         self._generation += 1
         current, self._current, self._began = self._current, [], None
-        self._waiting = None
+        self._waiting, self._committing = None, False
         self._outbox.give_back(current)
         # The new producer's registration fences the stuck one.
         old, self._producer = self._producer, fresh
@@ -189,9 +190,9 @@ class TransactionLoop:
         return False
 
     def _watch(self, generation: int, timeout_s: float, what: str) -> Producer | None:
-        """The producer, for a call outside a transaction (``what``) that should return
-        within ``timeout_s``: past it and the transaction timeout more, the watchdog
-        replaces it. None if this thread was abandoned."""
+        """The producer, for a call (``what``) that should return within ``timeout_s``:
+        past it and the transaction timeout more, the watchdog replaces it. None if this
+        thread was abandoned."""
         with self._cond:
             if generation != self._generation:
                 return None
@@ -253,7 +254,8 @@ class TransactionLoop:
                     raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
                                                     "a record's deadline passed"))
                 self._committing = True
-            self._commit()
+            if not self._commit(generation):
+                return False  # abandoned: its records go again on the new producer
         except KafkaException as exc:
             with self._cond:
                 if generation != self._generation:
@@ -275,20 +277,29 @@ class TransactionLoop:
             self._on_committed(offsets)
         return False
 
-    def _commit(self) -> None:
+    def _commit(self, generation: int) -> bool:
         """commit_transaction, asked again while the answer is lost (retriable errors):
-        once sent, a commit may have happened, so it is never given up for an abort."""
+        once sent, a commit may have happened, so it is never given up for an abort.
+        False if the watchdog abandoned this thread meanwhile (a call that ignored its
+        timeout): the records go again on the new producer, and if this commit happened
+        after all, every reader drops the copies (as after a lost commit's fencing)."""
         backoff = Backoff(0.05, 2.0)
         while True:
+            p = self._watch(generation, self._step_s, "commit")
+            if p is None:
+                return False
             try:
-                self._producer.commit_transaction(self._step_s)
-                return
+                p.commit_transaction(self._step_s)
             except KafkaException as exc:
+                if not self._unwatch(generation):
+                    return False
                 err = exc.args[0]
                 if not err.retriable() or err.txn_requires_abort() or err.fatal():
                     raise
                 self._quiet.warning("a commit's answer was lost, asking again: %s", err)
                 time.sleep(backoff.next())
+                continue
+            return self._unwatch(generation)
 
     def _produce(self, item: Queued) -> None:
         def delivered(err: KafkaError | None, msg: Message) -> None:

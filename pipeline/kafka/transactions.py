@@ -87,9 +87,10 @@ class TransactionalProducer:
     can interrupt it, so the watchdog replaces the producer: a new one under the same id
     fences the stuck one and aborts its transaction (the coordinator has aborted it by
     then anyway), the transaction's records are sent again on a new thread, and the
-    stuck thread, if its call ever returns, touches nothing. The calls outside a
-    transaction (registering the id, aborting a failed transaction) are watched the same
-    way: one not returned a transaction timeout past its own timeout is stuck.
+    stuck thread, if its call ever returns, touches nothing. The calls with a timeout of
+    their own (registering the id, committing, aborting) are watched the same way: one
+    not returned a transaction timeout past its own timeout is stuck (a commit replaced
+    so may have happened: readers drop the copies its records' second sending makes).
     """
 
     def __init__(
