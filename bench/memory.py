@@ -23,8 +23,9 @@ import httpx
 from bench.serving import _start, _stop
 from bench.stack import wait_projected
 from infra.process import free_port, wait_http
+from workers.tiny_model import TINY_MODEL_NAME
 
-MODEL = "tiny-random-llama"
+MODEL = TINY_MODEL_NAME
 MEMORY_CORE = max(os.cpu_count() or 1, 1) - 1
 
 

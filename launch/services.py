@@ -24,9 +24,9 @@ from pipeline.tracing import setup_tracing
 from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.engine import Engine
 from workers.settings import WorkerSettings
+from workers.tiny_model import TINY_MODEL_NAME
 
 log = logging.getLogger("pipeline")
-TINY_MODEL_NAME = "tiny-random-llama"
 
 
 def _run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -29,6 +29,9 @@ Hello! How can I help you today? I am a tiny model with random weights.
 The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
 """
 
+# The name it is served under when no model is configured.
+TINY_MODEL_NAME = "tiny-random-llama"
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
