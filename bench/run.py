@@ -18,7 +18,7 @@ from pipeline.settings import CommonSettings
 from workers.settings import WorkerSettings
 
 PARTS = ("serving", "capacity", "log", "fairness", "projection", "analytics", "sealing",
-         "hotpath", "worker", "memory")
+         "hotpath", "frontend", "worker", "memory")
 # Parts run only when named: a year of state takes its own stack and the better part of
 # an hour.
 NAMED_ONLY = ("scale",)
@@ -231,6 +231,15 @@ IN_PROCESS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "one output per engine step, and each step's live records are made, sealed (a "
         "key per conversation) and dropped. Process CPU per token, median of "
         f"{figures['rounds']} rounds.")),
+    "frontend": ("vLLM's front end in the worker's process: its CPU per token, "
+                 "detokenising and not", lambda figures: (
+        "In process, no Kafka (bench/frontend.py): one VllmEngine, the tiny model with "
+        f"random weights on this CPU, {figures['clients']} closed-loop clients of "
+        f"{figures['tokens']} tokens a reply (ignore_eos). Rounds alternate on the same "
+        "engine with and without detokenising (SamplingParams.detokenize); each is this "
+        "process's CPU per token (vLLM's output processing, the worker's pump and sinks, "
+        "and the clients; not vLLM's engine core, a process of its own). Medians of "
+        f"{figures['pairs']} pairs; the ratio is the median of each pair's.")),
 }
 
 

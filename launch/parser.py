@@ -191,7 +191,8 @@ def parser() -> argparse.ArgumentParser:
                        help="serving (the engine, vllm serve, the pipeline), capacity "
                             "(simulated engine), log (bytes), fairness (between tenants), "
                             "projection, analytics, sealing, hotpath (the worker's per-"
-                            "token path), worker (one worker alone at a GPU's rate), memory; "
+                            "token path), frontend (vLLM's front end, detokenising and not), "
+                            "worker (one worker alone at a GPU's rate), memory; "
                             "default: all of "
                             "those; scale (a year of state, its own stack), when named; "
                             "or pair, alone (below)")

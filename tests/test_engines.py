@@ -249,6 +249,23 @@ def test_runs_many_at_once(engine: Running) -> None:
     assert engine.engine.running() == 0
 
 
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)  # vLLM's alone
+def test_the_frontend_bench_measures_vllm_with_and_without_its_text(engine: Running) -> None:
+    """``pipeline bench frontend`` runs vLLM with detokenising and without: without, the
+    same tokens come and no text, so what it saves is detokenising alone."""
+    from bench.frontend import one_round
+    from workers.vllm_engine import VllmEngine
+
+    assert isinstance(engine.engine, VllmEngine)
+    with_text = engine.run(one_round(engine.engine, 2, 6, True, requests=1))
+    without = engine.run(one_round(engine.engine, 2, 6, False, requests=1))
+    assert engine.engine.detokenize is False
+    engine.engine.detokenize = True  # as every other check of the module runs it
+    assert isinstance(with_text, tuple) and isinstance(without, tuple)
+    assert with_text[1:] == (12, with_text[2]) and with_text[2] > 0 and with_text[0] > 0
+    assert without[1:] == (12, 0) and without[0] > 0
+
+
 def test_bench_serving_takes_the_gpu_options_and_gives_them_to_every_engine() -> None:
     """``pipeline bench serving``'s flags become the engines' settings, and the same
     arguments go to the worker's command and to ``vllm serve``'s."""

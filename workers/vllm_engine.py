@@ -209,6 +209,9 @@ class VllmEngine:
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._pace: Pace = unpaced
+        # False: vLLM does not detokenise, and outputs carry token ids with no text. Only
+        # ``pipeline bench frontend`` sets it, to measure what detokenising costs here.
+        self.detokenize = True
 
     def running(self) -> int:
         return len(self._streams)
@@ -253,6 +256,7 @@ class VllmEngine:
             "n": s.n,
             "ignore_eos": s.ignore_eos,
             "output_kind": RequestOutputKind.DELTA,
+            "detokenize": self.detokenize,
         }
         for name in ("temperature", "top_p", "top_k"):
             value = getattr(s, name)
