@@ -322,6 +322,8 @@ def test_a_producer_stuck_outside_a_transaction_is_replaced_and_loses_nothing(
     import pipeline.kafka.transaction_loop as transaction_loop
 
     monkeypatch.setattr(transaction_loop, "Producer", _Hanging)
+    _Hanging.made = 0
+    _Hanging.release.clear()
     sink = f"hanging.{uuid.uuid4().hex[:8]}"
     ensure_topics(sim_stack.bootstrap, [TopicSpec(sink, 1, {})])
 
