@@ -396,6 +396,16 @@ def test_a_reader_whose_queue_fills_reads_on_at_once(stack: Stack) -> None:
     assert min(looked_up) < 0.5 and min(ranged) < 0.9, (looked_up, ranged)
 
 
+def _write_started_turn(bootstrap: str, partition: int, ref: int, request_id: str,
+                        text: str, token_ids: tuple[int, ...]) -> None:
+    """One live record to ``partition`` of ``chat.live``: turn ``request_id``'s start and
+    its first delta."""
+    out = PlainWriter(bootstrap, "test-live")
+    out.send(LIVE, None, write_batch("test", int(time.time() * 1000), [(ref, 0, request_id)],
+                                     [(ref, 0, text, token_ids)], [], [], []), partition)
+    assert out.flush(30) == []
+
+
 def test_a_tailed_partition_whose_fetch_stops_is_read_again(stack: Stack) -> None:
     """librdkafka's fetcher for an assigned partition can stop for good once its brokers
     restart (librdkafka #5153): in the outage suite, after the whole cluster was lost
@@ -418,11 +428,7 @@ def test_a_tailed_partition_whose_fetch_stops_is_read_again(stack: Stack) -> Non
             sub = await tail.follow(request_id, b"stall", 0)
             reader = tail._consumer  # its fetch of chat.live/0 stops, as librdkafka's can
             await reader.call(reader._consumer.pause, [TopicPartition(LIVE, 0)])
-            out = PlainWriter(stack.bootstrap, "stalled-live")
-            out.send(LIVE, None, write_batch("stall-test", int(time.time() * 1000),
-                                             [(ref, 0, request_id)],
-                                             [(ref, 0, "again", (7,))], [], [], []), 0)
-            assert out.flush(30) == []
+            _write_started_turn(stack.bootstrap, 0, ref, request_id, "again", (7,))
             items: list[object] = []
             deadline = time.monotonic() + 3 * STALL_S
             while len(items) < 2 and time.monotonic() < deadline:
@@ -460,11 +466,7 @@ def test_a_partition_whose_add_was_given_up_on_is_tailed_all_the_same(stack: Sta
         try:  # the add a timed-out caller left behind, from the start of the topics
             await tail._consumer.add_partitions({(LIVE, 1): 0, (GENERATIONS, 1): 0})
             sub = await tail.follow(request_id, b"added", 1)
-            out = PlainWriter(stack.bootstrap, "added-live")
-            out.send(LIVE, None, write_batch("added-test", int(time.time() * 1000),
-                                             [(ref, 0, request_id)],
-                                             [(ref, 0, "here", (9,))], [], [], []), 1)
-            assert out.flush(30) == []
+            _write_started_turn(stack.bootstrap, 1, ref, request_id, "here", (9,))
             items: list[object] = []
             while len(items) < 2:
                 got = await asyncio.wait_for(sub.get(), 30)
