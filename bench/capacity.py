@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.loadgen import Request, chat_body, closed_loop, http_client, percentile, stream_once
-from bench.stack import wait_projected
+from bench.stack import in_tree, wait_projected
 from infra.process import free_port, wait_http
 from pipeline.codec import parse, parse_live
 from pipeline.kafka import LogReader
@@ -152,8 +152,7 @@ def _stack(bootstrap: str, log_dir: Path, env: dict[str, str], *, max_num_seqs: 
            "GATEWAY_MAX_WAITING_PER_TENANT": "1000000",
            "GATEWAY_MAX_STREAMS_PER_TENANT": "1000000",
            "GATEWAY_CANCEL_GRACE_S": "0", "WORKER_SERVED_MODEL_NAME": "sim", **env}
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tree), env.get("PYTHONPATH"))))
+    in_tree(env, tree)
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_metrics = free_port()
     procs = []

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from infra.process import free_port
 from pipeline.kafka import GroupStatus
+from pipeline.settings import REPO_ROOT
 from pipeline.topics import CONVERSATION_TOPICS
 from projections.settings import ProjectorSettings
 
@@ -39,6 +40,14 @@ def wait_projected(bootstrap: str, timeout: float = 600.0) -> None:
         status.close()
 
 
+def in_tree(env: dict[str, str], tree: Path | None) -> None:
+    """``env`` made to run ``tree``'s code (None: this checkout's) with this stack's state,
+    its key-encryption key first, not the tree's own."""
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tree), env.get("PYTHONPATH"))))
+        env.setdefault("PIPELINE_STATE_DIR", str(REPO_ROOT / ".state"))
+
+
 @contextmanager
 def sim_worker(bootstrap: str, log: Path, model: str, slots: int, tokens_per_s: float,
                env: dict[str, str], tree: Path | None = None) -> Iterator[tuple[str, int]]:
@@ -49,8 +58,7 @@ def sim_worker(bootstrap: str, log: Path, model: str, slots: int, tokens_per_s: 
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": bootstrap,
            "WORKER_SIM_TOKENS_PER_S": str(tokens_per_s), **env}
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tree), env.get("PYTHONPATH"))))
+    in_tree(env, tree)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launch", "worker", "--engine", "sim", "--served-model-name",
