@@ -1,9 +1,10 @@
 """``pipeline bench hotpath``: the worker's own CPU per token on the path every token
 takes, in process (no Kafka, no engine): ``turns`` running turns each take one output
-per engine step (``workers.turn``: the start at the first, then the metrics, the fair
-share's counters, the coalescer, the delta), and once per step the live records are
-made, each turn's text sealed with its conversation's key (``workers.output``), and
-handed to a writer that drops them, on an event loop as in the worker.
+per engine step (``workers.turn``: the start at the first, then the inter-token metric
+and the text held for the open record), and once per step the live records are made
+(a delta per turn: the tokens counted, the fair share's counters), each turn's text
+sealed with its conversation's key (``workers.output``), and handed to a writer that
+drops them, on an event loop as in the worker.
 
 It is the share of the worker that grows with tokens, measured apart from the host's
 noise around a whole stack (``pipeline bench pair`` measures the whole worker). Its
@@ -51,7 +52,7 @@ def _takers(turns: int, partitions: int) -> tuple[list[Any], Any, DroppingWriter
     metrics = WorkerMetrics(CollectorRegistry(), engine,  # type: ignore[arg-type]
                             Readings(*[lambda: 0] * 4))
     runner = Runner(engine, output, writer, None, metrics, "bench",  # type: ignore[arg-type]
-                    0.0, lambda *_, **__: None)
+                    lambda *_, **__: None)
     takers = []
     for i in range(turns):
         conversation = uuid.uuid4()

@@ -180,7 +180,7 @@ def _worker(args: argparse.Namespace, common: CommonSettings, external_db: bool)
         args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
         "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
         "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes",
-        "coalesce_ms", "load_format")))
+        "load_format")))
     return 0
 
 

@@ -107,8 +107,6 @@ def parser() -> argparse.ArgumentParser:
     wk.add_argument("--kv-cache-memory-bytes", type=int)
     wk.add_argument("--load-format", choices=["auto", "dummy", "safetensors", "pt"],
                     help="dummy: random weights from the model's config (no weight files)")
-    wk.add_argument("--coalesce-ms", type=float,
-                    help="one TokenDelta per request per N ms window (0: per step)")
     wk.add_argument("--metrics-port", type=int)
     pj = sub.add_parser("projector", help="run the Postgres projection")
     pj.add_argument("--metrics-port", type=int)

@@ -24,7 +24,6 @@ from schemas import (
     SessionDeleted,
 )
 from schemas.conversation import TurnLedger, Verdict, storable, title
-from workers.coalescer import Coalescer
 from workers.control import ControlBook
 from workers.plan import stop_at
 
@@ -139,20 +138,6 @@ def test_the_grace_counts_from_when_the_log_had_the_departure() -> None:
     book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
                               grace_s=10, occurred_at=NOW), logged_at=NOW - timedelta(seconds=5))
     assert stop_at(book, p) == NOW + timedelta(seconds=10)
-
-
-# -- coalescing ---------------------------------------------------------------------------
-def test_the_first_tokens_go_at_once_then_one_delta_per_window() -> None:
-    c = Coalescer(0.010)
-    assert c.add("a", (1,), 0.001) == ("a", (1,))
-    assert c.add("b", (2,), 0.002) is None
-    assert c.add("c", (3,), 0.009) is None
-    assert c.add("d", (4,), 0.011) == ("bcd", (2, 3, 4))
-    assert c.add("e", (5,), 0.012) is None
-    assert c.drain() == ("e", (5,)) and c.drain() is None and c.emitted == 3
-    every_step = Coalescer(0)
-    assert [every_step.add(t, (i,), 0.0) for i, t in enumerate("xy")] == [("x", (0,)),
-                                                                            ("y", (1,))]
 
 
 # -- the gateway's edge -------------------------------------------------------------------

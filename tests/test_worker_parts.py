@@ -18,6 +18,7 @@ import pytest
 from bench.sealing import DroppingWriter
 from pipeline.codec import CLEAR, Position
 from pipeline.kafka import Record
+from pipeline.topics import LIVE
 from schemas import (
     ChatMessage,
     GenerationFailed,
@@ -27,6 +28,7 @@ from schemas import (
     TokenDelta,
     Usage,
 )
+from schemas.live import Delta, entries
 from workers.engine import EngineRequest, outputs
 from workers.host import AUTOGROUP_SWITCH, lower_session_priority
 from workers.offsets import OffsetTracker
@@ -191,6 +193,7 @@ class _Recording(DroppingWriter):
     def __init__(self) -> None:
         super().__init__()
         self.gathers: list[list[str]] = [[]]
+        self.live: list[bytes] = []  # the live records' values, in order
         self.busy, self.spacing_s = False, 0.0
         self.waiting: list[Callable[[], None]] = []
 
@@ -213,12 +216,49 @@ class _Recording(DroppingWriter):
 
     def send_together(self, records, epoch=0):  # type: ignore[no-untyped-def]
         self.gathers[-1] += [r.topic for r in records]
+        self.live += [r.value for r in records if r.topic == LIVE]
         done = []
         for r in records:
             future = asyncio.get_running_loop().create_future()
             future.set_result(Position(r.topic, r.partition or 0, 0))
             done.append(future)
         return done
+
+
+def test_a_turns_text_in_one_live_record_is_one_delta_and_a_stopped_turn_writes_none_held(
+        ) -> None:
+    """The steps a record spans (held while a transaction is being made) give each turn
+    one delta in it, seq gap-free across records; a turn stopped meanwhile (preempted,
+    its partition moved) writes none of what it held, and what the turn emitted is what
+    its end says."""
+    from bench.hotpath import _takers
+    from workers.output import GATHER_PASSES
+
+    takers, output, _ = _takers(2, 1)
+    writer = _Recording()
+    output.writer = takers[0].runner.writer = writer  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        writer.busy = True
+        for step in range(3):
+            for taker in takers:
+                taker.take(f"t{step} ", (step,), 5, None)
+            await asyncio.sleep(0)
+        takers[1].drop()  # stopped: its run raised CancelledError
+        writer.free()
+        for _ in range(GATHER_PASSES + 1):
+            await asyncio.sleep(0)
+        takers[0].take("t3 ", (3,), 5, "length")
+        final = await takers[0].runner.end(takers[0].turn, takers[0].finished())
+        assert (final.text, final.deltas) == ("t0 t1 t2 t3 ", 2)
+
+    asyncio.run(scenario())
+    records = [output.codec.decode_live(value) for value in writer.live]
+    deltas = [[(ref, d.seq, d.text, d.token_ids) for _, ref, d in entries(batch)
+               if isinstance(d, Delta)] for batch in records]
+    first = takers[0].ref
+    assert deltas == [[(first, 0, "t0 t1 t2 ", (0, 1, 2))], [(first, 1, "t3 ", (3,))]]
+    assert takers[1].turn.progress.parts == []  # a next attempt generates it again
 
 
 def test_the_turns_a_step_ends_end_in_the_transaction_of_its_deltas() -> None:

@@ -21,6 +21,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -43,6 +44,18 @@ ENTRY_BYTES = 48
 _encoder = msgspec.json.Encoder()
 
 
+class Lane(Protocol):
+    """A running turn whose text is held for its partition's open record (``hold``),
+    until the record is made and takes it as one delta."""
+
+    ref: int  # the turn's prompt's offset
+    batch: object  # the open record it is held for: ``Output.hold`` sets it
+
+    def drain(self) -> tuple[int, str, tuple[int, ...]] | None:
+        """What it holds as its next delta (seq, text, token ids), or None."""
+        ...
+
+
 @dataclass
 class _Open:
     """One partition's batch being built, and what waits for it."""
@@ -56,10 +69,13 @@ class _Open:
     # The text and token ids of each sealed turn's deltas, in order, by ref: its deltas
     # above hold them empty (``schemas.live``); one box each when the batch is sealed.
     texts: dict[int, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
+    # The turns holding text for this record, in the order they first held some.
+    lanes: list[Lane] = field(default_factory=list)
     size: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.starts or self.deltas or self.ends or self.failures or self.durable)
+        return bool(self.starts or self.deltas or self.ends or self.failures or self.durable
+                    or self.lanes)
 
 
 class Output:
@@ -99,11 +115,32 @@ class Output:
         conversation's keys were destroyed meanwhile)."""
         return self.codec.encode(event, seal)
 
+    def hold(self, partition: int, lane: Lane, added: int, epoch: int) -> None:
+        """``lane`` holds ``added`` more bytes of text for ``partition``'s open record
+        (the engine's step loop calls this per sequence per step: it does no more than
+        note it): the record takes it as one delta when it is made."""
+        batch = self._open.get(partition)
+        if batch is None:
+            batch = self._open[partition] = _Open()
+        if lane.batch is not batch:
+            lane.batch = batch
+            batch.lanes.append(lane)
+            added += ENTRY_BYTES
+            self.gather_soon()
+        batch.size += added
+        if batch.size > self.max_bytes:
+            self._seal(partition, epoch)
+
     def delta(self, partition: int, ref: int, seq: int, text: str,
               token_ids: tuple[int, ...], epoch: int) -> None:
         """Add one of the turn's deltas: its text held for the turn's box if the turn is
         sealed."""
         batch = self._batch(partition)
+        self._add_delta(partition, batch, ref, seq, text, token_ids)
+        self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
+
+    def _add_delta(self, partition: int, batch: _Open, ref: int, seq: int, text: str,
+                   token_ids: tuple[int, ...]) -> None:
         sealing_with = self._seals.get((partition, ref)) if self._sealing else None
         if sealing_with is None or sealing_with[1] is None:
             batch.deltas.append((ref, seq, text, token_ids))
@@ -114,7 +151,6 @@ class Output:
                 batch.texts[ref] = [(text, token_ids)]
             else:
                 held.append((text, token_ids))
-        self._grown(partition, batch, ENTRY_BYTES + 4 * len(text) + 8 * len(token_ids), epoch)
 
     def end(self, partition: int, ref: int, final: GenerationFinished | GenerationFailed,
             key: bytes, value: bytes) -> asyncio.Future[Position]:
@@ -212,6 +248,10 @@ class Output:
         batch = self._open.pop(partition, None)
         if not batch:
             return
+        for lane in batch.lanes:  # what its turns hold: a delta each
+            drained = lane.drain()
+            if drained is not None:
+                self._add_delta(partition, batch, lane.ref, *drained)
         records = []
         if batch.starts or batch.deltas or batch.ends or batch.failures:
             value = write_batch(self.worker, int(time.time() * 1000), batch.starts,
@@ -223,6 +263,8 @@ class Output:
                 self._seals.pop((partition, ref), None)
         records += [Outgoing(GENERATIONS, key, value, answer=answer is not None)
                     for key, value, answer in batch.durable]
+        if not records:  # its turns' text was all taken at their ends, or dropped
+            return
         futures = self.writer.send_together(records, epoch)
         answers = [answer for _, _, answer in batch.durable]
         for mine, theirs in zip(answers, futures[len(futures) - len(answers):], strict=True):

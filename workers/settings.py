@@ -30,10 +30,6 @@ class WorkerSettings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, ge=1)
     enable_prefix_caching: bool = True
     speculative_config: dict[str, Any] | None = None
-    # Token coalescing: one TokenDelta per request per N ms window, the windows shared
-    # by all turns (the first token always goes at once); 0 emits one per engine step
-    # per request.
-    coalesce_ms: float = Field(default=10.0, ge=0)
     # How much to lower the CPU priority (nice) of vLLM's engine processes. They poll
     # without pause; on a host whose CPU also runs the model, they otherwise starve the
     # broker and this worker's own Kafka threads. Default: 10 when vLLM runs on the

@@ -30,7 +30,6 @@ from schemas import (
     Usage,
 )
 from schemas.history import History, recall
-from workers.coalescer import Coalescer
 from workers.engine import Engine, EngineDead, EngineRejected, EngineRequest
 from workers.history import Histories, HistoryUnavailable
 from workers.metrics import WorkerMetrics
@@ -97,11 +96,10 @@ class Runner:
 
     def __init__(self, engine: Engine, output: Output, writer: TransactionalProducer,
                  histories: Histories, metrics: WorkerMetrics, worker: str,
-                 coalesce_s: float, served: Callable[..., None]) -> None:
+                 served: Callable[..., None]) -> None:
         self.engine, self.output, self.writer = engine, output, writer
         self.histories, self.metrics = histories, metrics
-        self.worker, self.coalesce_s = worker, coalesce_s
-        self.served = served
+        self.worker, self.served = worker, served
 
     async def run(self, turn: Turn) -> Final:
         """The turn's end: finished (stopped, at its length, or aborted), or failed.
@@ -159,7 +157,11 @@ class Runner:
         request = EngineRequest(prompt.request_id, recall(prompt.recalled) + messages,
                                 prompt.sampling, tuple(progress.token_ids),
                                 None if span is None else carrier_of(span))
-        await self.engine.run(request, taker.take)
+        try:
+            await self.engine.run(request, taker.take)
+        except BaseException:
+            taker.drop()  # what it holds is not written: a next attempt generates it again
+            raise
         return taker.finished()
     def _failed(self, turn: Turn, code: str, message: str) -> GenerationFailed:
         return GenerationFailed(**turn.ids, ref=turn.offset,
@@ -208,13 +210,19 @@ class Runner:
 
 class _Taker:
     """What a turn does with each output the engine hands it (``take``, called from the
-    engine's step loop, so it never waits): its start at the first, then its deltas to
-    the live stream, gathered (``Coalescer``), with ``seq`` gap-free. Called per sequence
-    per engine step: what it uses each time is held in its own slots."""
+    engine's step loop, so it never waits): its start at the first, then its text held
+    for its partition's open live record (``Output.hold``), which takes it as one delta
+    when the record is made (``drain``): a turn's text in one record is one delta,
+    however many engine steps made it, and ``seq`` stays gap-free. Called per sequence
+    per engine step: it does no more there than hold the text, and what it uses each
+    time is held in its own slots."""
 
     __slots__ = (
-        "coalescer",
+        "batch",
+        "closed",
         "finish_reason",
+        "held_ids",
+        "held_text",
         "itl",
         "last_token",
         "output",
@@ -236,7 +244,10 @@ class _Taker:
         self.ttft: float | None = None
         self.prompt_tokens = 0
         self.finish_reason: FinishReason = "abort"
-        self.coalescer = Coalescer(runner.coalesce_s, emitted=len(turn.progress.parts))
+        self.held_text: list[str] = []
+        self.held_ids: list[int] = []
+        self.batch: object = None  # the open record it is held for (``Output.hold``)
+        self.closed = False
         self.output, self.served = runner.output, runner.served
         self.itl, self.tokens = runner.metrics.itl, runner.metrics.tokens
         self.partition, self.ref, self.tenant = turn.tp[1], turn.offset, turn.prompt.tenant
@@ -249,12 +260,11 @@ class _Taker:
         elif token_ids:
             self.itl.observe((now - self.last_token) / len(token_ids))
         self.last_token = now
-        if token_ids:
-            self.tokens.inc(len(token_ids))
-            self.served(self.tenant, 0, len(token_ids))
-        delta = self.coalescer.add(text, token_ids, now)
-        if delta is not None:
-            self._emit(*delta)
+        if text or token_ids:
+            self.held_text.append(text)
+            self.held_ids.extend(token_ids)
+            self.output.hold(self.partition, self, 4 * len(text) + 8 * len(token_ids),
+                             self.turn.epoch)
         if finish_reason is not None and finish_reason in ("stop", "length"):
             self.finish_reason = "stop" if finish_reason == "stop" else "length"
 
@@ -274,21 +284,37 @@ class _Taker:
             runner.output.delta(partition, offset, earlier.seq, earlier.text,
                                 earlier.token_ids, turn.epoch)
 
-    def _emit(self, text: str, token_ids: tuple[int, ...]) -> None:
-        """One delta to the live stream: seq stays gap-free."""
+    def drain(self) -> tuple[int, str, tuple[int, ...]] | None:
+        """What it holds as its next delta (``seq``, text, token ids), now counted as
+        emitted; None if it holds nothing (or was dropped)."""
+        if self.closed or not (self.held_text or self.held_ids):
+            return None
+        text, token_ids = "".join(self.held_text), tuple(self.held_ids)
+        self.held_text.clear()
+        self.held_ids.clear()
         progress = self.turn.progress
-        parts = progress.parts
-        self.output.delta(self.partition, self.ref, len(parts), text, token_ids,
-                          self.turn.epoch)
-        self.output.gather_soon()
-        parts.append(text)
+        seq = len(progress.parts)
+        progress.parts.append(text)
         progress.token_ids.extend(token_ids)
+        if token_ids:
+            self.tokens.inc(len(token_ids))
+            self.served(self.tenant, 0, len(token_ids))
+        return seq, text, token_ids
+
+    def drop(self) -> None:
+        """The turn stopped before its end (cancelled, failed): what it holds is never
+        written, and its record no longer takes anything of it."""
+        self.closed = True
+        self.held_text.clear()
+        self.held_ids.clear()
 
     def finished(self) -> GenerationFinished:
-        """The turn's end, once the engine handed its last output."""
-        rest = self.coalescer.drain()
+        """The turn's end, once the engine handed its last output: what it still holds
+        goes as its last delta, in the record its end goes in."""
+        rest = self.drain()
         if rest is not None:
-            self._emit(*rest)
+            self.output.delta(self.partition, self.ref, *rest, self.turn.epoch)
+        self.closed = True
         turn, progress = self.turn, self.turn.progress
         prompt = turn.prompt
         return GenerationFinished(

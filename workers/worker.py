@@ -154,7 +154,7 @@ class Worker:
         self.histories = Histories(self._history_reader, codec, self.metrics.histories,
                                    settings.history_cache_chars)
         self.runner = Runner(engine, self.output, self.writer, self.histories, self.metrics,
-                             self.name, settings.coalesce_ms / 1000, self.waiting.served)
+                             self.name, self.waiting.served)
         # Kafka taking tokens slower than they come: the engine's outputs wait, merged.
         engine.pace(self.writer.congested)
         self.assignments = 0  # bumped by each assignment, so the loop re-applies pausing
