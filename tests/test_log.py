@@ -396,6 +396,33 @@ def test_a_reader_whose_queue_fills_reads_on_at_once(stack: Stack) -> None:
     assert min(looked_up) < 0.5 and min(ranged) < 0.9, (looked_up, ranged)
 
 
+def test_a_read_its_caller_gave_up_on_frees_the_reader_at_once(stack: Stack) -> None:
+    """A range read waits for records never written, and its caller gives up after half
+    a second: the reader's one thread is free for the next read at once, not when the
+    abandoned read's own 30 s deadline passes."""
+    topic = f"gave-up-{uuid.uuid4().hex[:8]}"
+    ensure_topics(stack.bootstrap, [TopicSpec(topic, 1, {})])
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for i in range(3):
+        producer.produce(topic, b"r%d" % i, partition=0)
+    assert producer.flush(30) == 0
+    log = LogReader(stack.bootstrap, f"{topic}-range", "test")
+
+    async def scenario() -> float:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(log.read_range(topic, 0, 0, 1000, 30.0), 0.5)
+        started = time.monotonic()
+        assert [r.value for r in await log.read_range(topic, 0, 0, 3, 30.0)] == [
+            b"r0", b"r1", b"r2"]
+        return time.monotonic() - started
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        asyncio.run(log.close())
+    assert took < 5, took
+
+
 def _write_started_turn(bootstrap: str, partition: int, ref: int, request_id: str,
                         text: str, token_ids: tuple[int, ...]) -> None:
     """One live record to ``partition`` of ``chat.live``: turn ``request_id``'s start and

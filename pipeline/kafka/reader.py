@@ -1,17 +1,33 @@
 """``LogReader``: a consumer outside any group's assignment that reads the log where it
 is told: partitions from their start or their end, exact positions, ranges, offsets by
-time. Its blocking calls run on its own thread (``AsyncConsumer``)."""
+time. Its blocking calls run on its own thread (``AsyncConsumer``).
+
+Its calls share that thread, so a read its caller gave up on (a timeout, a request
+cancelled) would hold it, and every read queued behind, until its own deadline: an
+awaited read (``read_range``, ``read_at``) is told when its caller stops waiting, and
+stops at its next poll (a fifth of a second at most)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from confluent_kafka import TopicPartition
 
 from pipeline.codec import TP
 from pipeline.kafka.client import Record, poll_records
 from pipeline.kafka.consumer import AsyncConsumer
+
+T = TypeVar("T")
+# How long a read polls at once: what a read told to stop may go on for.
+POLL_S = 0.2
+
+
+class GaveUp(Exception):
+    """A read stopped because its caller no longer waits for it."""
 
 
 class LogReader(AsyncConsumer):
@@ -63,9 +79,11 @@ class LogReader(AsyncConsumer):
         self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in partitions])
 
     def read_range_sync(
-        self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0
+        self, topic: str, partition: int, start: int, end: int, timeout: float = 30.0,
+        stop: threading.Event | None = None,
     ) -> list[Record]:
-        """The records of one partition from ``start`` up to (not including) ``end``."""
+        """The records of one partition from ``start`` up to (not including) ``end``;
+        ``GaveUp`` once ``stop`` is set."""
         if start >= end:
             return []
         tp = TopicPartition(topic, partition, start)
@@ -74,7 +92,8 @@ class LogReader(AsyncConsumer):
         deadline = time.monotonic() + timeout
         try:
             while True:
-                batch = poll_records(self._consumer, 5000, 0.2)
+                _check(stop)
+                batch = poll_records(self._consumer, 5000, POLL_S)
                 records += [r for r in batch if r.position.offset < end]
                 if batch and batch[-1].position.offset + 1 >= end:
                     return records
@@ -85,11 +104,12 @@ class LogReader(AsyncConsumer):
         finally:
             self._consumer.unassign()
 
-    def read_at_sync(self, wanted: Sequence[tuple[str, int, int]],
-                     timeout: float = 30.0) -> dict[tuple[str, int, int], Record | None]:
+    def read_at_sync(self, wanted: Sequence[tuple[str, int, int]], timeout: float = 30.0,
+                     stop: threading.Event | None = None
+                     ) -> dict[tuple[str, int, int], Record | None]:
         """The records at these exact positions (topic, partition, offset), read at once;
         None for a position that holds no committed record (an aborted one, a marker, or
-        one the topic no longer keeps)."""
+        one the topic no longer keeps). ``GaveUp`` once ``stop`` is set."""
         todo = {(t, p): o for t, p, o in wanted}
         if len(todo) != len(set(wanted)):
             raise ValueError("read_at_sync reads one offset per partition")
@@ -100,7 +120,8 @@ class LogReader(AsyncConsumer):
         deadline = time.monotonic() + timeout
         try:
             while todo:
-                for record in poll_records(self._consumer, 100, 0.2):
+                _check(stop)
+                for record in poll_records(self._consumer, 100, POLL_S):
                     pos = record.position
                     want = todo.get((pos.topic, pos.partition))
                     if want is None or pos.offset < want:
@@ -159,8 +180,26 @@ class LogReader(AsyncConsumer):
 
     async def read_range(self, topic: str, partition: int, start: int, end: int,
                          request_s: float = 30.0) -> list[Record]:
-        return await self.call(self.read_range_sync, topic, partition, start, end, request_s)
+        return await self._stoppable(self.read_range_sync, topic, partition, start, end,
+                                     request_s)
 
     async def read_at(self, wanted: Sequence[tuple[str, int, int]],
                       request_s: float = 30.0) -> dict[tuple[str, int, int], Record | None]:
-        return await self.call(self.read_at_sync, wanted, request_s)
+        return await self._stoppable(self.read_at_sync, wanted, request_s)
+
+    async def _stoppable(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args, stop=...)`` on the consumer's thread; if the caller stops waiting
+        (cancelled: a timeout, a request gone), ``stop`` is set, and the read ends at its
+        next poll instead of holding the thread to its own deadline (one not begun yet
+        never runs)."""
+        stop = threading.Event()
+        try:
+            return await self.call(fn, *args, stop=stop)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise GaveUp("the caller no longer waits for this read")
