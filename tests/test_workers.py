@@ -22,7 +22,8 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
-from infra.process import free_port
+from bench.capacity import _processes
+from infra.process import free_port, pid_alive
 from pipeline.codec import CLEAR, key_of
 from pipeline.kafka import EventProducer, GroupConsumer
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
@@ -353,8 +354,13 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
         # every turn between a check and a kill).
         wait_for(lambda: _frozen_mid_turn(pipeline.stack, extra.proc.pid, since), 60,
                  "the extra worker to be caught with a turn half written")
+        below = _descendants(extra.proc.pid)  # vLLM's front end and engine, its group apart
+        assert any("workers.vllm_frontend" in cmd for cmd in below.values()), below
         extra.kill()
         results = [f.result() for f in futures]
+    # The front end saw its input end and shut vLLM down: nothing of the worker runs on.
+    wait_for(lambda: not any(pid_alive(pid) for pid in below), 60,
+             "the killed worker's vLLM processes to end")
     assert all(r.done and r.error is None for r in results), [r.error for r in results]
     attempts = assert_log_seqs_exact(pipeline.stack, results)
     assert any(a >= 1 for a in attempts.values()), "no turn was taken over"
@@ -367,6 +373,21 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
             "SELECT request_id, content FROM messages WHERE role = 'assistant'"
             " AND request_id = ANY(%s)", ([r.request_id for r in results],)).fetchall())
     assert stored == {r.request_id: r.text.replace("\x00", "\ufffd") for r in results}
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every process under ``root``."""
+    procs = _processes()
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, cmd) in procs.items():
+            if ppid == parent:
+                found[pid] = cmd
+                todo.append(pid)
+    return found
+
 
 
 def test_a_rebalance_while_a_worker_is_full_leaves_no_partition_paused(sim: SimPipeline) -> None:

@@ -39,6 +39,15 @@ class WorkerSettings(BaseSettings):
     # Kafka clients) off the cores vLLM binds its CPU compute threads to, so they do
     # not preempt the model. Default: on when vLLM runs on the CPU.
     isolate_engine_cores: bool | None = None
+    # Where vLLM's front end (its output processing: detokenising, stop strings, each
+    # request's outputs) runs: "process", a child process of this worker's, which sends
+    # it each step's outputs at once (workers/vllm_process.py); "inline", this process.
+    vllm_frontend: Literal["process", "inline"] = "process"
+    # A front-end process that hands out nothing for this long while requests run (and
+    # the worker reads it) is killed, and the worker exits, so that its partitions go
+    # to a worker that serves them: a front end or engine stopped, a GPU hung. A step
+    # with no output (a long prompt's prefill) must take less.
+    engine_stall_s: float = Field(default=300.0, gt=0)
     metrics_port: int = 0
     # How soon the group notices a dead worker and hands its prompts on.
     session_timeout_ms: int = Field(default=10_000, ge=6_000)

@@ -295,8 +295,9 @@ class VllmEngine:
         except (VLLMClientError, ValueError) as exc:
             raise EngineRejected("invalid_request", str(exc)) from exc
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        stream = _Stream(collector, sink, len(prompt_ids), ended)
         try:
-            self._streams[rid] = _Stream(collector, sink, len(prompt_ids), ended)
+            self._streams[rid] = stream
             collector.ready = _Marked(self, rid)
             self._marked.append(rid)  # whatever it was given before it was marked
             self._wake.set()
@@ -312,7 +313,8 @@ class VllmEngine:
                 await self._llm.abort(collector.request_id, internal=True)
             raise
         finally:
-            self._streams.pop(rid, None)
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
             collector.close()
 
     async def _pumping(self) -> None:
