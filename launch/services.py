@@ -101,9 +101,9 @@ def make_engine(common: CommonSettings, settings: WorkerSettings) -> Engine:
     path, name = resolve_model(common, settings)
     if not settings.model and settings.max_model_len is None:
         settings = settings.model_copy(update={"max_model_len": 512})
-    if settings.vllm_frontend == "process":
-        from workers.vllm_process import VllmProcess
+    from workers.vllm_process import VllmProcess, front_end_apart
 
+    if front_end_apart(settings):
         return VllmProcess(settings, path, name)
     from workers.vllm_engine import VllmEngine
 

@@ -241,11 +241,13 @@ def test_engine_crash_fails_turns_visibly_and_the_worker_exits(sim: SimPipeline)
 # (The engine contract, for vLLM and the simulated engine alike: test_engines.py.)
 @pytest.fixture(scope="module")
 def extra_worker(pipeline: Pipeline) -> Iterator[tuple[Service, str]]:
-    """A second vLLM worker in the group, owning partitions beside the first."""
+    """A second vLLM worker in the group, owning partitions beside the first; its vLLM
+    front end in a process of its own (a GPU host's default; this CPU's runs it in the
+    worker's process, as the first does)."""
     metrics_port = free_port()
     extra = start_service(pipeline.stack, "worker-extra", "worker", "--max-num-seqs", "8",
                           "--metrics-port", str(metrics_port),
-                          WORKER_SESSION_TIMEOUT_MS="6000")
+                          WORKER_SESSION_TIMEOUT_MS="6000", WORKER_VLLM_FRONTEND="process")
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         wait_for(lambda: _owns_partitions(url), 180, "the extra vLLM worker to own partitions")

@@ -41,8 +41,10 @@ class WorkerSettings(BaseSettings):
     isolate_engine_cores: bool | None = None
     # Where vLLM's front end (its output processing: detokenising, stop strings, each
     # request's outputs) runs: "process", a child process of this worker's, which sends
-    # it each step's outputs at once (workers/vllm_process.py); "inline", this process.
-    vllm_frontend: Literal["process", "inline"] = "process"
+    # it each step's outputs at once (workers/vllm_process.py); "inline", this process;
+    # "auto", a process unless vLLM is a CPU build (whose model computes on the cores the
+    # second process would take).
+    vllm_frontend: Literal["auto", "process", "inline"] = "auto"
     # A front-end process that hands out nothing for this long while requests run (and
     # the worker reads it) is killed, and the worker exits, so that its partitions go
     # to a worker that serves them: a front end or engine stopped, a GPU hung. A step

