@@ -231,15 +231,18 @@ IN_PROCESS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "one output per engine step, and each step's live records are made, sealed (a "
         "key per conversation) and dropped. Process CPU per token, median of "
         f"{figures['rounds']} rounds.")),
-    "frontend": ("vLLM's front end in the worker's process: its CPU per token, "
-                 "detokenising and not", lambda figures: (
+    "frontend": ("vLLM's front end: its CPU per token, detokenising and not, in the "
+                 "worker's process and apart", lambda figures: (
         "In process, no Kafka (bench/frontend.py): one VllmEngine, the tiny model with "
         f"random weights on this CPU, {figures['clients']} closed-loop clients of "
         f"{figures['tokens']} tokens a reply (ignore_eos). Rounds alternate on the same "
         "engine with and without detokenising (SamplingParams.detokenize); each is this "
         "process's CPU per token (vLLM's output processing, the worker's pump and sinks, "
         "and the clients; not vLLM's engine core, a process of its own). Medians of "
-        f"{figures['pairs']} pairs; the ratio is the median of each pair's.")),
+        f"{figures['pairs']} pairs; the ratio is the median of each pair's. The second "
+        "table alternates the same load between that engine and a VllmProcess (vLLM's "
+        "front end in a child process, what a worker runs by default), both detokenising: "
+        "this process's CPU per token either way, and the child's.")),
 }
 
 

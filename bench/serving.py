@@ -44,7 +44,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,8 @@ SIM_NAME = "sim"
 
 # Between rounds: vLLM's model process polls for 1 s after its last step.
 SETTLE_S = 1.5
+# The worker's vLLM front-end process, as its CPU meter is named in the figures.
+FRONTEND = "its vLLM front-end process"
 
 
 def rounds(concurrency: int, quick: bool) -> int:
@@ -115,6 +117,8 @@ class Paired:
     b: list[Summary]
     ratios: list[list[float]]
     cpu_us_per_token: tuple[list[float], list[float]] = ((), ())  # type: ignore[assignment]
+    # Further meters read over b's rounds: each one's CPU µs per b's output token.
+    also_us_per_token: dict[str, list[float]] = field(default_factory=dict)
 
 
 CpuMeter = Callable[[], float]  # a side's processes' CPU seconds so far
@@ -122,10 +126,13 @@ CpuMeter = Callable[[], float]  # a side's processes' CPU seconds so far
 
 async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
                  per_client: int | None = None, names: tuple[str, str] = ("a", "b"),
-                 cpu: tuple[CpuMeter, CpuMeter] | None = None) -> Paired:
+                 cpu: tuple[CpuMeter, CpuMeter] | None = None,
+                 also: dict[str, CpuMeter] | None = None) -> Paired:
     """``per_client``: requests per client in a round (default ``rounds``); ``names``:
-    the two modes', for the progress lines; ``cpu``: each side's CPU meter."""
-    out = Paired([], [], [], ([], []))
+    the two modes', for the progress lines; ``cpu``: each side's CPU meter; ``also``:
+    more meters, read over b's rounds."""
+    also = also or {}
+    out = Paired([], [], [], ([], []), {name: [] for name in also})
     for c in levels:
         n = per_client or rounds(c, quick)
         for make in (a, b):  # unmeasured
@@ -133,12 +140,16 @@ async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
             await asyncio.sleep(SETTLE_S)
         loads, level = (Load(c), Load(c)), []
         used = [0.0, 0.0]
+        used_also = dict.fromkeys(also, 0.0)
         for i in range(pairs(quick)):
             rates = [0.0, 0.0]
             for side in ((0, 1) if i % 2 == 0 else (1, 0)):
                 before = cpu[side]() if cpu else 0.0
+                before_also = {name: meter() for name, meter in also.items()} if side else {}
                 load = await run_load((a, b)[side], c, n)
                 used[side] += cpu[side]() - before if cpu else 0.0
+                for name, start in before_also.items():
+                    used_also[name] += also[name]() - start
                 rates[side] = load.tokens_per_s
                 loads[side].add(load)
                 await asyncio.sleep(SETTLE_S)
@@ -152,6 +163,10 @@ async def paired(a: MakeRequest, b: MakeRequest, levels: list[int], quick: bool,
         for side in (0, 1):
             tokens = loads[side].summary().output_tokens
             out.cpu_us_per_token[side].append(used[side] / tokens * 1e6 if tokens else 0.0)
+        tokens = loads[1].summary().output_tokens
+        for name in also:
+            out.also_us_per_token[name].append(used_also[name] / tokens * 1e6 if tokens
+                                               else 0.0)
     return out
 
 
@@ -348,11 +363,13 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         async with kafka_client(bootstrap, name, max_tokens, prompt) as worker, \
                 engine_client(VllmEngine(settings, model, name), max_tokens,
                               prompt) as engine:
-            # The worker's process alone (its engine's process is a child), per token; beside
-            # it this process: the load generator and AsyncLLM's output processing.
+            # The worker's process alone (vLLM's front end and engine are its children), per
+            # token, and its front end's; beside them this process: the load generator and
+            # AsyncLLM's output processing.
             first = await paired(engine, worker, levels, quick, names=("engine", "worker"),
                                  cpu=(cpu_meter(lambda: {os.getpid()}),
-                                      cpu_meter(lambda: {procs[0].pid})))
+                                      cpu_meter(lambda: {procs[0].pid})),
+                                 also={FRONTEND: cpu_meter(lambda: frontend_pids(procs[0].pid))})
         port, serve_port = free_port(), free_port()
         serve = _start({"vllm-serve": [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -374,7 +391,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         # engine is a child process), against the pipeline's processes with the worker's
         # own (its engine is a child process too).
         ours = {procs[-1].pid, procs[0].pid, procs[-2].pid}  # gateway, worker, projector
-        plumbing = cpu_meter(lambda: {*ours, *_infra_pids()})
+        plumbing = cpu_meter(lambda: {*ours, *frontend_pids(procs[0].pid), *_infra_pids()})
         frontend = cpu_meter(lambda: {serve.pid})
         async with http_client_for(f"http://127.0.0.1:{serve_port}", name, max_tokens,
                                    connections, prompt) as vllm_serve, \
@@ -404,6 +421,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
             "cpu_us_per_token": {"vllm serve's API server": second.cpu_us_per_token[0],
                                  "the pipeline's processes": second.cpu_us_per_token[1]},
             "worker_cpu_us_per_token": {"vLLM worker's process": first.cpu_us_per_token[1],
+                                        FRONTEND: first.also_us_per_token[FRONTEND],
                                         "SIMULATED worker's process":
                                             third.cpu_us_per_token[1]},
             "sim_tokens_per_s": SIM_TOKENS_PER_S,
@@ -432,6 +450,13 @@ async def _paired_simulated(bootstrap: str, levels: list[int], max_tokens: int, 
                                      cpu_meter(lambda: {procs[0].pid})))
     finally:
         _stop(procs)
+
+
+def frontend_pids(worker: int) -> set[int]:
+    """The vLLM front-end process of worker process ``worker`` (none when it runs vLLM's
+    front end in its own process, ``WORKER_VLLM_FRONTEND=inline``)."""
+    return {pid for pid, (parent, cmd) in _processes().items()
+            if parent == worker and "workers.vllm_frontend" in cmd}
 
 
 def _infra_pids() -> set[int]:
@@ -501,7 +526,8 @@ def tables(figures: dict[str, Any]) -> str:
         cpu = figures["cpu_us_per_token"]
         frontend, plumbing = cpu["vllm serve's API server"], cpu["the pipeline's processes"]
         out += ["", "**CPU per streamed token**, EngineCore left out on both sides (vLLM on "
-                "this CPU: the worker's process holds vLLM's own frontend too)", "",
+                "this CPU: the pipeline's side holds vLLM's own front end too, in the worker's "
+                "front-end process)", "",
                 "| concurrency | vllm serve's API server (µs/token) | the pipeline's processes:"
                 " gateway, worker, projector, broker, PostgreSQL (µs/token) | pipeline / vllm "
                 "serve |", "|---|---|---|---|"]
@@ -511,13 +537,15 @@ def tables(figures: dict[str, Any]) -> str:
     if "worker_cpu_us_per_token" in figures:
         worker = figures["worker_cpu_us_per_token"]
         out += ["", "**The worker's process, CPU per generated token** (its engine's process "
-                "left out; with vLLM it holds vLLM's output processing, detokenising "
-                "included; the target is 20 µs)", "",
-                "| concurrency | vLLM worker (µs/token) | SIMULATED worker (µs/token) |",
-                "|---|---|---|"]
-        for v, real, sim in zip(modes["engine"], worker["vLLM worker's process"],
-                                worker["SIMULATED worker's process"], strict=True):
-            out.append(f"| {v['concurrency']} | {real:,.1f} | {sim:,.1f} |")
+                "left out; vLLM's front end, its output processing and detokenising, is a "
+                "process of its own beside it; the target is 20 µs)", "",
+                "| concurrency | vLLM worker (µs/token) | its vLLM front end (µs/token) | "
+                "SIMULATED worker (µs/token) |", "|---|---|---|---|"]
+        front = worker.get(FRONTEND, [float("nan")] * len(modes["engine"]))
+        for v, real, fe, sim in zip(modes["engine"], worker["vLLM worker's process"], front,
+                                    worker["SIMULATED worker's process"], strict=True):
+            apart = f"{fe:,.1f}" if fe else "none: in the worker's process"
+            out.append(f"| {v['concurrency']} | {real:,.1f} | {apart} | {sim:,.1f} |")
     return "\n".join(out)
 
 
