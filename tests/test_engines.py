@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -298,6 +300,27 @@ def test_bench_serving_takes_the_gpu_options_and_gives_them_to_every_engine() ->
     for bad in ("0", "1,x", "", "5000"):
         with pytest.raises(SystemExit):
             parser().parse_args(["bench", "serving", "--clients", bad])
+
+
+def test_a_front_end_process_that_cannot_start_vllm_says_why(tmp_path: Path) -> None:
+    """A worker whose vLLM cannot start (here, no model where it points) stops at once
+    with vLLM's own reason, and leaves no process behind."""
+    from infra.process import pid_alive
+    from workers.vllm_process import VllmProcess
+
+    started: list[int] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        proc = real_popen(*args, **kwargs)
+        started.append(proc.pid)
+        return proc
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "Popen", popen)
+        with pytest.raises(RuntimeError, match=r"could not start vLLM: .*nothing-here"):
+            VllmProcess(WorkerSettings(), tmp_path / "nothing-here", "none")
+    assert len(started) == 1 and not pid_alive(started[0])
 
 
 @pytest.mark.parametrize("engine", ["vllm-process"], indirect=True)  # the last of its runs
