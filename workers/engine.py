@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,6 +51,42 @@ Pace = Callable[[], Awaitable[None] | None]
 
 def unpaced() -> None:
     return None
+
+
+class StallWatch:
+    """Tells a stalled engine from an idle or a paced one: requests run, its reader is
+    not pacing it, and it has handed out nothing for ``stall_s``
+    (``WORKER_ENGINE_STALL_S``). A model process stopped or a GPU hung otherwise holds
+    the worker's partitions with no turn moving, while the worker stays in its group."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self._heard = 0.0
+        self._paced = False
+
+    def heard(self) -> None:
+        """Outputs came (or the first request of an idle engine did)."""
+        self._heard = time.monotonic()
+
+    async def paced(self, wait: Awaitable[None]) -> None:
+        """Await the reader's pace: no stall meanwhile."""
+        self._paced = True
+        try:
+            await wait
+        finally:
+            self._paced = False
+            self.heard()
+
+    async def watch(self, running: Callable[[], int], stalled: Callable[[float], None]
+                    ) -> None:
+        """Call ``stalled`` with the seconds of quiet once the engine has stalled, and
+        return; return too once no request runs."""
+        while running():
+            await asyncio.sleep(min(self.stall_s / 4, 5.0))
+            quiet = time.monotonic() - self._heard
+            if running() and not self._paced and quiet > self.stall_s:
+                stalled(quiet)
+                return
 
 
 class EngineRejected(ValueError):

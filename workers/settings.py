@@ -45,10 +45,11 @@ class WorkerSettings(BaseSettings):
     # "auto", a process unless vLLM is a CPU build (whose model computes on the cores the
     # second process would take).
     vllm_frontend: Literal["auto", "process", "inline"] = "auto"
-    # A front-end process that hands out nothing for this long while requests run (and
-    # the worker reads it) is killed, and the worker exits, so that its partitions go
-    # to a worker that serves them: a front end or engine stopped, a GPU hung. A step
-    # with no output (a long prompt's prefill) must take less.
+    # vLLM handing out nothing for this long while requests run (and the worker reads
+    # it) fails them with EngineDead, and the worker exits, so that its partitions go
+    # to a worker that serves them: an engine or front end stopped, a GPU hung (a
+    # front-end process is killed). A step with no output (a long prompt's prefill)
+    # must take less.
     engine_stall_s: float = Field(default=300.0, gt=0)
     metrics_port: int = 0
     # How soon the group notices a dead worker and hands its prompts on.

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.tracing import traces_endpoint
-from workers.engine import EngineDead, EngineRejected, EngineRequest, Pace, Sink, unpaced
+from workers.engine import (
+    EngineDead,
+    EngineRejected,
+    EngineRequest,
+    Pace,
+    Sink,
+    StallWatch,
+    unpaced,
+)
 from workers.host import (
     lower_engine_priority,
     lower_session_priority,
@@ -209,6 +217,9 @@ class VllmEngine:
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._pace: Pace = unpaced
+        self.stalls = StallWatch(settings.engine_stall_s)
+        self._watching: asyncio.Task[None] | None = None
+        self._dead: EngineDead | None = None  # stalled: every request fails with it
         # False: vLLM does not detokenise, and outputs carry token ids with no text. Only
         # ``pipeline bench frontend`` sets it, to measure what detokenising costs here.
         self.detokenize = True
@@ -274,6 +285,8 @@ class VllmEngine:
 
         # The chat template and the tokenizer take milliseconds for long prompts: off the
         # event loop, which serves every other turn's tokens meanwhile.
+        if self._dead is not None:
+            raise self._dead
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
         done = len(request.prefix_token_ids)
         wanted = request.sampling.max_tokens
@@ -297,6 +310,8 @@ class VllmEngine:
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         stream = _Stream(collector, sink, len(prompt_ids), ended)
         try:
+            if not self._streams:
+                self.stalls.heard()  # quiet while idle is no stall
             self._streams[rid] = stream
             collector.ready = _Marked(self, rid)
             self._marked.append(rid)  # whatever it was given before it was marked
@@ -305,12 +320,16 @@ class VllmEngine:
                 # Its own context: the sinks it calls are every turn's, not this one's.
                 self._pump = asyncio.create_task(self._pumping(), name="vllm-pump",
                                                  context=contextvars.Context())
+            if self._watching is None or self._watching.done():
+                self._watching = asyncio.create_task(
+                    self.stalls.watch(self.running, self._stalled), name="vllm-watch")
             await ended
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
         except BaseException:  # cancelled, or its sink raised: the engine stops it
-            with contextlib.suppress(Exception):
-                await self._llm.abort(collector.request_id, internal=True)
+            if self._dead is None:  # (a stalled engine is shut down, not asked)
+                with contextlib.suppress(Exception):
+                    await self._llm.abort(collector.request_id, internal=True)
             raise
         finally:
             if self._streams.get(rid) is stream:
@@ -330,10 +349,23 @@ class VllmEngine:
                 if not stream.ended.done():
                     stream.ended.set_exception(exc)
 
+    def _stalled(self, quiet: float) -> None:
+        """``StallWatch``: every request fails with ``EngineDead``, and every later one;
+        the worker exits, and shutting vLLM down ends its engine's processes."""
+        self._dead = EngineDead(
+            f"vLLM handed out nothing for {quiet:.0f} s with {len(self._streams)} "
+            "requests running (WORKER_ENGINE_STALL_S)")
+        log.error("%s", self._dead)
+        for stream in list(self._streams.values()):
+            if not stream.ended.done():
+                stream.ended.set_exception(self._dead)
+
     async def _pump_steps(self) -> None:
+        stalls = self.stalls
         while self._streams:
             await self._wake.wait()
             self._wake.clear()
+            stalls.heard()
             marked, self._marked = self._marked, []
             for rid in marked:
                 stream = self._streams.get(rid)
@@ -341,7 +373,7 @@ class VllmEngine:
                     self._hand(stream)
             wait = self._pace()
             if wait is not None:
-                await wait
+                await stalls.paced(wait)
 
     @staticmethod
     def _hand(stream: _Stream) -> None:
@@ -363,8 +395,9 @@ class VllmEngine:
         await self._llm.abort(request_id)
 
     def close(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
+        for task in (self._pump, self._watching):
+            if task is not None:
+                task.cancel()
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()

@@ -41,7 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from workers.engine import EngineDead, EngineRejected, EngineRequest, Pace, Sink, unpaced
+from workers.engine import (
+    EngineDead,
+    EngineRejected,
+    EngineRequest,
+    Pace,
+    Sink,
+    StallWatch,
+    unpaced,
+)
 from workers.host import lower_session_priority, move_off_engine_cores, set_affinity
 from workers.settings import WorkerSettings
 
@@ -142,9 +150,7 @@ class VllmProcess:
         self._watching: asyncio.Task[None] | None = None
         self._pidfd: int | None = None  # readable once the child has exited
         self._watched_on: asyncio.AbstractEventLoop | None = None
-        self._heard = 0.0  # when the child last handed out outputs (the loop's clock)
-        self._paced = False
-        self.stall_s = settings.engine_stall_s
+        self.stalls = StallWatch(settings.engine_stall_s)
         # A process group of its own, with vLLM's processes under it: vLLM's engine core
         # outlives a front end that is killed, and this one's end ends them all
         # (``_end_group``). Signals for this worker's group (Ctrl-C) are this process's
@@ -209,7 +215,6 @@ class VllmProcess:
         loop = asyncio.get_running_loop()
         self._reader, self._read_pipe = await pipe_reader(self._proc.stdout)
         self._writer, _ = await loop.connect_write_pipe(asyncio.Protocol, self._proc.stdin)
-        self._watching = asyncio.create_task(self._watch(), name="vllm-frontend-watch")
         with contextlib.suppress(OSError, AttributeError):  # Linux 5.3 and later
             self._pidfd = os.pidfd_open(self._proc.pid)
             loop.add_reader(self._pidfd, self._exited)
@@ -228,22 +233,14 @@ class VllmProcess:
             os.close(self._pidfd)
             self._pidfd = None
 
-    async def _watch(self) -> None:
-        """Kill the child when it has handed out nothing for ``stall_s`` while requests
-        run and the worker reads (a front end or engine stopped, a GPU hung): its
-        requests then fail with ``EngineDead``, the worker exits and its partitions go
-        to a worker that serves them, where it would otherwise hold them for good."""
-        loop = asyncio.get_running_loop()
-        while self._dead is None:
-            await asyncio.sleep(min(self.stall_s / 4, 5.0))
-            quiet = loop.time() - self._heard
-            if self._attempts and not self._paced and quiet > self.stall_s:
-                self._dead = EngineDead(
-                    f"vLLM's front end handed out nothing for {quiet:.0f} s with "
-                    f"{len(self._attempts)} requests running (WORKER_ENGINE_STALL_S): killed")
-                log.error("%s", self._dead)
-                self._proc.kill()
-                return
+    def _stalled(self, quiet: float) -> None:
+        """Kill the child (``StallWatch``): its requests then fail with ``EngineDead``,
+        and the worker exits, its partitions going to a worker that serves them."""
+        self._dead = EngineDead(
+            f"vLLM's front end handed out nothing for {quiet:.0f} s with "
+            f"{len(self._attempts)} requests running (WORKER_ENGINE_STALL_S): killed")
+        log.error("%s", self._dead)
+        self._proc.kill()
 
     def _send(self, message: object) -> None:
         if self._writer is not None and not self._writer.is_closing():
@@ -257,9 +254,12 @@ class VllmProcess:
         attempt = _Attempt(request.request_id, sink,
                            asyncio.get_running_loop().create_future())
         if not self._attempts:
-            self._heard = asyncio.get_running_loop().time()  # quiet while idle is no stall
+            self.stalls.heard()  # quiet while idle is no stall
         self._attempts[n] = attempt
         self._numbers[request.request_id] = n
+        if self._watching is None or self._watching.done():
+            self._watching = asyncio.create_task(
+                self.stalls.watch(self.running, self._stalled), name="vllm-frontend-watch")
         try:
             writer.write(frame(("run", n, request)))
             await attempt.ended
@@ -294,11 +294,10 @@ class VllmProcess:
 
     async def _read_frames(self) -> None:
         assert self._reader is not None
-        attempts = self._attempts
-        loop = asyncio.get_running_loop()
+        attempts, stalls = self._attempts, self.stalls
         while True:
             self._kv, entries = await read_frame(self._reader)
-            self._heard = loop.time()
+            stalls.heard()
             for entry in entries:
                 attempt = attempts.get(entry[0])
                 if attempt is None or attempt.ended.done():
@@ -317,12 +316,7 @@ class VllmProcess:
                     ended.set_exception(exc)
             wait = self._pace()
             if wait is not None:
-                self._paced = True
-                try:
-                    await wait
-                finally:
-                    self._paced = False
-                    self._heard = loop.time()
+                await stalls.paced(wait)
 
     async def abort(self, request_id: str) -> None:
         n = self._numbers.get(request_id)
