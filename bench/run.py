@@ -242,7 +242,9 @@ IN_PROCESS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         f"{figures['pairs']} pairs; the ratio is the median of each pair's. The second "
         "table alternates the same load between that engine and a VllmProcess (vLLM's "
         "front end in a child process, what a worker runs by default), both detokenising: "
-        "this process's CPU per token either way, and the child's.")),
+        "this process's CPU per token either way, the child's, and both processes' "
+        "together over the one's (the median of each pair's). Both processes run on "
+        "uvloop, as a worker does.")),
 }
 
 
