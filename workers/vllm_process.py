@@ -119,7 +119,6 @@ async def pipe_reader(pipe: IO[bytes]) -> tuple[asyncio.StreamReader, asyncio.Re
 
 @dataclass(slots=True)
 class _Attempt:
-    request_id: str
     sink: Sink
     ended: asyncio.Future[None]
 
@@ -150,6 +149,10 @@ class VllmProcess:
         self._watching: asyncio.Task[None] | None = None
         self._pidfd: int | None = None  # readable once the child has exited
         self._watched_on: asyncio.AbstractEventLoop | None = None
+        # Watches the child, which its own ``VllmEngine`` cannot: a stopped front end.
+        # The child's engine watches vLLM as in one process, and says why first when it
+        # is vLLM's engine core that stalled; whichever sees the stall first, the
+        # requests fail with ``EngineDead`` and the worker exits.
         self.stalls = StallWatch(settings.engine_stall_s)
         # A process group of its own, with vLLM's processes under it: vLLM's engine core
         # outlives a front end that is killed, and this one's end ends them all
@@ -251,8 +254,7 @@ class VllmProcess:
             raise self._dead
         writer = await self._connected()
         n, self._next = self._next, self._next + 1
-        attempt = _Attempt(request.request_id, sink,
-                           asyncio.get_running_loop().create_future())
+        attempt = _Attempt(sink, asyncio.get_running_loop().create_future())
         if not self._attempts:
             self.stalls.heard()  # quiet while idle is no stall
         self._attempts[n] = attempt
