@@ -69,7 +69,8 @@ class ChatRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    # A signed 64-bit integer, as vLLM's own API takes it.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(default=1, ge=1)
     logprobs: bool | None = None
     # Not OpenAI's: keep generating even when every client has gone away (as the
@@ -92,6 +93,8 @@ class ChatRequest(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence cannot be empty")  # as vLLM refuses it
         return value
 
     def sampling(self) -> SamplingParams:
@@ -117,11 +120,16 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"Invalid value for '{param}': {err['msg']}.",
-                       code="invalid_value" if err["type"] != "missing" else "missing_required",
-                       param=param) from exc
+        raise invalid(exc) from exc
+
+
+def invalid(exc: ValidationError) -> APIError:
+    """A 400 naming the first field ``exc`` says is wrong."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    return APIError(400, f"Invalid value for '{param}': {err['msg']}.",
+                    code="invalid_value" if err["type"] != "missing" else "missing_required",
+                    param=param)
 
 
 def parse_chat_request(body: bytes | dict[str, Any]) -> ChatRequest:
@@ -132,6 +140,10 @@ def parse_chat_request(body: bytes | dict[str, Any]) -> ChatRequest:
     if request.logprobs:
         raise APIError(400, "logprobs are not supported yet.", code="unsupported_value",
                        param="logprobs")
+    try:  # what the prompt event will carry: a request it cannot carry is the client's
+        request.sampling()
+    except ValidationError as exc:
+        raise invalid(exc) from exc
     return request
 
 

@@ -238,6 +238,19 @@ def test_refuses_a_prompt_longer_than_its_context(engine: Running) -> None:
     assert engine.engine.running() == 0
 
 
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)  # vLLM's own check
+def test_refuses_sampling_parameters_vllm_refuses(engine: Running) -> None:
+    """A prompt event's parameters that vLLM refuses (an empty stop string, which the
+    gateway now refuses too, from an older gateway or another writer) fail that
+    turn as the client's error, not as the worker's."""
+    request = EngineRequest("contract-empty-stop", (ChatMessage(role="user", content="hi"),),
+                            SamplingParams(max_tokens=4, stop=("",)))
+    with pytest.raises(EngineRejected) as refused:
+        engine.run(collect(engine.engine, request))
+    assert refused.value.code == "invalid_sampling_params"
+    assert engine.engine.running() == 0
+
+
 def test_the_warm_up_fits_the_context_whatever_a_word_costs(engine: Running) -> None:
     """The worker's warm-up turns are sized in words: on vLLM's tokenizer a word is several
     tokens, and the longest turn was once refused for exceeding the context."""

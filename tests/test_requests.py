@@ -34,7 +34,14 @@ def test_chat_request_maps_sampling_parameters() -> None:
                                   b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
                                   b' "stop": ["a", "b", "c", "d", "e"]}',
                                   b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
-                                  b' "logprobs": true}'])
+                                  b' "logprobs": true}',
+                                  # past a signed 64-bit integer: the prompt event's bound
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "seed": 9223372036854775808}',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "stop": ""}',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                                  b' "stop": ["a", ""]}'])
 def test_chat_request_errors_are_400s(body: bytes) -> None:
     with pytest.raises(APIError) as err:
         parse_chat_request(body)

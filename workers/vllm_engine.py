@@ -267,6 +267,7 @@ class VllmEngine:
 
     def _sampling(self, request: EngineRequest, prompt_len: int, done: int) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         room = self.max_model_len - prompt_len
@@ -300,7 +301,7 @@ class VllmEngine:
                 params[name] = value
         try:
             return SamplingParams(**params)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, VLLMClientError) as exc:
             raise EngineRejected("invalid_sampling_params", str(exc)) from exc
 
     async def run(self, request: EngineRequest, sink: Sink) -> None:
