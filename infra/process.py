@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -11,11 +12,37 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's range of ports for sockets bound to port 0 begins."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port that nothing here listens on, for a service about to be started on it.
+
+    It is drawn from below the kernel's ephemeral range, so no socket bound to port 0 (a
+    vLLM engine's, a client's) can take it while the service starts, and never the same
+    one twice in a process."""
+    start = _ephemeral_start()
+    low, high = (10000, start) if start > 12000 else (start, 65536)
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError("no free port found")
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

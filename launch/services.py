@@ -121,6 +121,9 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
     setup_tracing("worker")
 
     async def main(stop: asyncio.Event) -> None:
+        # First: the engine takes long to start and binds ports of its own, and a port in
+        # use should stop the worker at once.
+        serve_metrics(registry, settings.metrics_port, common.metrics_host)
         # A worker reads its prompt partitions in order, and a conversation's key is in
         # the same partition of chat.keys, just before its first prompt: a fetch for one
         # new conversation brings the next ones' keys.
@@ -135,7 +138,6 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
             worker = await Worker.opened(engine, common.kafka_bootstrap, registry, settings,
                                          keyring.codec, max_record_bytes=common.max_record_bytes,
                                          compression=common.compression)
-            serve_metrics(registry, settings.metrics_port, common.metrics_host)
             runtime.settle()
             await worker.run(stop)
         finally:

@@ -1,5 +1,5 @@
 """The ``pipeline`` command: each command parsed has what runs it, a service down is
-said in one line, a metrics port in use is named."""
+said in one line, a metrics port in use is named (a worker's before its engine starts)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,20 @@ def test_metrics_port_in_use_is_named() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             serve_metrics(CollectorRegistry(), port)
+
+
+def test_a_worker_whose_metrics_port_is_taken_stops_before_its_engine_starts() -> None:
+    """The port is bound first: an engine takes long to start, and binds ports of its own
+    that could otherwise take the one meant for metrics meanwhile."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = subprocess.run([sys.executable, "-m", "launch", "worker", "--metrics-port",
+                                str(port)], capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 2, taken.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in taken.stderr
+    assert "Traceback" not in taken.stderr and "vllm" not in taken.stderr.lower()
 
 
 def test_every_command_the_cli_parses_has_what_runs_it() -> None:

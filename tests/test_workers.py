@@ -250,7 +250,8 @@ def extra_worker(pipeline: Pipeline) -> Iterator[tuple[Service, str]]:
                           WORKER_SESSION_TIMEOUT_MS="6000", WORKER_VLLM_FRONTEND="process")
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
-        wait_for(lambda: _owns_partitions(url), 180, "the extra vLLM worker to own partitions")
+        wait_for(lambda: _owns_partitions(extra, url), 180,
+                 "the extra vLLM worker to own partitions")
         wait_for(lambda: metric(pipeline.worker_metrics, "worker_assigned_partitions") >= 1,
                  60, "the first worker to rejoin")
         yield extra, url
@@ -258,7 +259,8 @@ def extra_worker(pipeline: Pipeline) -> Iterator[tuple[Service, str]]:
         extra.stop()
 
 
-def _owns_partitions(url: str) -> bool:
+def _owns_partitions(worker: Service, url: str) -> bool:
+    assert worker.proc.poll() is None, f"the extra worker has exited:\n{worker.tail()}"
     try:
         return metric(url, "worker_assigned_partitions") >= 1
     except httpx.HTTPError:
@@ -276,7 +278,7 @@ def test_vllm_worker_paused_past_its_session_is_fenced(
     writes before it notices it left the group is a race; that the broker refuses such
     writes is tested deterministically in test_transactions.py.)"""
     extra, extra_url = extra_worker
-    wait_for(lambda: _owns_partitions(extra_url), 120, "the extra worker to own partitions")
+    wait_for(lambda: _owns_partitions(extra, extra_url), 120, "the extra worker to own partitions")
     body = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0}
     since = marks(pipeline.stack.bootstrap, PROMPTS, LIVE)
     resumed = metric(pipeline.worker_metrics, "worker_resumed_generations_total")
@@ -343,7 +345,7 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
     """The extra vLLM worker is SIGKILLed mid-generation, and the first resumes its turns:
     streams complete, the log's seqs are exact."""
     extra, extra_url = extra_worker
-    wait_for(lambda: _owns_partitions(extra_url), 120, "the extra worker to own partitions")
+    wait_for(lambda: _owns_partitions(extra, extra_url), 120, "the extra worker to own partitions")
     # Long turns that cannot end early on end-of-sequence, so the kill lands mid-turn.
     body = {"max_tokens": 400, "ignore_eos": True}
     since = marks(pipeline.stack.bootstrap, PROMPTS, LIVE)
