@@ -82,7 +82,7 @@ from workers.engine import Engine, EngineRequest
 from workers.host import lower_engine_priority, lower_session_priority, move_off_engine_cores
 from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine
-from workers.vllm_engine import VllmEngine, engine_nice, isolate_engine_cores
+from workers.vllm_engine import VllmEngine, engine_nice, isolate_engine_cores, vllm_cpu_build
 
 PROMPT = "Write a long story about a log that remembers everything."
 MODES = ("engine", "worker", "vllm-serve", "pipeline", "sim-engine", "sim-worker")
@@ -311,6 +311,8 @@ def engine_flags(settings: WorkerSettings) -> list[str]:
     flags = ["--max-num-seqs", str(settings.max_num_seqs), "--dtype", settings.dtype]
     if settings.max_model_len:
         flags += ["--max-model-len", str(settings.max_model_len)]
+    if settings.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
     if settings.gpu_memory_utilization is not None:
         flags += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
     elif settings.kv_cache_memory_bytes:
@@ -318,6 +320,12 @@ def engine_flags(settings: WorkerSettings) -> list[str]:
     if settings.load_format != "auto":
         flags += ["--load-format", settings.load_format]
     return flags
+
+
+def serve_only_flags() -> list[str]:
+    """What ``vllm serve`` needs to schedule as the worker's engine does: with a CPU
+    build of vLLM the worker never splits a prefill over steps (``engine_args``)."""
+    return ["--no-enable-chunked-prefill"] if vllm_cpu_build() else []
 
 
 def prompt_of(tokens: int | None) -> str:
@@ -374,7 +382,7 @@ async def run(settings: WorkerSettings, bootstrap: str, model: Path, name: str,
         serve = _start({"vllm-serve": [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(serve_port),
-            *flags]}, log_dir)[0]
+            *flags, *serve_only_flags()]}, log_dir)[0]
         procs += [serve, *_start({"projector": [*exe, "projector"],
                                   "gateway": [*exe, "gateway", "--port", str(port)]}, log_dir)]
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{serve_port}/health", procs, 300)

@@ -178,9 +178,9 @@ def _gateway(args: argparse.Namespace, common: CommonSettings, external_db: bool
 def _worker(args: argparse.Namespace, common: CommonSettings, external_db: bool) -> int:
     run_worker(common, WorkerSettings(**_overrides(
         args, "engine", "model", "served_model_name", "dtype", "max_num_seqs",
-        "max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
-        "speculative_config", "enable_prefix_caching", "kv_cache_memory_bytes",
-        "load_format")))
+        "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
+        "tensor_parallel_size", "metrics_port", "speculative_config", "enable_prefix_caching",
+        "kv_cache_memory_bytes", "load_format")))
     return 0
 
 

@@ -98,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
     wk.add_argument("--dtype")
     wk.add_argument("--max-num-seqs", type=int)
     wk.add_argument("--max-model-len", type=int)
+    wk.add_argument("--max-num-batched-tokens", type=int)
     wk.add_argument("--gpu-memory-utilization", type=float)
     wk.add_argument("--tensor-parallel-size", type=int)
     wk.add_argument("--speculative-config", type=json.loads,

@@ -269,6 +269,44 @@ def test_runs_many_at_once(engine: Running) -> None:
     assert engine.engine.running() == 0
 
 
+def test_seeded_prompts_too_long_for_one_step_together_all_run(tmp_path: Path) -> None:
+    """Requests with a ``seed`` whose prompts together exceed a step's token budget.
+    vLLM's CPU build split such prefills over steps, then killed its engine core
+    ("CPU Generator does not use offset"), failing every running request: one client's
+    seed failed everyone's turns. A CPU build now runs each prefill whole
+    (``engine_args``). Reproduced with 16 sequences, not with this module's 4."""
+    from workers.tiny_model import make_tiny_model
+    from workers.vllm_engine import VllmEngine
+
+    path = make_tiny_model(REPO_ROOT / ".state" / "models" / "tiny-random-llama")
+    shape = tmp_path / "tiny-random-llama"
+    shutil.copytree(path, shape, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    step_tokens, seqs = 512, 16
+    settings = WorkerSettings(max_num_seqs=seqs, max_model_len=512, engine_nice=0,
+                              isolate_engine_cores=False, load_format="dummy",
+                              max_num_batched_tokens=step_tokens)
+
+    def seeded(i: int) -> EngineRequest:
+        return EngineRequest(f"seeded-{i}",
+                             (ChatMessage(role="user", content=" ".join(["hello"] * 100)),),
+                             SamplingParams(max_tokens=2, seed=i, ignore_eos=True))
+
+    async def run() -> tuple[list[list[EngineOutput]], list[EngineOutput]]:
+        engine = VllmEngine(settings, shape, "tiny-random-llama")
+        try:
+            # More than run at once: those waiting start together as slots free.
+            results = await asyncio.gather(*(collect(engine, seeded(i))
+                                             for i in range(2 * seqs)))
+            return results, await collect(engine, ask("after-seeded", 3))
+        finally:
+            engine.close()
+
+    results, after = asyncio.run(run())
+    assert 2 * results[0][0].prompt_tokens > step_tokens  # the premise
+    assert [sum(len(o.token_ids) for o in outs) for outs in results] == [2] * (2 * seqs)
+    assert sum(len(o.token_ids) for o in after) == 3
+
+
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)  # vLLM's alone
 def test_the_frontend_bench_measures_vllm_with_and_without_its_text(engine: Running) -> None:
     """``pipeline bench frontend`` runs vLLM with detokenising and without: without, the

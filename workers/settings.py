@@ -22,6 +22,10 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int | None = Field(default=None, ge=1)
     # Default: 512 for the tiny model, the model's own otherwise.
     max_model_len: int | None = Field(default=None, ge=16)
+    # The most prompt and generated tokens one engine step computes. Default: vLLM's.
+    # With a CPU build of vLLM, prefills are never split over steps (``engine_args``),
+    # and vLLM refuses a value under ``max_model_len``.
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     kv_cache_memory_bytes: int | None = 256 * 2**20
     # How vLLM loads the weights: "dummy" makes them at random from the model's config
     # (no weight files needed: benchmarks on a GPU host, `pipeline bench serving`).

