@@ -36,6 +36,7 @@ from pipeline.retry import Backoff, RepeatFilter
 from pipeline.settings import CommonSettings
 from projections.migrate import MigrationError
 from projections.settings import AnalyticsSettings, ProjectorSettings
+from workers.engine import EngineSettingsRefused
 from workers.settings import WorkerSettings
 
 
@@ -99,7 +100,7 @@ def _attempt(args: argparse.Namespace, common: CommonSettings, external_db: bool
         print(f"pipeline {args.command}: {exc.strerror} (address in use: is another "
               "one running?)", file=sys.stderr)
         return 2
-    except (AccessRefused, ClientConfigError, MigrationError) as exc:
+    except (AccessRefused, ClientConfigError, MigrationError, EngineSettingsRefused) as exc:
         print(f"pipeline {args.command}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

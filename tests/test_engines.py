@@ -26,6 +26,7 @@ from workers.engine import (
     EngineOutput,
     EngineRejected,
     EngineRequest,
+    EngineSettingsRefused,
     outputs,
     unpaced,
     warm_up,
@@ -305,6 +306,27 @@ def test_seeded_prompts_too_long_for_one_step_together_all_run(tmp_path: Path) -
     assert 2 * results[0][0].prompt_tokens > step_tokens  # the premise
     assert [sum(len(o.token_ids) for o in outs) for outs in results] == [2] * (2 * seqs)
     assert sum(len(o.token_ids) for o in after) == 3
+
+
+@pytest.mark.parametrize("frontend", ["inline", "process"])
+def test_settings_vllm_refuses_are_said_in_one_line(frontend: str) -> None:
+    """A step budget under the model's length, with the front end in the worker's process
+    and apart: the worker's own error (``pipeline worker`` says it in one line and exits
+    2), not a traceback out of vLLM's configuration."""
+    from workers.tiny_model import make_tiny_model
+    from workers.vllm_engine import VllmEngine
+    from workers.vllm_process import VllmProcess
+
+    path = make_tiny_model(REPO_ROOT / ".state" / "models" / "tiny-random-llama")
+    settings = WorkerSettings(max_model_len=512, max_num_batched_tokens=64, engine_nice=0,
+                              isolate_engine_cores=False, vllm_frontend=frontend)
+    kind = VllmEngine if frontend == "inline" else VllmProcess
+    with pytest.raises(EngineSettingsRefused) as refused:
+        kind(settings, path, "tiny-random-llama")
+    said = str(refused.value)
+    assert said.startswith("vLLM refuses the settings: max_num_batched_tokens (64) is "
+                           "smaller than max_model_len (512)"), said
+    assert "\n" not in said
 
 
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)  # vLLM's alone

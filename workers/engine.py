@@ -97,6 +97,11 @@ class EngineRejected(ValueError):
         self.code = code
 
 
+class EngineSettingsRefused(ValueError):
+    """The engine refuses the worker's settings (a step budget under the model's length,
+    a length over the model's): the worker cannot start, and says why in one line."""
+
+
 class EngineDead(RuntimeError):
     """The engine can no longer serve anything; the worker must exit."""
 

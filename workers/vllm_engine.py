@@ -26,6 +26,7 @@ from workers.engine import (
     EngineDead,
     EngineRejected,
     EngineRequest,
+    EngineSettingsRefused,
     Pace,
     Sink,
     StallWatch,
@@ -203,20 +204,35 @@ def _cache_vllm_settings() -> None:
         cache()
 
 
+def _reason(exc: ValueError) -> str:
+    """What vLLM said of settings it refuses, without pydantic's framing."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(str(error["msg"]).removeprefix("Value error, ")
+                         for error in exc.errors())
+    return str(exc)
+
+
 class VllmEngine:
     """Adapts vLLM's ``AsyncLLM`` to the worker's ``Engine`` protocol."""
 
     def __init__(self, settings: WorkerSettings, model_path: Path, model_name: str) -> None:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_name = model_name
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         args = AsyncEngineArgs(**engine_args(settings, model_path))
+        try:
+            config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise EngineSettingsRefused(f"vLLM refuses the settings: {_reason(exc)}") from None
         self.scheduler = SchedulerView()
-        self._llm: Any = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stats_tap(self.scheduler)])
+        self._llm: Any = AsyncLLM.from_vllm_config(
+            config, stat_loggers=[_stats_tap(self.scheduler)])
         nice = engine_nice(settings)
         if nice:
             threads = lower_engine_priority(os.getpid(), nice)

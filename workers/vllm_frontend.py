@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from workers.engine import EngineDead, EngineRejected, EngineRequest
+from workers.engine import EngineDead, EngineRejected, EngineRequest, EngineSettingsRefused
 from workers.vllm_engine import VllmEngine, engine_nice, isolate_engine_cores
 from workers.vllm_process import FRAME_BUFFER_BYTES, frame, pipe_reader, read_frame
 
@@ -129,6 +129,9 @@ async def serve(out_fd: int) -> None:
     out = os.fdopen(out_fd, "wb", buffering=0)
     try:
         engine = VllmEngine(settings, Path(model_path), model_name)
+    except EngineSettingsRefused as exc:
+        out.write(frame(("refused", str(exc))))
+        return
     except Exception as exc:
         out.write(frame(("failed", f"{type(exc).__name__}: {exc}")))
         raise

@@ -44,6 +44,7 @@ from workers.engine import (
     EngineDead,
     EngineRejected,
     EngineRequest,
+    EngineSettingsRefused,
     Pace,
     Sink,
     StallWatch,
@@ -163,6 +164,8 @@ class VllmProcess:
                                "was ready: its log is above") from None
         if kind != "ready":
             self._stop()
+            if kind == "refused":
+                raise EngineSettingsRefused(said)
             raise RuntimeError(f"vLLM's front-end process could not start vLLM: {said}")
         self.max_num_seqs: int = said["max_num_seqs"]
         self.max_model_len: int = said["max_model_len"]
