@@ -42,6 +42,15 @@ def _save(out: Path, part: str, title: str, figures: dict[str, Any], table: str,
         f"# {title} ({figures['measured_at']})\n\n{table}\n\n{notes}\n")
 
 
+def _whole_prefills() -> str:
+    from workers.vllm_engine import vllm_cpu_build
+
+    if not vllm_cpu_build():
+        return ""
+    return ("A CPU build of vLLM: every engine of the run computes each prefill in one "
+            "step (chunked prefill off, as the worker's, see docs/workers.md). ")
+
+
 def serving(common: CommonSettings, quick: bool, out: Path,
             resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
             shape: ServingShape | None = None) -> str:
@@ -65,8 +74,9 @@ def serving(common: CommonSettings, quick: bool, out: Path,
     _save(out, "serving", "Serving: the engine, vllm serve and the pipeline", figures, table,
           f"Model {name} ({weights}, {settings.dtype}), load format {settings.load_format}, "
           f"prompt of {figures['prompt_words']} words, max_num_seqs {figures['max_num_seqs']}, "
-          f"max_model_len {figures['max_model_len']}, on {figures['machine']}. Closed loop. "
-          "Modes in pairs (engine with worker, vllm-serve with pipeline, then the SIMULATED "
+          f"max_model_len {figures['max_model_len']}, on {figures['machine']}. "
+          f"{_whole_prefills()}Closed loop. Modes in pairs (engine with worker, vllm-serve "
+          "with pipeline, then the SIMULATED "
           f"engine at {figures['sim_tokens_per_s']:.0f} tokens/s per sequence with a worker "
           "running it), both up, their measured rounds alternating: one runs while the "
           "other idles. The ratios are the medians of adjacent rounds' ratios. The "

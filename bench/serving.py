@@ -530,12 +530,16 @@ def tables(figures: dict[str, Any]) -> str:
     if "vllm_client" in figures:
         out += ["", *client_table(figures["vllm_client"],
                                   ratios["pipeline / vllm-serve, vLLM's client"], spread)]
+    # Whether the worker ran vLLM's front end in a process of its own (a GPU build's
+    # default) or in its own process (a CPU build's).
+    front_apart = any(figures.get("worker_cpu_us_per_token", {}).get(FRONTEND) or [])
+    where = ("a process of its own beside the worker's" if front_apart
+             else "in the worker's own process, as with a CPU build of vLLM")
     if "cpu_us_per_token" in figures:
         cpu = figures["cpu_us_per_token"]
         frontend, plumbing = cpu["vllm serve's API server"], cpu["the pipeline's processes"]
-        out += ["", "**CPU per streamed token**, EngineCore left out on both sides (vLLM on "
-                "this CPU: the pipeline's side holds vLLM's own front end too, in the worker's "
-                "front-end process)", "",
+        out += ["", "**CPU per streamed token**, EngineCore left out on both sides (the "
+                f"pipeline's side holds vLLM's own front end too: {where})", "",
                 "| concurrency | vllm serve's API server (µs/token) | the pipeline's processes:"
                 " gateway, worker, projector, broker, PostgreSQL (µs/token) | pipeline / vllm "
                 "serve |", "|---|---|---|---|"]
@@ -545,8 +549,8 @@ def tables(figures: dict[str, Any]) -> str:
     if "worker_cpu_us_per_token" in figures:
         worker = figures["worker_cpu_us_per_token"]
         out += ["", "**The worker's process, CPU per generated token** (its engine's process "
-                "left out; vLLM's front end, its output processing and detokenising, is a "
-                "process of its own beside it; the target is 20 µs)", "",
+                "left out; vLLM's front end, its output processing and detokenising: "
+                f"{where}; the target is 20 µs)", "",
                 "| concurrency | vLLM worker (µs/token) | its vLLM front end (µs/token) | "
                 "SIMULATED worker (µs/token) |", "|---|---|---|---|"]
         front = worker.get(FRONTEND, [float("nan")] * len(modes["engine"]))
