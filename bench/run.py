@@ -258,16 +258,19 @@ IN_PROCESS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 
 
-def _in_process(part: str, quick: bool, out: Path) -> str:
+def _in_process(part: str, quick: bool, out: Path, clients: list[int] | None = None) -> str:
+    """``clients``: frontend's load, its largest level (default: the bench's own)."""
     import importlib
 
     bench = importlib.import_module(f"bench.{part}")
     title, notes = IN_PROCESS[part]
-    figures = bench.run(quick)
+    load = {"clients": max(clients)} if part == "frontend" and clients else {}
+    figures = bench.run(quick, **load)
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
     table: str = bench.table(figures)
+    flags = "".join(f" --{name} {value}" for name, value in load.items())
     _save(out, part, title, figures, table, f"{notes(figures)} On {figures['machine']}. "
-          f"Measured with `pipeline bench {part}{' --quick' if quick else ''}`.")
+          f"Measured with `pipeline bench {part}{' --quick' if quick else ''}{flags}`.")
     return table
 
 
@@ -350,7 +353,7 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
         elif part == "projection":
             table = projection(common, quick, out)
         elif part in IN_PROCESS:
-            table = _in_process(part, quick, out)
+            table = _in_process(part, quick, out, shape.clients if shape else None)
         elif part == "memory":
             table = memory(common, quick, out)
         elif part == "worker":

@@ -225,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
                     help="tokens generated per request, all of them (default 128; quick 64)")
     sv.add_argument("--clients", type=_levels, metavar="N,N,...",
                     help="closed-loop clients, one level after another (default 1,8,32; "
-                         "on a GPU: 1,32,256)")
+                         "on a GPU: 1,32,256); frontend runs the largest (default 32)")
     ab = bench.add_argument_group(
         "pair", "pipeline bench pair: one change's effect as before / after ratios measured "
         "in one run, side A (before) then B (after), alternating; figures under .state/bench. "
