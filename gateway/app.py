@@ -253,7 +253,7 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     store = ConversationStore(pool, meta, reader, partitions, codec, settings,
                               reads=metrics.log_reads)
     # The live stream and the durable record, tailed once for every client here.
-    tail = GenerationTail(bootstrap, codec, store.end_of, settings.tail_linger_s,
+    tail = GenerationTail(bootstrap, codec, store.ends_of, settings.tail_linger_s,
                           settings.stream_max_items, settings.stream_max_bytes,
                           timeout_s=timeout_s)
     await tail.start()

@@ -23,7 +23,7 @@ from gateway.dependencies import from_log, from_store
 from gateway.problems import StoreLagging
 from gateway.settings import GatewaySettings
 from gateway.view import ConversationView, Message, TurnState
-from pipeline.codec import Codec, DecodeError, conversation_key
+from pipeline.codec import TP, Codec, DecodeError, conversation_key
 from pipeline.kafka import LogReader, Record
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff
@@ -61,10 +61,10 @@ class ConversationStore:
     def partition_of(self, conversation_id: uuid.UUID) -> int:
         return partition_for(conversation_key(conversation_id), self.partitions)
 
-    async def end_of(self, topic: str, partition: int) -> int:
-        ends = await from_log(lambda: self.meta.watermarks(topic, partition,
-                                             self.timeout_s), self.timeout_s)
-        return ends[1]
+    async def ends_of(self, partitions: list[TP]) -> dict[TP, int]:
+        """The ends of ``partitions`` (of any topics), in one request to each leader."""
+        return await from_log(lambda: self.meta.ends(partitions, self.timeout_s),
+                              self.timeout_s)
 
     async def start_of(self, topic: str, partition: int) -> int:
         """The partition's first offset (what retention left)."""
@@ -130,7 +130,7 @@ class ConversationStore:
 
     async def view(self, conversation_id: uuid.UUID) -> ConversationView:
         p = self.partition_of(conversation_id)
-        ends = {t: await self.end_of(t, p) for t in TOPICS}
+        ends = {t: end for (t, _), end in (await self.ends_of([(t, p) for t in TOPICS])).items()}
         view, positions = await self._stored(conversation_id, p)
         view.prompts_end = ends[PROMPTS]
         for topic in TOPICS:
@@ -181,7 +181,7 @@ class ConversationStore:
 
     async def catch_up(self, topic: str) -> None:
         """Wait until the projection holds all of ``topic`` that the log held when called."""
-        targets = {(topic, p): await self.end_of(topic, p) for p in range(self.partitions)}
+        targets = await self.ends_of([(topic, p) for p in range(self.partitions)])
         deadline = time.monotonic() + self.wait_s
         backoff = Backoff(0.005, 0.1)
         while True:

@@ -4,7 +4,8 @@ waiting for it.
 
 * Partitions are read on demand: a partition is added (at its current end, a concrete
   offset, so nothing produced afterwards is missed) when a request in it is followed,
-  and dropped after ``linger_s`` without one.
+  and dropped after ``linger_s`` without one. Records of a partition still tailed but
+  with nothing followed in it are passed over unparsed.
 * A live record holds many turns' entries (``schemas.live``). Entries name their turn
   by its reference (its prompt's offset); a turn's start entry names its request id
   too. A subscription knows its turn's reference when it attaches to a turn the log
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.dependencies import from_log
-from pipeline.codec import Codec, DecodeError, Position, parse_live
+from pipeline.codec import TP, Codec, DecodeError, Position, parse_live
 from pipeline.kafka import QUICK_ASSIGN, LogReader, Record
 from pipeline.retry import QuietLog
 from pipeline.topics import GENERATIONS, LIVE
@@ -211,7 +212,8 @@ class Subscription:
 
 class GenerationTail:
     def __init__(
-        self, bootstrap: str, codec: Codec, end_of: Callable[[str, int], Awaitable[int]],
+        self, bootstrap: str, codec: Codec,
+        ends_of: Callable[[list[TP]], Awaitable[dict[TP, int]]],
         linger_s: float = 60.0, max_items: int = 1000, max_bytes: int = 4_000_000,
         timeout_s: float = 5.0,
     ) -> None:
@@ -220,8 +222,8 @@ class GenerationTail:
         self._quiet = QuietLog(log)
         # Partitions are assigned, not subscribed: the group id is only a label.
         self._consumer = LogReader(bootstrap, f"gateway-tail-{uuid.uuid4().hex[:12]}", "tail",
-                                       **QUICK_ASSIGN)
-        self._end_of = end_of
+                                   **QUICK_ASSIGN)
+        self._ends_of = ends_of
         self._linger_s = linger_s
         self._limits = (max_items, max_bytes)
         self._subs: dict[str, set[Subscription]] = {}
@@ -296,7 +298,7 @@ class GenerationTail:
         async with self._adding:
             if (LIVE, partition) in self._next:
                 return
-            ends = {(t, partition): await self._end_of(t, partition) for t in TAILED}
+            ends = await self._ends_of([(t, partition) for t in TAILED])
             self._next.update(ends)
             try:
                 await from_log(
@@ -353,7 +355,7 @@ class GenerationTail:
                     self._moved[tp] = (position, now)
                 continue
             self._moved[tp] = (position, now)  # asked again in ``STALL_S`` at the soonest
-            end = await self._end_of(*tp)
+            end = (await self._ends_of([tp]))[tp]
             if end <= position or tp not in self._next:
                 continue  # idle: nothing to read
             start = self._next[tp]
@@ -379,6 +381,8 @@ class GenerationTail:
 
     async def _route_live(self, record: Record) -> None:
         partition = record.position.partition
+        if partition not in self._users:
+            return  # lingering: nothing is followed in its partition
         try:
             batch = parse_live(record.value)
             # The text of the turns followed here is opened, no other's. A turn followed

@@ -446,10 +446,7 @@ def test_a_tailed_partition_whose_fetch_stops_is_read_again(stack: Stack) -> Non
     async def scenario() -> tuple[list[object], int]:
         meta = LogReader(stack.bootstrap, f"stall-meta-{uuid.uuid4().hex[:8]}", "test")
 
-        async def end_of(topic: str, partition: int) -> int:
-            return (await meta.watermarks(topic, partition))[1]
-
-        tail = GenerationTail(stack.bootstrap, Codec(), end_of)
+        tail = GenerationTail(stack.bootstrap, Codec(), meta.ends)
         await tail.start()
         try:
             sub = await tail.follow(request_id, b"stall", 0)
@@ -485,10 +482,7 @@ def test_a_partition_whose_add_was_given_up_on_is_tailed_all_the_same(stack: Sta
     async def scenario() -> list[object]:
         meta = LogReader(stack.bootstrap, f"added-meta-{uuid.uuid4().hex[:8]}", "test")
 
-        async def end_of(topic: str, partition: int) -> int:
-            return (await meta.watermarks(topic, partition))[1]
-
-        tail = GenerationTail(stack.bootstrap, Codec(), end_of)
+        tail = GenerationTail(stack.bootstrap, Codec(), meta.ends)
         await tail.start()
         try:  # the add a timed-out caller left behind, from the start of the topics
             await tail._consumer.add_partitions({(LIVE, 1): 0, (GENERATIONS, 1): 0})
@@ -552,7 +546,7 @@ def test_a_stream_whose_live_items_come_with_a_gap_is_filled_from_the_log(
         reader = LogReader(stack.bootstrap, f"gap-read-{uuid.uuid4().hex[:8]}", "test")
         pool = AsyncConnectionPool(stack.database_url, open=False)  # not read here
         store = ConversationStore(pool, meta, reader, PARTITIONS, Codec(), settings)
-        tail = GenerationTail(stack.bootstrap, Codec(), store.end_of)
+        tail = GenerationTail(stack.bootstrap, Codec(), store.ends_of)
         producer = EventProducer(stack.bootstrap)
         await tail.start()
         try:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from confluent_kafka import (
+    OFFSET_END,
     Consumer,
     KafkaException,
     TopicPartition,
@@ -99,9 +100,12 @@ class AsyncConsumer:
         return await self.call(self.poll_window_sync, max_records, wait_s, window_s)
 
     def _wake_fetcher(self, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            with contextlib.suppress(KafkaException):  # only a wake-up: best effort
-                self._consumer.get_watermark_offsets(tp, timeout=5, cached=False)
+        # One ListOffsets request to each leader of ``partitions`` wakes the threads that
+        # serve them.
+        with contextlib.suppress(KafkaException):  # only a wake-up: best effort
+            self._consumer.offsets_for_times(
+                [TopicPartition(tp.topic, tp.partition, OFFSET_END) for tp in partitions],
+                timeout=5)
 
     def positions_sync(self, partitions: list[TP] | None = None) -> dict[TP, int]:
         """The next offset to read of each partition (of the assignment if not given):
@@ -126,6 +130,19 @@ class AsyncConsumer:
         )
         return int(low), int(high)
 
+    def ends_sync(self, partitions: list[TP], timeout: float = 5.0) -> dict[TP, int]:
+        """The partitions' ends as they are now (the last stable offset, for a reader of
+        committed records only), any number of topics and partitions in one request to
+        each leader, where ``watermarks`` asks one partition per request."""
+        if not partitions:
+            return {}
+        found = self._consumer.offsets_for_times(
+            [TopicPartition(t, p, OFFSET_END) for t, p in partitions], timeout=timeout)
+        for tp in found:
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+        return {(tp.topic, tp.partition): int(tp.offset) for tp in found}
+
     def partitions_sync(self, topic: str, timeout: float = 10.0) -> list[int]:
         meta = self._consumer.list_topics(topic, timeout=timeout)
         info = meta.topics.get(topic)
@@ -148,6 +165,9 @@ class AsyncConsumer:
     async def watermarks(self, topic: str, partition: int,
                          request_s: float = 5.0) -> tuple[int, int]:
         return await self.call(self.watermarks_sync, topic, partition, request_s)
+
+    async def ends(self, partitions: list[TP], request_s: float = 5.0) -> dict[TP, int]:
+        return await self.call(self.ends_sync, partitions, request_s)
 
     async def close(self) -> None:
         try:
@@ -232,8 +252,8 @@ class GroupConsumer(AsyncConsumer):
         fetches start now. librdkafka's fetcher notices a resumed partition when the
         broker thread serving it next wakes: up to a second later when it fetches nothing
         else (measured: a full worker's next prompts waited 600 ms at every turn from
-        full to free). A ListOffsets request for each partition wakes the thread that
-        serves it."""
+        full to free). A ListOffsets request to each leader wakes the threads that serve
+        them."""
         partitions = self._assigned(topic)
         self._consumer.resume(partitions)
         self._wake_fetcher(partitions)

@@ -57,10 +57,14 @@ class LogReader(AsyncConsumer):
 
     def add_partitions_sync(self, starts: dict[TP, int]) -> None:
         """Also read these partitions, each from the given offset (the rest keep their
-        place), fetching them at once (see ``resume_sync``). One read already is read
-        again from its offset, with new fetch state: an earlier add that its caller
-        stopped waiting for (a timeout) went through all the same, and librdkafka refuses
-        to assign a partition twice. A pause left from an earlier assignment is lifted."""
+        place), fetching them at once: the fetcher is woken (see ``resume_sync``) when
+        nothing else was read; else it is fetching already, a long poll in flight, which
+        the wake-up's request would wait behind on the same connection (a gateway's add
+        of a partition to follow took the poll's 10 ms for it, measured), and the added
+        partitions join the next fetch. One read already is read again from its offset,
+        with new fetch state: an earlier add that its caller stopped waiting for (a
+        timeout) went through all the same, and librdkafka refuses to assign a partition
+        twice. A pause left from an earlier assignment is lifted."""
         partitions = [TopicPartition(t, p, o) for (t, p), o in starts.items()]
         read = {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
         again = [TopicPartition(t, p) for t, p in starts if (t, p) in read]
@@ -68,7 +72,8 @@ class LogReader(AsyncConsumer):
             self._consumer.incremental_unassign(again)
         self._consumer.incremental_assign(partitions)
         self._consumer.resume(partitions)
-        self._wake_fetcher(partitions)
+        if not read - set(starts):
+            self._wake_fetcher(partitions)
 
     def follow_from_end_sync(self, topic: str) -> None:
         """Read every partition of ``topic`` from the end it has now on."""
