@@ -52,6 +52,13 @@ def erasure_record(conversation_id: uuid.UUID, tenant: str, by: str) -> tuple[by
         "at": int(time.time() * 1000)}).encode()
 
 
+def _given(answer: dict[int, int] | KafkaException | None) -> dict[int, int]:
+    assert answer is not None
+    if isinstance(answer, KafkaException):
+        raise KafkaException(*answer.args)
+    return answer
+
+
 class Erasures:
     """The erasures of the last ``horizon_s``, read to the end at ``start`` and followed
     on a thread of its own. ``revoked`` is a set look-up: it never waits."""
@@ -74,6 +81,12 @@ class Erasures:
         # to half a second.
         self._asker: PlainReader | None = None
         self._asking = threading.Lock()
+        # Callers that come while ends are being asked wait for the next ask, made once
+        # for all of them (``_ends``): the requests are one per ask, not per caller.
+        self._asks = threading.Condition()
+        self._begun = 0  # asks begun so far
+        self._in_flight = False
+        self._answer: tuple[int, dict[int, int] | KafkaException] | None = None
         self._partitions: list[int] = []
         self._pruned = time.monotonic()
         self.read = 0  # records read so far (a slow start says how far it got)
@@ -120,9 +133,7 @@ class Erasures:
         deadline = time.monotonic() + self._wait_s
         while True:
             try:
-                with self._asking:
-                    asker = self._asker_()
-                    ends = asker.ends(ERASURES, self._partitions, self._wait_s)
+                ends = self._ends()
                 break
             except KafkaException as exc:  # a leader moving, or Kafka away: asked again
                 if time.monotonic() > deadline or self._stop.is_set():
@@ -136,6 +147,35 @@ class Erasures:
                 lambda: self._failure is not None or all(
                     self._positions.get(p, 0) >= end for p, end in ends.items()),
                 max(deadline - time.monotonic(), 0.0)) and self._failure is None
+
+    def _ends(self) -> dict[int, int]:
+        """The topic's ends, asked after this call began (an erasure written before it
+        is within them). A caller that comes while an ask is under way, begun before it
+        came, waits for the next ask, which one of those waiting makes for all of them."""
+        with self._asks:
+            wanted = self._begun + 1  # the first ask begun from now on answers
+            while self._answer is None or self._answer[0] < wanted:
+                if not self._in_flight:
+                    break
+                self._asks.wait()
+            else:
+                return _given(self._answer[1])
+            self._in_flight = True
+            self._begun += 1
+            number = self._begun
+        answer: dict[int, int] | KafkaException | None = None
+        try:
+            with self._asking:
+                answer = self._asker_().ends(ERASURES, self._partitions, self._wait_s)
+        except KafkaException as exc:
+            answer = exc
+        finally:  # whatever it raised, those waiting are let go (one asks again)
+            with self._asks:
+                self._in_flight = False
+                if answer is not None:
+                    self._answer = (number, answer)
+                self._asks.notify_all()
+        return _given(answer)
 
     def unavailable(self) -> ErasuresUnavailable:
         if self._failure is not None:

@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from infra.process import free_port
 from pipeline.codec import CLEAR, bare, conversation_key
-from pipeline.erasures import erasure_record
+from pipeline.erasures import Erasures, erasure_record
 from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.kek import KeyRef
 from pipeline.keystore import Keyring, KeyringLimits, load_kek
@@ -626,6 +626,53 @@ def test_the_ends_a_keyring_waits_for_are_the_partitions_ends(pipeline: Pipeline
         assert reader.ends(ERASURES, [0])[0] >= 1  # the erasure written above
     finally:
         reader.close()
+
+
+def test_callers_that_wait_for_the_erasures_together_share_an_ask_of_the_ends(
+        stack: Stack) -> None:
+    """Each look-up of a key waits until ``chat.erasures`` is read to the ends asked after
+    it began; under load that was one request to the broker per new conversation. Callers
+    that come while an ask is under way now wait for the next one, made once for all of
+    them: 16 callers at once cost 2 asks here (the one under way when they came, and
+    theirs), each caller's answer is from an ask begun after it called, and an erasure
+    written before the callers came is in what each of them waited for."""
+    erasures = Erasures(stack.bootstrap, f"shared-{uuid.uuid4().hex[:8]}", 3600.0)
+    erasures.start()
+    try:
+        asks: list[tuple[float, float]] = []  # each ask's start and end (monotonic)
+        asker = erasures._asker_()
+        ask = asker.ends
+
+        def slow_ask(topic: str, partitions: list[int], timeout: float) -> dict[int, int]:
+            began = time.monotonic()
+            time.sleep(0.2)  # long enough for every caller to come meanwhile
+            try:
+                return ask(topic, partitions, timeout)
+            finally:
+                asks.append((began, time.monotonic()))
+
+        asker.ends = slow_ask  # type: ignore[method-assign,assignment]
+        erased = uuid.uuid4()
+        writer = PlainWriter(stack.bootstrap, "shared-ends")
+        writer.send(ERASURES, *erasure_record(erased, "shared", "test"))
+        assert writer.flush(30) == []
+
+        def caller() -> tuple[float, bool, bool, float]:
+            called = time.monotonic()
+            caught_up = erasures.catch_up()
+            return called, caught_up, erasures.revoked(erased), time.monotonic()
+
+        with ThreadPoolExecutor(16) as pool:
+            first = pool.submit(caller)
+            time.sleep(0.05)  # the first ask is under way
+            others = [pool.submit(caller) for _ in range(15)]
+            results = [future.result() for future in (first, *others)]
+        assert all(caught_up and revoked for _, caught_up, revoked, _ in results)
+        assert len(asks) == 2, asks
+        for called, _, _, returned in results:
+            assert any(called <= began and ended <= returned for began, ended in asks)
+    finally:
+        erasures.close()
 
 
 def test_a_deleted_sessions_history_leaves_the_workers_memory(pipeline: Pipeline) -> None:
