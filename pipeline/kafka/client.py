@@ -11,13 +11,15 @@ from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
+    OFFSET_END,
     Consumer,
     KafkaError,
     KafkaException,
     Message,
+    TopicPartition,
 )
 
-from pipeline.codec import Position
+from pipeline.codec import TP, Position
 from pipeline.kafka.config import client_properties
 from pipeline.retry import QuietLog, RepeatFilter
 
@@ -181,6 +183,22 @@ def poll_records(consumer: Consumer, max_records: int, timeout: float) -> list[R
             msg.key(), msg.value(), ts, headers_of(msg),
         ))
     return records
+
+
+def partition_ends(consumer: Consumer, partitions: list[TP], timeout: float
+                   ) -> dict[TP, int]:
+    """The partitions' ends as they are now (the last stable offset, for a reader of
+    committed records only), any topics and partitions in one ListOffsets request to
+    each leader, where a watermark query asks one partition per request (and its first
+    offset in another)."""
+    if not partitions:
+        return {}
+    found = consumer.offsets_for_times(
+        [TopicPartition(t, p, OFFSET_END) for t, p in partitions], timeout=timeout)
+    for tp in found:
+        if tp.error is not None:
+            raise KafkaException(tp.error)
+    return {(tp.topic, tp.partition): int(tp.offset) for tp in found}
 
 
 def headers_of(msg: Message) -> list[tuple[str, str | bytes | None]] | None:

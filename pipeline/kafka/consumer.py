@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from confluent_kafka import (
-    OFFSET_END,
     Consumer,
     KafkaException,
     TopicPartition,
@@ -27,6 +26,7 @@ from pipeline.kafka.client import (
     Record,
     client_config,
     client_logging,
+    partition_ends,
     poll_records,
 )
 
@@ -103,9 +103,7 @@ class AsyncConsumer:
         # One ListOffsets request to each leader of ``partitions`` wakes the threads that
         # serve them.
         with contextlib.suppress(KafkaException):  # only a wake-up: best effort
-            self._consumer.offsets_for_times(
-                [TopicPartition(tp.topic, tp.partition, OFFSET_END) for tp in partitions],
-                timeout=5)
+            partition_ends(self._consumer, [(tp.topic, tp.partition) for tp in partitions], 5)
 
     def positions_sync(self, partitions: list[TP] | None = None) -> dict[TP, int]:
         """The next offset to read of each partition (of the assignment if not given):
@@ -131,17 +129,8 @@ class AsyncConsumer:
         return int(low), int(high)
 
     def ends_sync(self, partitions: list[TP], timeout: float = 5.0) -> dict[TP, int]:
-        """The partitions' ends as they are now (the last stable offset, for a reader of
-        committed records only), any number of topics and partitions in one request to
-        each leader, where ``watermarks`` asks one partition per request."""
-        if not partitions:
-            return {}
-        found = self._consumer.offsets_for_times(
-            [TopicPartition(t, p, OFFSET_END) for t, p in partitions], timeout=timeout)
-        for tp in found:
-            if tp.error is not None:
-                raise KafkaException(tp.error)
-        return {(tp.topic, tp.partition): int(tp.offset) for tp in found}
+        """``partition_ends``: where ``watermarks`` asks one partition per request."""
+        return partition_ends(self._consumer, partitions, timeout)
 
     def partitions_sync(self, topic: str, timeout: float = 10.0) -> list[int]:
         meta = self._consumer.list_topics(topic, timeout=timeout)

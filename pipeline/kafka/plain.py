@@ -24,6 +24,7 @@ from pipeline.kafka.client import (
     Record,
     client_config,
     client_logging,
+    partition_ends,
     poll_records,
 )
 
@@ -126,15 +127,10 @@ class PlainReader:
 
     def ends(self, topic: str, partitions: list[int], timeout: float = 10.0
              ) -> dict[int, int]:
-        """The partitions' ends as they are now (the last stable offset, for a reader of
-        committed records only), in one request to each leader: ``bounds`` asks the
+        """The partitions' ends as they are now (``partition_ends``): ``bounds`` asks the
         first offset too, in a request of its own each."""
-        found = self._consumer.offsets_for_times(
-            [TopicPartition(topic, p, OFFSET_END) for p in partitions], timeout=timeout)
-        for tp in found:
-            if tp.error is not None:
-                raise KafkaException(tp.error)
-        return {tp.partition: int(tp.offset) for tp in found}
+        return {p: end for (_, p), end in partition_ends(
+            self._consumer, [(topic, p) for p in partitions], timeout).items()}
 
     def position(self, topic: str, partition: int) -> int:
         """The next offset this reader reads in the partition (negative: none yet)."""
