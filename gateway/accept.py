@@ -14,8 +14,8 @@ Three stages, as vLLM's input processor hands a request to its core:
 2. **build** (``_build``): the history, the memories recalled, the context's bound, the
    charge, the prompt;
 3. **commit** (``_seal``, ``_commit``): the data key, the sealed record and its size,
-   the following begun, the record produced in a transaction, its verdict in its
-   session, and the turn's reference bound.
+   the following begun, the record produced in a transaction, the turn's reference
+   bound at once (its worker may end it any moment), its verdict in its session.
 
 Everything before the record is produced is held to the acceptance's deadline
 (``_before_commit``).
@@ -50,7 +50,7 @@ from gateway.problems import (
 )
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
-from gateway.tail import Subscription
+from gateway.subscription import Subscription
 from gateway.view import ConversationView
 from pipeline.codec import conversation_key
 from pipeline.kafka import ProduceError, RecordTooLarge, TransactionalProducer
@@ -268,6 +268,7 @@ class Accept:
                 log.warning("prompt %s not accepted: %s", prompt.request_id, exc)
                 KAFKA.trip(exc)
                 raise LogUnavailable(prompt.request_id) from exc
+            self.follow.written(sub, written.offset)
             if view is not None:
                 await self._judge(view, prompt, written.offset)
                 original = view.turns[prompt.request_id]
@@ -280,7 +281,7 @@ class Accept:
                     self.metrics.idempotent_replays.inc()
                     return await self.follow.attach_turn(view, original, admitted.tenant,
                                                          None)
-            following = self.follow.accepted(sub, written.offset, prompt)
+            following = self.follow.accepted(sub, prompt)
         except BaseException:
             self.follow.unfollow(sub)
             raise

@@ -24,7 +24,7 @@ from gateway import openai_api
 from gateway.errors import api_error
 from gateway.ids import event_id
 from gateway.problems import GenerationFailure, InvalidLastEventId
-from gateway.tail import Delivered
+from gateway.subscription import Delivered
 from schemas.live import TERMINAL, Delta, End, Failure, Start
 
 # Failures caused by the request itself; the client gets a 400 for them.

@@ -41,7 +41,8 @@ from gateway.problems import (
 )
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
-from gateway.tail import Delivered, GenerationTail, Overflow, Subscription, legacy, release
+from gateway.subscription import Delivered, Overflow, Subscription, legacy, release
+from gateway.tail import GenerationTail
 from gateway.view import ConversationView, TurnState
 from pipeline.codec import Position, conversation_key
 from pipeline.kafka import EventProducer
@@ -118,10 +119,14 @@ class Follow:
         return await self.tail.follow(request_id, conversation_key(conversation),
                                       self.store.partition_of(conversation))
 
-    def accepted(self, sub: Subscription, ref: int, prompt: PromptSubmitted) -> Following:
-        """The client's following of the turn ``prompt`` began, written with reference
-        ``ref`` (its prompt's offset)."""
+    def written(self, sub: Subscription, ref: int) -> None:
+        """The turn ``sub`` follows was written with reference ``ref`` (its prompt's
+        offset): told at once, before anything else is awaited, as its worker may end it
+        any moment now."""
         self.tail.bind(sub, ref)
+
+    def accepted(self, sub: Subscription, prompt: PromptSubmitted) -> Following:
+        """The client's following of the turn ``prompt`` (``written``) began."""
         return Following(prompt.request_id, prompt.conversation_id, prompt.tenant,
                          int(prompt.occurred_at.timestamp()), prompt.model, sub, [],
                          attachment=prompt.request_id, accepted_at=time.monotonic())

@@ -13,14 +13,18 @@ waiting for it.
 * The same partition of ``chat.generations`` is read beside it, for turns written
   before the live stream (their ``TokenDelta`` events are there): filtered by key
   (conversation) before decoding, and only events without a reference (v1) count.
+* A turn may end with no start entry (a worker refused it before its first token),
+  and a gateway learns a new turn's reference only once its prompt's write is
+  answered. So while a partition has a subscription that does not know its reference
+  yet, the ends of turns nobody here follows are held (``HOLD_S``, at most
+  ``HOLD_MAX``) and handed over when a subscription learns it: no turn's end is read
+  before its follower could claim it and passed over.
 * A subscription gets the records from its ``starts`` on, none before: a client that
   attaches to a running turn reads it from the log up to there, then live, with no
   record in both. No entry of a followed turn goes out with its text still sealed, even
   when the turn was followed while a key was read for its record.
-* Each subscription is bounded. While its reader lags, consecutive deltas are merged
-  into one (once its reader has said which it has: ``hand_off``); past ``max_items``
-  items or ``max_bytes`` of text it is dropped (the client resumes from its
-  ``Last-Event-ID``), so a slow client never stalls others.
+* Each subscription is bounded (``gateway.subscription``): a slow client never stalls
+  others.
 * Timing is swept, not timed per event: once a second the fan-out wakes readers that
   have had nothing for ``KEEPALIVE_S`` (a keep-alive is due) or whose deadline passed,
   so a delta costs its reader no timer.
@@ -39,18 +43,17 @@ import functools
 import logging
 import time
 import uuid
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass
-from typing import TypeVar
+from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from gateway.dependencies import from_log
-from pipeline.codec import TP, Codec, DecodeError, Position, parse_live
+from gateway.subscription import Delivered, Subscription, legacy, release
+from pipeline.codec import TP, Codec, DecodeError, parse_live
 from pipeline.kafka import QUICK_ASSIGN, LogReader, Record
 from pipeline.retry import QuietLog
 from pipeline.topics import GENERATIONS, LIVE
-from schemas import GenerationEvent, TokenDelta
-from schemas.live import Delta, Start, StreamItem, entries, from_event
+from schemas import GenerationEvent
+from schemas.live import TERMINAL, Start, entries
 
 log = logging.getLogger(__name__)
 # A reader that has had nothing for this long is woken to send a keep-alive (proxies
@@ -62,152 +65,10 @@ SWEEP_S = 1.0
 # look-up every ``STALL_S`` / 2 and an end asked of Kafka every ``STALL_S``.
 STALL_S = 10.0
 TAILED = (LIVE, GENERATIONS)
-
-
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """One item of a turn's stream, and where it is in the log: a live record's offset
-    and the entry's ``index`` in it, or (``index`` None) a ``chat.generations`` event's
-    offset. ``position`` None: an item made from the durable record's end, standing for
-    no entry (a turn sent whole once its live entries are gone). A merged delta spans
-    ``span`` seqs."""
-
-    position: Position | None
-    item: StreamItem
-    index: int | None = None
-    span: int = 1
-
-    @property
-    def key(self) -> tuple[str, int, int] | None:
-        """Where a client that received this resumes from (``gateway.ids``)."""
-        if self.position is None:
-            return None
-        return self.position.topic, self.position.offset, self.index or 0
-
-
-def legacy(record: Record, event: GenerationEvent) -> Delivered | None:
-    """A ``chat.generations`` event as a stream item, if it is one of a turn written
-    before the live stream (a start or an end since then stands in ``chat.live`` too)."""
-    if not isinstance(event, TokenDelta) and event.ref is not None:
-        return None
-    item = from_event(event)
-    return Delivered(record.position, item) if item is not None else None
-
-
-K = TypeVar("K", bound=Hashable)
-
-
-def release(counts: dict[K, int], key: K) -> bool:
-    """One fewer of ``key`` in ``counts``, dropped at none: whether it is gone (a count
-    per key in flight that must not keep keys no longer used)."""
-    counts[key] -= 1
-    if counts[key] > 0:
-        return False
-    del counts[key]
-    return True
-
-
-class Overflow(Exception):
-    """The reader fell too far behind; its subscription was dropped."""
-
-
-class Subscription:
-    def __init__(self, request_id: str, key: bytes, partition: int,
-                 starts: dict[str, int] | None = None, ref: int | None = None,
-                 max_items: int = 1000, max_bytes: int = 4_000_000,
-                 held: bool = False) -> None:
-        self.request_id = request_id
-        self.key = key
-        self.partition = partition
-        # Per tailed topic, the offset from which every record arrives through push()
-        # (and none before it: the log is read up to there).
-        self.starts = starts or {}
-        # Its reader first gets the turn's items up to ``starts`` from the log: deltas
-        # are merged only once it is known which it has (``hand_off``).
-        self.held = held
-        self.ref = ref  # the turn's reference in chat.live, once known
-        self.max_items = max_items
-        self.max_bytes = max_bytes
-        self.overflowed = False
-        self.deadline: float | None = None  # monotonic: its reader gives up past it
-        self.last_read = time.monotonic()  # when its reader last got something
-        self._next_seq = 0  # after the highest delta pushed
-        self._items: deque[Delivered] = deque()
-        self._bytes = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._nudged = False
-        # The first live record it got: when the worker wrote it (the record's time, ms)
-        # and when this gateway read it (ns): a trace's delta hop.
-        self.first_live: tuple[int, int] | None = None
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def push(self, item: Delivered) -> None:
-        """Queue ``item``; consecutive deltas merge while the reader is behind. A delta
-        already pushed (a worker that wrote it again) is dropped here: merged into a run
-        with new ones, it would hide them from the reader's duplicate check."""
-        if self.overflowed:
-            return
-        new = item.item
-        if isinstance(new, Delta):
-            if new.seq < self._next_seq:
-                return
-            self._next_seq = new.seq + 1
-            self._bytes += len(new.text)
-        last = self._items[-1] if self._items and not self.held else None
-        if (last is not None and isinstance(last.item, Delta) and isinstance(new, Delta)
-                and new.seq == last.item.seq + last.span):
-            merged = Delta(last.item.seq, last.item.text + new.text,
-                           last.item.token_ids + new.token_ids)
-            self._items[-1] = Delivered(item.position, merged, item.index, last.span + 1)
-        else:
-            self._items.append(item)
-        if len(self._items) > self.max_items or self._bytes > self.max_bytes:
-            log.warning("dropping the stream of %s: its reader is too slow", self.request_id)
-            self.overflowed = True
-            self._items.clear()
-        self._wake()
-
-    def hand_off(self, next_seq: int) -> None:
-        """Its reader has every delta below ``next_seq`` (read from the log): those queued
-        are dropped, and consecutive deltas merge from now on. Merged before, a delta it
-        has and one it lacks would be one item, taken for a duplicate whole."""
-        self._next_seq = max(self._next_seq, next_seq)
-        self._items = deque(d for d in self._items
-                            if not isinstance(d.item, Delta) or d.item.seq >= next_seq)
-        self._bytes = sum(len(d.item.text) for d in self._items if isinstance(d.item, Delta))
-        self.held = False
-
-    def nudge(self) -> None:
-        """Wake the reader with nothing: a keep-alive is due, or its deadline passed."""
-        self._nudged = True
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> Delivered | None:
-        """The next item; None when woken by ``nudge`` with nothing to read."""
-        while not self._items:
-            if self.overflowed:
-                raise Overflow
-            if self._nudged:
-                self._nudged = False
-                self.last_read = time.monotonic()
-                return None
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        item = self._items.popleft()
-        if isinstance(item.item, Delta):
-            self._bytes -= len(item.item.text)
-        self.last_read = time.monotonic()
-        return item
+# How long the end of a turn nobody here follows is held while its partition has a
+# subscription that does not know its reference yet, and how many are held at most.
+HOLD_S = 30.0
+HOLD_MAX = 10_000
 
 
 class GenerationTail:
@@ -232,6 +93,10 @@ class GenerationTail:
         self._keys: Counter[bytes] = Counter()
         self._next: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset
         self._users: Counter[int] = Counter()
+        self._unbound: Counter[int] = Counter()  # per partition: subscriptions with no ref
+        # (partition, ref) -> (when read, the end, its record's time) of turns that no
+        # subscription here knows (``_hold``)
+        self._held: dict[tuple[int, int], tuple[float, Delivered, int]] = {}
         self._idle_since: dict[int, float] = {}
         self._adding = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -262,6 +127,8 @@ class GenerationTail:
         self._subs.setdefault(request_id, set()).add(sub)
         if ref is not None:
             self._bind(partition, ref, request_id)
+        else:
+            self._unbound[partition] += 1
         self._keys[key] += 1
         self._users[partition] += 1
         self._idle_since.pop(partition, None)
@@ -272,6 +139,8 @@ class GenerationTail:
         if subs is None or sub not in subs:
             return
         subs.discard(sub)
+        if sub.ref is None:
+            release(self._unbound, sub.partition)
         if not subs:
             del self._subs[sub.request_id]
             bound = self._ref_of.pop(sub.request_id, None)
@@ -289,8 +158,36 @@ class GenerationTail:
     def _bind(self, partition: int, ref: int, request_id: str) -> None:
         self._refs[(partition, ref)] = request_id
         self._ref_of[request_id] = (partition, ref)
-        for sub in self._subs.get(request_id, ()):
+        subs = self._subs.get(request_id, ())
+        for sub in subs:
+            if sub.ref is None:
+                release(self._unbound, sub.partition)
             sub.ref = ref
+        held = self._held.pop((partition, ref), None)
+        if held is not None:  # its end was read before anyone here knew its reference
+            for sub in subs:
+                self._deliver(sub, held[1], held[2])
+
+    def _hold(self, partition: int, ref: int, delivered: Delivered, written_ms: int) -> None:
+        """Keep the end of a turn nobody here knows, while ``partition`` has a
+        subscription that may learn its reference (see the module)."""
+        self._held.pop((partition, ref), None)  # kept in the order they were read
+        self._held[(partition, ref)] = (time.monotonic(), delivered, written_ms)
+        if len(self._held) > HOLD_MAX:
+            del self._held[next(iter(self._held))]
+
+    def _release_held(self) -> None:
+        """Forget the ends held past ``HOLD_S``, and all of them once every subscription
+        knows its reference."""
+        if not self._unbound:
+            self._held.clear()
+            return
+        expired = time.monotonic() - HOLD_S
+        while self._held:
+            key = next(iter(self._held))
+            if self._held[key][0] > expired:
+                break
+            del self._held[key]
 
     async def _ensure(self, partition: int) -> None:
         if (LIVE, partition) in self._next:
@@ -316,6 +213,7 @@ class GenerationTail:
     def _sweep(self) -> None:
         """Nudge the readers due a keep-alive, and those past their deadline."""
         now = time.monotonic()
+        self._release_held()
         for subs in self._subs.values():
             for sub in subs:
                 if now - sub.last_read >= KEEPALIVE_S or (
@@ -405,19 +303,29 @@ class GenerationTail:
         for index, ref, item in entries(batch):
             request_id = self._refs.get((partition, ref))
             if request_id is None:
-                if not isinstance(item, Start) or item.request_id not in self._subs:
-                    continue  # a turn nobody here follows
-                request_id = item.request_id
-                self._bind(partition, ref, request_id)
+                if isinstance(item, Start) and item.request_id in self._subs:
+                    request_id = item.request_id
+                    self._bind(partition, ref, request_id)
+                else:  # a turn nobody here follows, or one not known to be yet
+                    if isinstance(item, TERMINAL) and self._unbound[partition]:
+                        self._hold(partition, ref, Delivered(record.position, item, index),
+                                   record.timestamp_ms)
+                    continue
             subs = self._subs.get(request_id)
             if subs:
                 delivered = Delivered(record.position, item, index)
                 for sub in subs:
-                    if record.position.offset < sub.starts.get(LIVE, 0):
-                        continue  # its reader reads it from the log
-                    if sub.first_live is None:
-                        sub.first_live = (record.timestamp_ms, time.time_ns())
-                    sub.push(delivered)
+                    self._deliver(sub, delivered, record.timestamp_ms)
+
+    @staticmethod
+    def _deliver(sub: Subscription, delivered: Delivered, written_ms: int) -> None:
+        """Push a live entry of ``sub``'s turn, from a record written at ``written_ms``."""
+        assert delivered.position is not None
+        if delivered.position.offset < sub.starts.get(LIVE, 0):
+            return  # its reader reads it from the log
+        if sub.first_live is None:
+            sub.first_live = (written_ms, time.time_ns())
+        sub.push(delivered)
 
     async def _route_legacy(self, record: Record) -> None:
         try:

@@ -16,7 +16,7 @@ from gateway.cursor import DONE, KEEPALIVE, Cursor, sse
 from gateway.errors import api_error
 from gateway.follow import Follow, Following
 from gateway.problems import Problem, StreamLagging
-from gateway.tail import Overflow
+from gateway.subscription import Overflow
 
 
 async def sse_stream(follow: Follow, f: Following, include_usage: bool,

@@ -51,7 +51,7 @@ from pipeline.kafka.reader import LogReader
 from pipeline.partitioning import partition_for
 from pipeline.topics import GENERATIONS, LIVE, PROMPTS, TopicSpec
 from schemas import PromptSubmitted
-from schemas.live import Delta, End, Start, write_batch
+from schemas.live import Delta, End, Failure, Start, write_batch
 from tests.conftest import (
     PARTITIONS,
     Pipeline,
@@ -499,6 +499,49 @@ def test_a_partition_whose_add_was_given_up_on_is_tailed_all_the_same(stack: Sta
             await meta.close()
 
     assert asyncio.run(scenario()) == [Start(0, request_id), Delta(0, "here", (9,))]
+
+
+def test_an_end_read_before_its_turn_is_known_here_reaches_its_follower(
+        stack: Stack) -> None:
+    """A turn the worker refuses before its first token ends with a failure entry and no
+    start entry, and its gateway learns the turn's reference only when its prompt's write
+    is answered. Once in the suite, the fan-out read that failure first: it was passed
+    over as a turn nobody followed, and the client waited until it gave up. Here the
+    failure is read before the follower learns its reference, and reaches it on learning;
+    an end that nobody claims is forgotten once every follower knows its turn."""
+    request_id = f"chatcmpl-refused-{uuid.uuid4().hex[:8]}"
+    ref, other = 2**40 + 2, 2**40 + 3  # references no turn of the suite has
+    partition = 2
+
+    async def scenario() -> tuple[object, int, int]:
+        meta = LogReader(stack.bootstrap, f"refused-meta-{uuid.uuid4().hex[:8]}", "test")
+        tail = GenerationTail(stack.bootstrap, Codec(), meta.ends)
+        await tail.start()
+        try:
+            sub = await tail.follow(request_id, b"refused", partition)
+            out = PlainWriter(stack.bootstrap, "refused-live")
+            out.send(LIVE, None, write_batch(
+                "test", int(time.time() * 1000), [], [], [(other, 0, "stop", 1, 0)],
+                [(ref, "context_length_exceeded", "too long")], []), partition)
+            assert out.flush(30) == []
+            end = (await meta.ends([(LIVE, partition)]))[(LIVE, partition)]
+            deadline = time.monotonic() + 30
+            while tail._next[(LIVE, partition)] < end:  # the fan-out read the record
+                assert time.monotonic() < deadline, "the tail did not read the record"
+                await asyncio.sleep(0.01)
+            tail.bind(sub, ref)
+            got = await asyncio.wait_for(sub.get(), 5)
+            held_while_unknown = len(tail._held)
+            tail.unfollow(sub)
+            tail._sweep()
+            return None if got is None else got.item, held_while_unknown, len(tail._held)
+        finally:
+            await tail.stop()
+            await meta.close()
+
+    item, held_while_unknown, held_after = asyncio.run(scenario())
+    assert item == Failure("context_length_exceeded", "too long")
+    assert (held_while_unknown, held_after) == (1, 0)  # the unclaimed end, then none
 
 
 def test_a_stream_whose_live_items_come_with_a_gap_is_filled_from_the_log(

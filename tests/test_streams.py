@@ -19,7 +19,7 @@ from gateway.cursor import Cursor, Seqs
 from gateway.errors import api_error
 from gateway.eventstream import ServerSend, Streams
 from gateway.problems import InvalidLastEventId
-from gateway.tail import Delivered, Overflow, Subscription, legacy
+from gateway.subscription import Delivered, Overflow, Subscription, legacy
 from pipeline.codec import Position
 from pipeline.kafka import Record
 from pipeline.topics import GENERATIONS, LIVE
