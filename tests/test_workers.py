@@ -120,10 +120,13 @@ def metric(url: str, name: str) -> float:
     return scrape(url).get(name, 0.0)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout: float, what: str,  # type: ignore[no-untyped-def]
+             detail=lambda: "") -> None:
+    """Wait for ``predicate``; on timing out, fail with ``detail()``: what was seen."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{detail()}")
         time.sleep(0.05)
 
 
@@ -345,10 +348,16 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
     """The extra vLLM worker is SIGKILLed mid-generation, and the first resumes its turns:
     streams complete, the log's seqs are exact."""
     extra, extra_url = extra_worker
-    wait_for(lambda: _owns_partitions(extra, extra_url), 120, "the extra worker to own partitions")
+    # The group settled (the test before fences this worker, which then joins again):
+    # every partition owned, some by each.
+    wait_for(lambda: _owns_partitions(extra, extra_url) and metric(
+        extra_url, "worker_assigned_partitions") + metric(
+        pipeline.worker_metrics, "worker_assigned_partitions") == 3, 120,
+        "the extra worker to own partitions, and the first the others")
     # Long turns that cannot end early on end-of-sequence, so the kill lands mid-turn.
     body = {"max_tokens": 400, "ignore_eos": True}
     since = marks(pipeline.stack.bootstrap, PROMPTS, LIVE)
+    seen: dict[str, str] = {}
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(stream_chat, pipeline.url, {
             **body, "model": MODEL, "messages": [{"role": "user", "content": f"k{i}"}]})
@@ -356,8 +365,12 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
         # Kill it mid-turn: frozen (SIGSTOP) while the log is read, so a turn it has
         # started and not finished stays so until the SIGKILL (a tiny model can finish
         # every turn between a check and a kill).
-        wait_for(lambda: _frozen_mid_turn(pipeline.stack, extra.proc.pid, since), 60,
-                 "the extra worker to be caught with a turn half written")
+        wait_for(lambda: _frozen_mid_turn(pipeline.stack, extra.proc.pid, since, seen), 60,
+                 "the extra worker to be caught with a turn half written",
+                 lambda: f"{seen.get('last')}; partitions owned: extra "
+                         f"{metric(extra_url, 'worker_assigned_partitions')}, first "
+                         f"{metric(pipeline.worker_metrics, 'worker_assigned_partitions')}"
+                         f"\n{extra.tail(80)}")
         below = _descendants(extra.proc.pid)  # vLLM's front end and engine, its group apart
         assert any("workers.vllm_frontend" in cmd for cmd in below.values()), below
         extra.kill()
@@ -482,17 +495,21 @@ def _has_written(stack: Stack, pid: int, since: Marks) -> bool:
                for i in read_live(stack.bootstrap, since=since))
 
 
-def _frozen_mid_turn(stack: Stack, pid: int, since: Marks) -> bool:
+def _frozen_mid_turn(stack: Stack, pid: int, since: Marks, seen: dict[str, str]) -> bool:
     """Freezes the worker ``pid``; True, leaving it frozen, if it has a turn with
     committed deltas and no committed end since; else it runs on. What is committed now
     is read (up to the last stable offset): a transaction the frozen worker left open
     would hold a read to the log's end until the broker aborts it on its timeout, and
-    the worker then drops its turns (the check failed, in CI, for 60 s)."""
+    the worker then drops its turns (the check failed, in CI, for 60 s). ``seen``: what
+    the last check read, per worker (to say why, should none succeed)."""
     os.kill(pid, signal.SIGSTOP)
     live = read_live(stack.bootstrap, since=since, stable=True)
     written = {i.request_id for i in live
                if isinstance(i.item, Delta) and i.worker.endswith(f"-{pid}")}
     ended = {i.request_id for i in live if isinstance(i.item, (End, Failure))}
+    seen["last"] = (f"entries by worker and kind: "
+                    f"{dict(Counter((i.worker, type(i.item).__name__) for i in live))}; "
+                    f"turns with deltas by {pid}: {len(written)}, turns ended: {len(ended)}")
     if written - ended:
         return True
     os.kill(pid, signal.SIGCONT)
