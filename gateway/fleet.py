@@ -9,7 +9,12 @@ gateway needs state shared with another.
   rate they have been starting prompts, to bring the backlog back under it. A group
   that never committed (its workers not started yet) counts as caught up; one whose
   commits say nothing of what waits (workers of an earlier version) counts every
-  prompt past its committed offset.
+  prompt past its committed offset. A model this gateway admitted a turn for within
+  ``BUSY_S`` is measured every ``interval_s``; any other every ``IDLE_INTERVAL_S``,
+  and again at once when a turn for it is admitted: a gateway with nothing to do asks
+  the broker next to nothing, and its first admission after a pause is judged on a
+  figure at most ``IDLE_INTERVAL_S`` old (the bound is a soft one anyway: every
+  gateway admits on its own figure).
 * **Models**: those the live workers serve, from their heartbeats (``pipeline.roster``),
   and those served within the hour (``known``).
 * **Aliases**: which version serves each model alias, and any rollout under way
@@ -36,6 +41,10 @@ from pipeline.waiting import waiting
 from schemas.rollout import Rollout, route
 
 log = logging.getLogger(__name__)
+# A model this gateway has admitted no turn for in ``BUSY_S`` has its backlog measured
+# every ``IDLE_INTERVAL_S`` instead of every ``interval_s``.
+BUSY_S = 30.0
+IDLE_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -43,7 +52,15 @@ class _Backlog:
     group: GroupStatus
     prompts: int = 0
     drain_per_s: float = 0.0  # prompts finished per second, smoothed
-    last: tuple[float, int] | None = None
+    last: tuple[float, int] | None = None  # when measured (monotonic), prompts finished
+    admitted_at: float = -math.inf  # when this gateway last admitted a turn for it
+
+    def due(self, now: float, interval_s: float) -> bool:
+        """Whether to measure it now (see the module)."""
+        if self.last is None:
+            return True
+        busy = now - self.admitted_at < BUSY_S
+        return now - self.last[0] >= (interval_s if busy else IDLE_INTERVAL_S) * 0.9
 
 
 class Fleet:
@@ -63,6 +80,7 @@ class Fleet:
         self._roster = Roster(bootstrap)
         self._book = RolloutBook(bootstrap)
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # a turn was admitted for a model measured seldom
         self._quiet = QuietLog(log)
 
     @property
@@ -101,6 +119,10 @@ class Fleet:
         backlog = self._backlogs.get(model)
         if backlog is None:
             return
+        now = time.monotonic()
+        if now - backlog.admitted_at >= BUSY_S:
+            self._wake.set()  # measured seldom until now: measured again at once
+        backlog.admitted_at = now
         excess = backlog.prompts - self.max_backlog
         if excess < 0:
             return
@@ -130,12 +152,16 @@ class Fleet:
                 if model not in self._backlogs:
                     self._backlogs[model] = _Backlog(GroupStatus(self.bootstrap,
                                                                  workers_group(model)))
+                if not self._backlogs[model].due(time.monotonic(), self.interval_s):
+                    continue
                 try:
                     await asyncio.to_thread(self._measure, self._backlogs[model])
                 except Exception as exc:
                     self._quiet.warning("could not read the workers' group of %s: %s",
                                         model, exc)
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
 
     @staticmethod
     def _measure(backlog: _Backlog) -> None:

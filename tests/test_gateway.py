@@ -8,6 +8,7 @@ streams are slow enough to interrupt and their text is known in advance.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -28,6 +29,7 @@ import httpx
 import psycopg
 import pytest
 
+from gateway.fleet import IDLE_INTERVAL_S, Fleet
 from gateway.view import ConversationView
 from infra.postgres import PostgresServer
 from infra.process import free_port
@@ -749,6 +751,46 @@ def test_overload_gets_429_with_retry_after(gw: Gateways) -> None:
         strict.stop()
         for request_id in long:
             httpx.post(f"{gw.url}/v1/chat/completions/{request_id}/cancel", timeout=30)
+
+
+def test_an_idle_gateway_measures_a_backlog_seldom_and_at_once_when_a_turn_comes(
+        stack: Stack) -> None:
+    """Each gateway asked the broker for every model's group status every 0.25 s, idle
+    or not (two requests each time, per model, per gateway process). A model it admits
+    no turn for is measured every ``IDLE_INTERVAL_S``; the first turn admitted for it has
+    it measured at once, and then every interval while turns come."""
+    assert IDLE_INTERVAL_S >= 4  # what the waits below tell apart
+
+    async def scenario() -> tuple[int, float, int]:
+        fleet = Fleet(stack.bootstrap, 100, configured=["idle-model"])
+        measured: list[float] = []
+        measure = fleet._measure
+        fleet._measure = lambda backlog: (  # type: ignore[method-assign]
+            measured.append(time.monotonic()), measure(backlog))[1]
+        fleet.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not measured:
+                assert time.monotonic() < deadline, "the backlog was never measured"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(2.0)
+            idle = len(measured) - 1  # measures after the first, with no turn
+            admitted = time.monotonic()
+            fleet.admit("idle-model", "tenant")
+            while measured[-1] < admitted:
+                assert time.monotonic() - admitted < 3, "an admission woke no measure"
+                await asyncio.sleep(0.01)
+            woken = measured[-1] - admitted
+            await asyncio.sleep(1.5)
+            busy = sum(1 for at in measured if at > admitted)
+            return idle, woken, busy
+        finally:
+            await fleet.stop()
+
+    idle, woken, busy = asyncio.run(scenario())
+    assert idle == 0
+    assert woken < 3  # not the idle interval's wait
+    assert busy >= 3  # measured every 0.25 s once a turn came (some 6 times in 1.5 s)
 
 
 def test_running_turns_are_no_backlog_however_long_they_run(gw: Gateways) -> None:
