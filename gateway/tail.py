@@ -121,6 +121,9 @@ class GenerationTail:
         its reference, if known (else its start entry tells it); ``held``: its reader
         reads the turn from the log first, and says what it has (``hand_off``)."""
         await self._ensure(partition)
+        known = self._ref_of.get(request_id)
+        if ref is None and known is not None and known[0] == partition:
+            ref = known[1]  # another follower here learned it already
         sub = Subscription(request_id, key, partition,
                            {t: self._next[(t, partition)] for t in TAILED}, ref,
                            *self._limits, held=held)

@@ -508,7 +508,8 @@ def test_an_end_read_before_its_turn_is_known_here_reaches_its_follower(
     is answered. Once in the suite, the fan-out read that failure first: it was passed
     over as a turn nobody followed, and the client waited until it gave up. Here the
     failure is read before the follower learns its reference, and reaches it on learning;
-    an end that nobody claims is forgotten once every follower knows its turn."""
+    an end that nobody claims is forgotten once every follower knows its turn (a second
+    follower of a turn knows it from the first)."""
     request_id = f"chatcmpl-refused-{uuid.uuid4().hex[:8]}"
     ref, other = 2**40 + 2, 2**40 + 3  # references no turn of the suite has
     partition = 2
@@ -532,6 +533,9 @@ def test_an_end_read_before_its_turn_is_known_here_reaches_its_follower(
             tail.bind(sub, ref)
             got = await asyncio.wait_for(sub.get(), 5)
             held_while_unknown = len(tail._held)
+            again = await tail.follow(request_id, b"refused", partition)  # a second client
+            assert again.ref == ref  # knows it from the first: no follower left unbound
+            tail.unfollow(again)
             tail.unfollow(sub)
             tail._sweep()
             return None if got is None else got.item, held_while_unknown, len(tail._held)
