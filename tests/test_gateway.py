@@ -761,12 +761,19 @@ def test_an_idle_gateway_measures_a_backlog_seldom_and_at_once_when_a_turn_comes
     it measured at once, and then every interval while turns come."""
     assert IDLE_INTERVAL_S >= 4  # what the waits below tell apart
 
+    model = f"idle-{uuid.uuid4().hex[:8]}"  # (the models of live workers are measured too)
+
     async def scenario() -> tuple[int, float, int]:
-        fleet = Fleet(stack.bootstrap, 100, configured=["idle-model"])
-        measured: list[float] = []
+        fleet = Fleet(stack.bootstrap, 100, configured=[model])
+        measured: list[float] = []  # when ``model``'s backlog was measured
         measure = fleet._measure
-        fleet._measure = lambda backlog: (  # type: ignore[method-assign]
-            measured.append(time.monotonic()), measure(backlog))[1]
+
+        def counted(backlog: Any) -> None:
+            if backlog is fleet._backlogs.get(model):
+                measured.append(time.monotonic())
+            measure(backlog)
+
+        fleet._measure = counted  # type: ignore[method-assign]
         fleet.start()
         try:
             deadline = time.monotonic() + 30
@@ -776,7 +783,7 @@ def test_an_idle_gateway_measures_a_backlog_seldom_and_at_once_when_a_turn_comes
             await asyncio.sleep(2.0)
             idle = len(measured) - 1  # measures after the first, with no turn
             admitted = time.monotonic()
-            fleet.admit("idle-model", "tenant")
+            fleet.admit(model, "tenant")
             while measured[-1] < admitted:
                 assert time.monotonic() - admitted < 3, "an admission woke no measure"
                 await asyncio.sleep(0.01)
