@@ -55,12 +55,17 @@ class _Backlog:
     last: tuple[float, int] | None = None  # when measured (monotonic), prompts finished
     admitted_at: float = -math.inf  # when this gateway last admitted a turn for it
 
+    def busy(self, now: float) -> bool:
+        """Whether this gateway admitted a turn for it within ``BUSY_S``."""
+        return now - self.admitted_at < BUSY_S
+
     def due(self, now: float, interval_s: float) -> bool:
-        """Whether to measure it now (see the module)."""
+        """Whether to measure it now (see the module). A tenth of the interval is given
+        up, so that the loop's own wait of ``interval_s`` never makes it skip one."""
         if self.last is None:
             return True
-        busy = now - self.admitted_at < BUSY_S
-        return now - self.last[0] >= (interval_s if busy else IDLE_INTERVAL_S) * 0.9
+        every = interval_s if self.busy(now) else IDLE_INTERVAL_S
+        return now - self.last[0] >= every * 0.9
 
 
 class Fleet:
@@ -120,7 +125,7 @@ class Fleet:
         if backlog is None:
             return
         now = time.monotonic()
-        if now - backlog.admitted_at >= BUSY_S:
+        if not backlog.busy(now):
             self._wake.set()  # measured seldom until now: measured again at once
         backlog.admitted_at = now
         excess = backlog.prompts - self.max_backlog
