@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -45,6 +46,21 @@ class InMessage(BaseModel):
     role: Role
     content: str | list[TextPart]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        # Said here, where a union's own error would name its first member ('.str').
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"part {i} is {kind!r}: only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i} needs 'text', a string")
+        elif not isinstance(value, str):
+            raise ValueError("content is a string or a list of text parts")
+        return value
+
     def to_event(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content
@@ -68,11 +84,15 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # vLLM's extensions, as its own server and benchmark clients send them.
+    top_k: int | None = Field(default=None, ge=-1, le=2**53)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
     # A signed 64-bit integer, as vLLM's own API takes it.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    n: int = Field(default=1, ge=1)
-    logprobs: bool | None = None
     # Not OpenAI's: keep generating even when every client has gone away (as the
     # Responses API's "background"); fetch or re-attach to the result by its id.
     background: bool = False
@@ -102,6 +122,11 @@ class ChatRequest(BaseModel):
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             max_tokens=self.max_completion_tokens or self.max_tokens,
             stop=stop,
             seed=self.seed,
@@ -113,6 +138,53 @@ class ChatRequest(BaseModel):
 
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _absent(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in neutral
+
+
+# Fields of OpenAI's or vLLM's API that this service does not honour, each with the
+# values that ask for nothing (what a client sends by default). Any other value is a
+# 400, never ignored: the reply would not be what the client asked for. A field named
+# by neither API is ignored, as vLLM's server ignores it.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": _absent(1),
+    "best_of": _absent(1),
+    "logprobs": _absent(False),
+    "top_logprobs": _absent(0),
+    "prompt_logprobs": _absent(0),
+    "tools": _absent([]),
+    "functions": _absent([]),
+    "tool_choice": _absent("none", "auto"),
+    "function_call": _absent("none", "auto"),
+    "response_format": _absent({"type": "text"}),
+    "logit_bias": _absent({}),
+    "modalities": _absent(["text"]),
+    "audio": _absent(),
+    "prediction": _absent(),
+    "web_search_options": _absent(),
+    "use_beam_search": _absent(False),
+    "echo": _absent(False),
+    "add_generation_prompt": _absent(True),
+    "continue_final_message": _absent(False),
+    "structured_outputs": _absent(),
+    "guided_json": _absent(),
+    "guided_regex": _absent(),
+    "guided_choice": _absent(),
+    "guided_grammar": _absent(),
+    "bad_words": _absent([]),
+    "allowed_token_ids": _absent(),
+    "min_tokens": _absent(0),
+}
+
+
+def refuse_unsupported(data: dict[str, Any]) -> None:
+    """A 400 for the first field of ``UNSUPPORTED`` that asks for something."""
+    for name, asks_nothing in UNSUPPORTED.items():
+        if name in data and not asks_nothing(data[name]):
+            raise APIError(400, f"'{name}' is not supported: send it unset or "
+                           "at its default.", code="unsupported_value", param=name)
 
 
 def validate(model: type[M], data: dict[str, Any]) -> M:
@@ -134,12 +206,9 @@ def invalid(exc: ValidationError) -> APIError:
 
 def parse_chat_request(body: bytes | dict[str, Any]) -> ChatRequest:
     """Parse and validate a request body, or raise a 400 that says what is wrong."""
-    request = validate(ChatRequest, body if isinstance(body, dict) else load_json(body))
-    if request.n != 1:
-        raise APIError(400, "Only n=1 is supported.", code="unsupported_value", param="n")
-    if request.logprobs:
-        raise APIError(400, "logprobs are not supported yet.", code="unsupported_value",
-                       param="logprobs")
+    data = body if isinstance(body, dict) else load_json(body)
+    refuse_unsupported(data)
+    request = validate(ChatRequest, data)
     try:  # what the prompt event will carry: a request it cannot carry is the client's
         request.sampling()
     except ValidationError as exc:

@@ -108,7 +108,9 @@ FIELD_CLASSES: dict[str, dict[str, str]] = {
         "idempotency_key": DIGEST, "background": CHOICE, "charge": SERVER,
         "memory": CHOICE, "user": SEALED, "recalled": SEALED},
     "SamplingParams": {
-        "temperature": CHOICE, "top_p": CHOICE, "top_k": CHOICE, "max_tokens": CHOICE,
+        "temperature": CHOICE, "top_p": CHOICE, "top_k": CHOICE, "min_p": CHOICE,
+        "presence_penalty": CHOICE, "frequency_penalty": CHOICE,
+        "repetition_penalty": CHOICE, "max_tokens": CHOICE,
         "stop": SEALED, "seed": CHOICE, "n": CHOICE, "ignore_eos": CHOICE},
     "SessionCreated": {**_BASE, "title": SEALED, "memory_user": SEALED},
     "SessionDeleted": {**_BASE, "reason": SERVER},

@@ -110,6 +110,11 @@ class SamplingParams(Frozen):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # vLLM's: above 1 favours new tokens, below 1 repeated ones (a finite number over 0).
+    repetition_penalty: float | None = Field(default=None, gt=0)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     stop: tuple[str, ...] = ()
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)

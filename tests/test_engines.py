@@ -252,6 +252,27 @@ def test_refuses_sampling_parameters_vllm_refuses(engine: Running) -> None:
     assert engine.engine.running() == 0
 
 
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_the_penalties_a_client_sets_reach_vllms_sampling(engine: Running) -> None:
+    """Greedy runs of one prompt, without and with repetition and presence penalties:
+    the tiny random model repeats itself, and penalised it repeats itself less, so the
+    penalties reached vLLM rather than being dropped on the way."""
+    def greedy(rid: str, **penalties: float) -> list[int]:
+        request = EngineRequest(rid, (ChatMessage(role="user", content="hello hello"),),
+                                SamplingParams(max_tokens=24, ignore_eos=True, temperature=0,
+                                               **penalties))
+        outs = engine.run(collect(engine.engine, request))
+        assert isinstance(outs, list)
+        return [t for o in outs for t in o.token_ids]
+
+    plain = greedy("contract-plain")
+    penalised = greedy("contract-penalised", repetition_penalty=50.0, presence_penalty=2.0,
+                       frequency_penalty=2.0, min_p=0.0, top_k=50)
+    assert len(plain) == len(penalised) == 24
+    assert len(set(penalised)) > len(set(plain)), (plain, penalised)
+    assert engine.engine.running() == 0
+
+
 def test_the_warm_up_fits_the_context_whatever_a_word_costs(engine: Running) -> None:
     """The worker's warm-up turns are sized in words: on vLLM's tokenizer a word is several
     tokens, and the longest turn was once refused for exceeding the context."""

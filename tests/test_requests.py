@@ -30,6 +30,54 @@ def test_chat_request_maps_sampling_parameters() -> None:
     assert req.include_usage()
 
 
+def test_chat_request_carries_the_sampling_vllms_clients_send() -> None:
+    """The penalties and vLLM's top_k, min_p and repetition_penalty reach the prompt
+    event (``vllm bench serve`` sends them from its sampling options); out of range, 400."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    sampling = parse_chat_request({**base, "presence_penalty": 0.5, "frequency_penalty": -1,
+                                   "top_k": 20, "min_p": 0.05,
+                                   "repetition_penalty": 1.1}).sampling()
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.top_k,
+            sampling.min_p, sampling.repetition_penalty) == (0.5, -1, 20, 0.05, 1.1)
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"min_p": 1.5},
+                {"repetition_penalty": 0}, {"top_k": -2}):
+        with pytest.raises(APIError) as err:
+            parse_chat_request({**base, **bad})
+        assert (err.value.status, err.value.param) == (400, next(iter(bad)))
+
+
+@pytest.mark.parametrize(("field", "neutral", "asking"), [
+    ("n", 1, 2), ("logprobs", False, True), ("top_logprobs", 0, 5),
+    ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto", "required"),
+    ("response_format", {"type": "text"}, {"type": "json_object"}),
+    ("logit_bias", {}, {"42": 100}), ("modalities", ["text"], ["text", "audio"]),
+    ("use_beam_search", False, True), ("guided_json", None, {"type": "object"}),
+])
+def test_a_feature_the_service_does_not_honour_is_refused_never_ignored(
+        field: str, neutral: object, asking: object) -> None:
+    """A client asking for JSON output, tools or a logit bias got free text as if it
+    had: each such field is a 400 naming it, unless it holds what asks for nothing."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    parse_chat_request({**base, field: neutral})
+    with pytest.raises(APIError) as err:
+        parse_chat_request({**base, field: asking})
+    assert (err.value.status, err.value.param) == (400, field)
+    assert err.value.body()["error"]["code"] == "unsupported_value"  # type: ignore[index]
+
+
+def test_a_content_part_that_is_not_text_is_named_in_its_error() -> None:
+    for parts, said in (([{"type": "text", "text": "a"}, {"type": "image_url"}],
+                         "part 1 is 'image_url'"),
+                        ([{"type": "text"}], "part 0 needs 'text'"),
+                        (None, "a string or a list of text parts")):
+        with pytest.raises(APIError) as err:
+            parse_chat_request({"model": "m",
+                                "messages": [{"role": "user", "content": parts}]})
+        assert err.value.param == "messages.0.content"
+        assert said in err.value.body()["error"]["message"]  # type: ignore[index]
+
+
 @pytest.mark.parametrize("body", [b"", b"null", b'{"model": "m", "messages": [{"role": "user"}]}',
                                   b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
                                   b' "stop": ["a", "b", "c", "d", "e"]}',

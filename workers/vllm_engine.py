@@ -311,7 +311,8 @@ class VllmEngine:
             "output_kind": RequestOutputKind.DELTA,
             "detokenize": self.detokenize,
         }
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
             value = getattr(s, name)
             if value is not None:
                 params[name] = value
