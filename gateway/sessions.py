@@ -106,7 +106,11 @@ async def append(request: Request) -> Response:
     res = resources(request)
     session = parse_session_id(request.path_params["session_id"])
     data = load_json(await read_body(request, res.settings.max_body_bytes))
-    if "messages" not in data:
+    if "messages" in data:
+        if "content" in data or "role" in data:
+            raise APIError(400, "Give either 'content' (and 'role') or 'messages', not both.",
+                           code="invalid_value", param="messages")
+    else:
         message = validate(NewMessage, {k: data.pop(k) for k in ("role", "content")
                                         if k in data})
         data["messages"] = [message.model_dump()]

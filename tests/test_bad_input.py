@@ -86,6 +86,18 @@ def test_bad_request_gets_a_clear_error_and_writes_nothing(
     assert table_counts(pipeline.stack.database_url) == rows_before
 
 
+def test_an_append_given_content_and_messages_both_is_refused(pipeline: Pipeline) -> None:
+    """The session append takes ``content`` or ``messages``: with both, one of them was
+    dropped without a word."""
+    session = httpx.post(f"{pipeline.url}/v1/sessions", json={}, timeout=30).json()["id"]
+    before = end_offsets(pipeline.stack.bootstrap, PROMPTS)
+    r = httpx.post(f"{pipeline.url}/v1/sessions/{session}/messages", timeout=30, json={
+        "content": "one", "messages": [{"role": "user", "content": "two"}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages"
+    assert end_offsets(pipeline.stack.bootstrap, PROMPTS) == before
+
+
 def test_unknown_route_and_method_are_json_errors(pipeline: Pipeline) -> None:
     r = httpx.get(f"{pipeline.url}/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
