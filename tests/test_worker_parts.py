@@ -35,6 +35,7 @@ from workers.offsets import OffsetTracker
 from workers.recovery import LogFolder, Recovered, fold, fold_values
 from workers.sim_engine import SimEngine, sim_token_text
 from workers.takeover import reported
+from workers.turn import resumed_after_engine_death
 
 CONV = uuid.uuid4()
 
@@ -376,3 +377,14 @@ def test_offsets_alone_get_a_transaction_only_once_the_log_is_quiet() -> None:
     finally:
         outbox.stop()
         loop.join(5)
+
+
+def test_a_turn_the_engine_died_under_is_resumed_only_if_it_streamed_early_in_its_life(
+        ) -> None:
+    """A turn with no output in this attempt may have killed the engine (its prefill):
+    it fails, so it cannot kill the next one. One that streamed is resumed, on its first
+    two attempts: a prompt that kills engines later on kills at most three."""
+    assert resumed_after_engine_death(streamed=True, attempt=0)
+    assert resumed_after_engine_death(streamed=True, attempt=1)
+    assert not resumed_after_engine_death(streamed=True, attempt=2)
+    assert not resumed_after_engine_death(streamed=False, attempt=0)

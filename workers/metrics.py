@@ -50,6 +50,9 @@ class WorkerMetrics:
                                    ["outcome"], registry=registry)
         self.resumed = Counter("worker_resumed_generations",
                                "Turns continued from an earlier attempt", registry=registry)
+        self.interrupted = Counter("worker_interrupted_turns",
+                                   "Turns the engine died under, left for the partition's "
+                                   "next owner to resume", registry=registry)
         self.preempted = Counter("worker_preempted_turns",
                                  "Running turns stopped to give their slot to a tenant below "
                                  "its share (each continues later)", registry=registry)

@@ -81,11 +81,31 @@ class Turn:
     traced: Traced | None = None
     history: History | None = None  # once read: the session before this turn
     seal: SealWith = None  # as its prompt's (``Waiting.seal``)
+    streamed: bool = False  # this attempt had its first output from the engine
 
     @property
     def ids(self) -> EventIds:
         return EventIds(conversation_id=self.prompt.conversation_id,
                         request_id=self.prompt.request_id, tenant=self.prompt.tenant)
+
+
+# A turn the engine dies under, after it had its first output in this attempt, is left
+# unended for its next owner to resume (``Interrupted``), in its first this many
+# attempts; in a later one it fails with ``engine_dead``. A turn without output yet may
+# be what killed the engine (its prefill): it fails. So a prompt that kills engines at
+# its start kills one, and one that kills them later on, at most this many + 1 (each
+# attempt writes its start, so the count is the log's, not this process's).
+RESUMED_ATTEMPTS = 2
+
+
+def resumed_after_engine_death(streamed: bool, attempt: int) -> bool:
+    """Whether a turn the engine died under is left for its next owner to resume."""
+    return streamed and attempt < RESUMED_ATTEMPTS
+
+
+class Interrupted(Exception):
+    """The engine died under a turn that had streamed in this attempt: nothing ends it
+    here, and the partition's next owner resumes it from what it wrote."""
 
 
 class Runner:
@@ -124,6 +144,14 @@ class Runner:
         except (EngineRejected, HistoryUnavailable) as exc:
             final = self._failed(turn, exc.code, str(exc))
         except EngineDead as exc:
+            if resumed_after_engine_death(turn.streamed, turn.progress.attempt):
+                if span is not None:
+                    span.set_attribute("chat.interrupted", True)
+                    span.end()
+                self.metrics.interrupted.inc()
+                log.warning("the engine died under %s: left for its next owner (%s)",
+                            prompt.request_id, exc, extra=turn_fields(prompt))
+                raise Interrupted(str(exc)) from exc
             final = self._failed(turn, "engine_dead", str(exc))
         except Exception as exc:
             log.exception("generation %s failed", prompt.request_id, extra=turn_fields(prompt))
@@ -272,6 +300,7 @@ class _Taker:
         runner, turn = self.runner, self.turn
         prompt, progress, partition, offset = turn.prompt, turn.progress, turn.tp[1], turn.offset
         self.ttft = now - self.started
+        turn.streamed = True
         self.prompt_tokens = prompt_tokens
         runner.served(prompt.tenant, prompt_tokens=prompt_tokens)
         runner.metrics.ttft.observe(self.ttft)

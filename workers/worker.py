@@ -50,12 +50,7 @@ from pipeline.logs import turn_fields
 from pipeline.roster import Heartbeat
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
 from pipeline.tracing import from_record
-from schemas import (
-    GenerationFailed,
-    GenerationFinished,
-    PromptSubmitted,
-    SessionDeleted,
-)
+from schemas import GenerationFailed, GenerationFinished, PromptSubmitted, SessionDeleted
 from schemas.conversation import Verdict
 from schemas.history import turn_messages
 from workers.engine import Engine, EngineDead, EngineRejected, warm_up
@@ -71,7 +66,7 @@ from workers.plan import Action, plan_start
 from workers.recovery import Found
 from workers.settings import WorkerSettings
 from workers.takeover import Handover, Rebalances, logged_at
-from workers.turn import Runner, Traced, Turn, Waiting
+from workers.turn import Interrupted, Runner, Traced, Turn, Waiting
 
 log = logging.getLogger(__name__)
 POLL_RECORDS = 200
@@ -408,6 +403,10 @@ class Worker:
                 self._start_waiting()
                 return
             raise
+        except Interrupted as exc:  # its offset left uncommitted: its next owner resumes it
+            self._fatal = EngineDead(str(exc))  # the worker exits
+            self._forget(turn.prompt.request_id)
+            return
         if isinstance(final, GenerationFailed) and final.code == "engine_dead":
             self._fatal = EngineDead(final.message)
         await self._finish(turn, final)
