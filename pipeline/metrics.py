@@ -21,6 +21,34 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+# The label value the series past a ``LabelCap`` share.
+OTHER = "(other)"
+
+
+class LabelCap:
+    """The values a label drawn from an open set (tenants, models named in records) may
+    take in one registry: the first ``limit`` seen each keep their own series, and every
+    value after them shares ``OTHER``. A registry, and each scrape of it, then stays the
+    same size however many tenants the log has ever held. ``kept`` is how many have
+    their own."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._kept: set[str] = set()
+
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
+
+    def __call__(self, value: str) -> str:
+        if value in self._kept:
+            return value
+        if len(self._kept) < self.limit:
+            self._kept.add(value)
+            return value
+        return OTHER
+
+
 class LoopCounter:
     """A counter one thread alone adds to (an event loop's), with no lock: for a path
     taken per token. ``prometheus_client``'s counter takes a lock per ``inc``. Scraped as

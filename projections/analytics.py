@@ -56,7 +56,7 @@ import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipeline.codec import DecodeError, parse
-from pipeline.metrics import LATENCY_BUCKETS
+from pipeline.metrics import LATENCY_BUCKETS, OTHER, LabelCap
 from pipeline.projecting import until_taken
 from pipeline.retry import Backoff
 from projections.projector import caused_by_event
@@ -85,9 +85,21 @@ def minute_of(at: datetime) -> datetime:
 
 class AnalyticsMetrics:
     """What the analytics consumer exports. The turn and token counters move once per
-    turn (as the tables do), so their rates are usage as the log tells it."""
+    turn (as the tables do), so their rates are usage as the log tells it.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    Tenants, models and failure codes come from the records, an open set: each label
+    has its own series for at most ``series_per_label`` values (``LabelCap``), and the
+    rest share ``OTHER``. The tables keep every tenant; Prometheus keeps a bounded
+    view of them."""
+
+    def __init__(self, registry: CollectorRegistry, series_per_label: int = 100) -> None:
+        self.tenant = LabelCap(series_per_label)
+        self.model = LabelCap(series_per_label)
+        self.code = LabelCap(series_per_label)
+        Gauge("analytics_labelled_tenants",
+              "Tenants with series of their own; past ANALYTICS_SERIES_PER_LABEL the rest "
+              "are counted under tenant=\"(other)\"", registry=registry
+              ).set_function(lambda: self.tenant.kept)
         self.turns = Counter("analytics_turns", "Turns by outcome (started counts starts)",
                              ["tenant", "model", "outcome"], registry=registry)
         self.failures = Counter("analytics_failures", "Failed turns by code",
@@ -367,26 +379,34 @@ class AnalyticsStore:
     def _export(self, adds: Additions) -> None:
         m = self.metrics
         m.repeats.inc(adds.repeats)
-        for tenant, model, outcome, code, prompt, completion in adds.outcomes:
+        for tenant_of, model_of, outcome, code, prompt, completion in adds.outcomes:
+            tenant, model = m.tenant(tenant_of), m.model(model_of)
             m.turns.labels(tenant, model, outcome).inc()
             if code is not None:
-                m.failures.labels(tenant, model, code).inc()
+                m.failures.labels(tenant, model, m.code(code)).inc()
             if prompt:
                 m.tokens.labels(tenant, model, "prompt").inc(prompt)
             if completion:
                 m.tokens.labels(tenant, model, "completion").inc(completion)
-        for metric, model, seconds in adds.observed:
-            (m.ttft if metric == "ttft" else m.itl).labels(model).observe(seconds)
+        for metric, model_of, seconds in adds.observed:
+            (m.ttft if metric == "ttft" else m.itl).labels(m.model(model_of)).observe(seconds)
 
     async def refresh_active_sessions(self) -> None:
         conn = await self._connection()
+        gauge, limit = self.metrics.active_sessions, self.metrics.tenant.limit
+        # The busiest tenants by name, the rest as one sum: a bounded answer however
+        # many tenants were active (a conversation is one tenant's, so the sums add up).
         rows = await (await conn.execute(
-            "SELECT tenant, count(DISTINCT conversation_id) FROM analytics_sessions"
+            "WITH active AS (SELECT tenant, count(DISTINCT conversation_id) AS n"
+            " FROM analytics_sessions"
             " WHERE minute >= date_trunc('minute', now()) - make_interval(mins => %s)"
-            " GROUP BY tenant", [ACTIVE_WINDOW_MINUTES - 1])).fetchall()
-        self.metrics.active_sessions.clear()
+            " GROUP BY tenant), ranked AS (SELECT tenant, n,"
+            " row_number() OVER (ORDER BY n DESC, tenant) <= %s AS named FROM active)"
+            " SELECT CASE WHEN named THEN tenant END, sum(n)::bigint FROM ranked"
+            " GROUP BY 1", [ACTIVE_WINDOW_MINUTES - 1, limit])).fetchall()
+        gauge.clear()
         for tenant, sessions in rows:
-            self.metrics.active_sessions.labels(tenant).set(sessions)
+            gauge.labels(OTHER if tenant is None else tenant).set(sessions)
 
     async def close(self) -> None:
         if self._conn is not None:

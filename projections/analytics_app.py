@@ -151,7 +151,8 @@ def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
             break
         except KafkaException as exc:
             log.warning("Kafka does not answer at %s (%s); waiting for it", bootstrap, exc)
-    store = AnalyticsStore(database_url, AnalyticsMetrics(registry))
+    store = AnalyticsStore(database_url,
+                           AnalyticsMetrics(registry, settings.series_per_label))
     deadletters = EventProducer(bootstrap)
     app = build_app(settings, bootstrap, store, deadletters)
     loop = asyncio.new_event_loop()

@@ -45,3 +45,6 @@ class AnalyticsSettings(BaseSettings):
     # (and adds nothing for).
     commit_interval_s: float = Field(default=2.8, gt=0)
     metrics_port: int = 0
+    # The tenants (and models, and failure codes) with Prometheus series of their own;
+    # the rest share one labelled "(other)". The tables keep them all.
+    series_per_label: int = Field(default=100, ge=0)

@@ -6,6 +6,7 @@ usage``, dead letters, aborted transactions, tenants, and the dashboard's metric
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -24,11 +25,13 @@ import httpx
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from prometheus_client import CollectorRegistry
 
 from infra.process import free_port
 from pipeline.codec import CLEAR, conversation_key, key_of
 from pipeline.partitioning import partition_for
 from pipeline.topics import DEADLETTER, GENERATIONS, PROMPTS
+from projections.analytics import AnalyticsMetrics, AnalyticsStore
 from projections.migrate import in_schema, migrate
 from schemas import (
     ChatMessage,
@@ -562,3 +565,40 @@ def test_a_tenant_sees_only_its_usage(an: Analytics, tmp_path: Path) -> None:
     assert requests_of("acme") == 3
     assert requests_of("globex") == 0
     assert httpx.get(f"{an.url}/v1/usage", params={"start_time": 0}).status_code == 401
+
+
+def test_prometheus_holds_a_bounded_number_of_tenants(stack: Stack) -> None:
+    """Tenants come from the records, an open set. Past ``ANALYTICS_SERIES_PER_LABEL``
+    their turns are counted under tenant "(other)", and the active-sessions gauge names
+    the busiest and sums the rest: the registry, and each scrape, stays one size however
+    many tenants the log has held, and no count is lost on the way."""
+    url = in_schema(stack.database_url, "analytics_capped")
+    migrate(stack.database_url, "analytics_capped")
+    registry = CollectorRegistry()
+    store = AnalyticsStore(url, AnalyticsMetrics(registry, series_per_label=2))
+    events: list[Any] = []
+    for n in range(6):  # tenant t0 holds 6 sessions, t1 5, ..., t5 1
+        for _ in range(6 - n):
+            ids = {"conversation_id": uuid.uuid4(), "request_id": uuid.uuid4().hex,
+                   "tenant": f"t{n}"}
+            events += [PromptSubmitted(**ids, model="m", messages=(
+                           ChatMessage(role="user", content="x"),)),
+                       GenerationStarted(**ids, model="m", worker="w", reply_seq=1,
+                                         prompt_tokens=1)]
+
+    async def apply() -> None:
+        try:
+            assert await store.apply([(None, event) for event in events]) == []
+            await store.refresh_active_sessions()
+        finally:
+            await store.close()
+
+    asyncio.run(apply())
+    started = {s.labels["tenant"]: s.value for m in registry.collect()
+               if m.name == "analytics_turns" for s in m.samples
+               if s.name == "analytics_turns_total" and s.labels["outcome"] == "started"}
+    assert started == {"t0": 6, "t1": 5, "(other)": 4 + 3 + 2 + 1}
+    active = {s.labels["tenant"]: s.value for m in registry.collect()
+              if m.name == "analytics_active_sessions" for s in m.samples}
+    assert active == {"t0": 6, "t1": 5, "(other)": 10}
+    assert registry.get_sample_value("analytics_labelled_tenants") == 2
