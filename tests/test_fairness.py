@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.fairness import jain
+from workers import fairness
 from workers.fairness import OUTPUT_COST, FairQueue
 from workers.settings import WorkerSettings, parse_weights
 
@@ -168,3 +169,27 @@ def test_in_log_order_or_without_slots_nothing_is_taken_back() -> None:
             pass
         q.push(("beta", 0))
         assert q.victim() is None
+
+
+def test_memory_is_bounded_by_the_load_not_by_the_tenants_ever_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker serving one turn each for ever more tenants keeps the counters of the
+    ``IDLE_REMEMBERED`` most recently idle only. The most recent keep what they were
+    served (a heavy tenant back soon is still behind); one forgotten comes back at the
+    active tenants' least counter, as it would have anyway."""
+    monkeypatch.setattr(fairness, "IDLE_REMEMBERED", 50)
+    q = queue(slots=4)
+    q.push(("steady", 0))
+    assert q.pop() == ("steady", 0)
+    q.served("steady", prompt_tokens=100)
+    for n in range(1_000):
+        q.push((f"t{n}", n))
+        assert q.pop() == (f"t{n}", n)
+        q.served(f"t{n}", prompt_tokens=10 + n)
+        q.ended(f"t{n}")
+    assert len(q.counters) == 50 + 1  # the idle remembered, and the running tenant
+    assert q.counters["t999"] == 100 + 1_009  # recently idle: kept, above the floor
+    q.push(("t999", 1_000))
+    q.push(("t0", 1_001))  # forgotten: lifted to the floor, the steady tenant's 100
+    assert q.counters["t0"] == 100 and q.counters["t999"] == 1_109
+    assert q.pop() == ("t0", 1_001)

@@ -37,6 +37,11 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+# The idle tenants whose counters are kept (the most recently idle). An older one's
+# counter is forgotten: back, it starts from the least counter of the active tenants, as
+# any tenant back from idle at or below that counter does. A worker's memory is then
+# bounded by its load, not by how many tenants it has ever served.
+IDLE_REMEMBERED = 10_000
 # What one generated token adds to its tenant's counter, against one prompt token.
 OUTPUT_COST = 2.0
 
@@ -59,6 +64,7 @@ class FairQueue(Generic[T]):
         self._read = 0
         self.counters: dict[str, float] = {}
         self.running: dict[str, int] = {}  # turns started and not yet ended
+        self._idle: dict[str, None] = {}  # tenants with a counter and no turn, oldest first
         self._count = 0
 
     def __len__(self) -> int:
@@ -75,6 +81,7 @@ class FairQueue(Generic[T]):
         tenant = self._tenant_of(item)
         queue = self._waiting.get(tenant)
         if queue is None:
+            self._idle.pop(tenant, None)
             queue = self._waiting[tenant] = deque()
             # Back from idle (or new): no credit for the time it asked for nothing.
             if self.running.get(tenant, 0) == 0:
@@ -154,6 +161,7 @@ class FairQueue(Generic[T]):
             self.running[tenant] = left
         else:
             self.running.pop(tenant, None)
+            self._idled(tenant)
 
     def served(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         """Add what ``tenant`` was served to its counter."""
@@ -161,6 +169,19 @@ class FairQueue(Generic[T]):
         if cost:
             self.counters[tenant] = (self.counters.get(tenant, 0.0)
                                      + cost / self.weights.get(tenant, 1.0))
+            self._idled(tenant)
+
+    def _idled(self, tenant: str) -> None:
+        """``tenant`` may have nothing waiting or running now: if so, it is the most
+        recently idle, and the counter of the oldest idle past ``IDLE_REMEMBERED`` goes."""
+        if tenant in self._waiting or tenant in self.running:
+            return
+        self._idle.pop(tenant, None)
+        self._idle[tenant] = None
+        while len(self._idle) > IDLE_REMEMBERED:
+            oldest = next(iter(self._idle))
+            del self._idle[oldest]
+            self.counters.pop(oldest, None)
 
     def load(self) -> dict[str, tuple[int, int]]:
         """Per tenant with any: its items waiting, and running."""
