@@ -17,6 +17,7 @@ from pydantic import (
 from gateway.edge import load_json
 from gateway.errors import APIError
 from schemas import ChatMessage, SamplingParams, Usage
+from schemas.events import MAX_COUNT
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 def _no_nul(value: str) -> str:
@@ -87,7 +88,7 @@ class ChatRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     # vLLM's extensions, as its own server and benchmark clients send them.
-    top_k: int | None = Field(default=None, ge=-1, le=2**53)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
