@@ -473,3 +473,65 @@ def test_a_stalled_engine_fails_its_requests_and_leaves_nothing(engine: Running)
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, f"processes {left} outlived their front end"
+
+
+@pytest.mark.parametrize("kind", ["sim", "vllm", "vllm-process"])
+def test_an_engine_that_dies_idle_says_so_and_blames_no_later_request(
+        kind: str, tmp_path: Path) -> None:
+    """vLLM's engine core killed (SIGKILL) while nothing runs (the SIMULATED engine:
+    ``crash``): the engine says it is dead (``Engine.dead``) within seconds, with no
+    request needed, so that a worker exits before it starts a turn on it. A request
+    that comes anyway fails with ``EngineDead`` marked ``before``: it did not kill the
+    engine, and its worker leaves it for the next owner rather than fail it. A front
+    end in a process of its own exits with its engine, and nothing it started outlives
+    it. (Its own engine: the module's runs on.)"""
+    import os
+    import signal
+
+    from infra.process import pid_alive
+    from workers.engine import EngineDead
+    from workers.host import _engine_processes
+    from workers.sim_engine import SimEngine
+    from workers.vllm_process import VllmProcess
+
+    loop = asyncio.new_event_loop()
+
+    async def make() -> Engine:
+        return _make(kind, tmp_path / "tiny-random-llama")
+
+    made = loop.run_until_complete(make())
+    below: list[int] = []
+    try:
+        loop.run_until_complete(warm_up(made))  # connected and serving, then idle
+        assert made.dead() is None
+        if isinstance(made, SimEngine):
+            made.crash()
+        else:
+            parent = made.pid if isinstance(made, VllmProcess) else os.getpid()
+            below = [pid for pid, _ in _engine_processes(parent)]
+            core = next(pid for pid, name in _engine_processes(parent)
+                        if name.startswith("VLLM::Engine"))
+            os.kill(core, signal.SIGKILL)
+
+        async def told() -> EngineDead:
+            for _ in range(200):  # 20 s
+                if made.dead() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert made.dead() is not None, "the engine's death went unseen"
+            with pytest.raises(EngineDead) as raised:
+                await asyncio.wait_for(made.run(ask("after-death", 4), lambda *_: None), 5)
+            return raised.value
+
+        after = loop.run_until_complete(told())
+        assert after.before, after
+    finally:
+        made.close()
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    if isinstance(made, VllmProcess):
+        deadline = time.monotonic() + 30
+        while (left := [p for p in [made.pid, *below] if pid_alive(p)]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"processes {left} outlived their front end"

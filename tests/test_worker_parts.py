@@ -388,3 +388,6 @@ def test_a_turn_the_engine_died_under_is_resumed_only_if_it_streamed_early_in_it
     assert resumed_after_engine_death(streamed=True, attempt=1)
     assert not resumed_after_engine_death(streamed=True, attempt=2)
     assert not resumed_after_engine_death(streamed=False, attempt=0)
+    # The engine had died before the turn reached it: the turn did not kill it.
+    assert resumed_after_engine_death(streamed=False, attempt=0, before=True)
+    assert resumed_after_engine_death(streamed=True, attempt=5, before=True)

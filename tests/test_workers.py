@@ -221,11 +221,12 @@ def test_sigkilled_worker_loses_nothing_and_streams_stay_exact(sim: SimPipeline)
 def test_an_engine_crash_resumes_the_turns_it_streamed_and_fails_one_it_began(
         sim: SimPipeline) -> None:
     """Both workers' engines die, as a GPU fault would, under four turns streaming and
-    one still in its prefill (a SIMULATED first token 3 s away): each busy worker exits
-    non-zero. The streaming turns, which did not kill the engine as they began, are
-    resumed by the workers started anew, and end whole with no gap; the one in its
-    prefill, which may be what killed the engine, fails visibly. (Every running turn
-    failed with the engine before.)"""
+    one still in its prefill (a SIMULATED first token 3 s away): each worker exits
+    non-zero, an idle one too (it went on idle on a dead engine, and failed the next
+    turn it took, before). The streaming turns, which did not kill the engine as they
+    began, are resumed by the workers started anew, and end whole with no gap; the one
+    in its prefill, which may be what killed the engine, fails visibly. (Every running
+    turn failed with the engine before.)"""
     sim.stop_workers()
     workers = list(sim.ensure_workers(WORKER_SIM_TTFT_MS="3000").values())
 
@@ -239,12 +240,11 @@ def test_an_engine_crash_resumes_the_turns_it_streamed_and_fails_one_it_began(
                              for _, url in workers) >= 4 * 30, 20, "four turns to stream")
         futures.append(pool.submit(stream_chat, sim.url, chat(4, 200)))
         wait_for(lambda: running() >= 5, 20, "the fifth turn to begin")
-        busy = [w for w, url in workers if metric(url, "worker_running_sequences") > 0]
         for worker, _ in workers:
             os.kill(worker.proc.pid, signal.SIGUSR1)
-        for worker in busy:
+        for worker, _ in workers:
             assert worker.proc.wait(timeout=30) != 0  # exits non-zero, does not hang
-        sim.stop_workers()  # an idle one still runs, on a dead engine
+        sim.stop_workers()
         sim.ensure_workers()
         results = [f.result() for f in futures]
 

@@ -103,7 +103,17 @@ class EngineSettingsRefused(ValueError):
 
 
 class EngineDead(RuntimeError):
-    """The engine can no longer serve anything; the worker must exit."""
+    """The engine can no longer serve anything; the worker must exit. ``before``: the
+    engine had died before the request this is raised for reached it, so that request
+    is not what killed it (``workers.turn`` leaves it for the next owner)."""
+
+    def __init__(self, message: str, before: bool = False) -> None:
+        super().__init__(message)
+        self.before = before
+
+    def raised_before(self) -> EngineDead:
+        """This death, as told to a request that came after it."""
+        return EngineDead(str(self), before=True)
 
 
 class Engine(Protocol):
@@ -125,6 +135,12 @@ class Engine(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def dead(self) -> EngineDead | None:
+        """Why the engine can serve nothing more, where that is known without a request
+        (its process exited while idle), else None: the worker then exits before it
+        starts another turn on it."""
+        ...
 
     def running(self) -> int: ...
 

@@ -89,6 +89,9 @@ class SimEngine:
         """Fault injection: every generation, running or new, fails as if the GPU died."""
         self._dead = True
 
+    def dead(self) -> EngineDead | None:
+        return EngineDead("simulated engine crashed") if self._dead else None
+
     def pace(self, wait: Pace) -> None:
         self._pace = wait
 
@@ -100,7 +103,7 @@ class SimEngine:
                                  f"This model's maximum context length is {self.max_model_len}"
                                  f" tokens; the request needs {prompt_tokens + wanted}.")
         if self._dead:
-            raise EngineDead("simulated engine crashed")
+            raise EngineDead("simulated engine crashed", before=True)
         rid = request.request_id
         self._known.add(rid)
         try:

@@ -94,18 +94,21 @@ class Turn:
 # attempts; in a later one it fails with ``engine_dead``. A turn without output yet may
 # be what killed the engine (its prefill): it fails. So a prompt that kills engines at
 # its start kills one, and one that kills them later on, at most this many + 1 (each
-# attempt writes its start, so the count is the log's, not this process's).
+# attempt writes its start, so the count is the log's, not this process's). A turn
+# that reached the engine only after it had died (``EngineDead.before``) did not kill
+# it: it is always left for the next owner.
 RESUMED_ATTEMPTS = 2
 
 
-def resumed_after_engine_death(streamed: bool, attempt: int) -> bool:
+def resumed_after_engine_death(streamed: bool, attempt: int, before: bool = False) -> bool:
     """Whether a turn the engine died under is left for its next owner to resume."""
-    return streamed and attempt < RESUMED_ATTEMPTS
+    return before or (streamed and attempt < RESUMED_ATTEMPTS)
 
 
 class Interrupted(Exception):
-    """The engine died under a turn that had streamed in this attempt: nothing ends it
-    here, and the partition's next owner resumes it from what it wrote."""
+    """The engine died under a turn that had streamed in this attempt, or before the
+    turn reached it: nothing ends it here, and the partition's next owner resumes it
+    from what it wrote."""
 
 
 class Runner:
@@ -144,7 +147,7 @@ class Runner:
         except (EngineRejected, HistoryUnavailable) as exc:
             final = self._failed(turn, exc.code, str(exc))
         except EngineDead as exc:
-            if resumed_after_engine_death(turn.streamed, turn.progress.attempt):
+            if resumed_after_engine_death(turn.streamed, turn.progress.attempt, exc.before):
                 if span is not None:
                     span.set_attribute("chat.interrupted", True)
                     span.end()

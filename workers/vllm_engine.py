@@ -268,6 +268,11 @@ class VllmEngine:
     def running(self) -> int:
         return len(self._streams)
 
+    def dead(self) -> EngineDead | None:
+        if self._dead is None and self._llm.errored:  # its engine core exited, say
+            return EngineDead("vLLM's engine has died (see its log above)")
+        return self._dead
+
     def pace(self, wait: Pace) -> None:
         self._pace = wait
 
@@ -328,8 +333,8 @@ class VllmEngine:
 
         # The chat template and the tokenizer take milliseconds for long prompts: off the
         # event loop, which serves every other turn's tokens meanwhile.
-        if self._dead is not None:
-            raise self._dead
+        if (dead := self.dead()) is not None:
+            raise dead.raised_before()
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
         done = len(request.prefix_token_ids)
         wanted = request.sampling.max_tokens
@@ -346,8 +351,8 @@ class VllmEngine:
             getattr(self._llm, "_run_output_handler", lambda: None)()
             collector = await self._llm.add_request(
                 rid, tokens_input(prompt_ids), params, trace_headers=request.trace_headers)
-        except EngineDeadError as exc:
-            raise EngineDead(str(exc)) from exc
+        except EngineDeadError as exc:  # dead already: this request never reached it
+            raise EngineDead(str(exc), before=True) from exc
         except (VLLMClientError, ValueError) as exc:
             raise EngineRejected("invalid_request", str(exc)) from exc
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -4,15 +4,16 @@
 It holds the worker's ``VllmEngine`` (``AsyncLLM``, the chat template, the pump) and
 runs each attempt the worker sends on it. The outputs its pump hands out in one pass,
 a step's for every request, go to the worker as one frame. It ends when its input
-does (the worker closed it, or died), and shuts its engine down then. It leads a
-process group of its own (see ``VllmProcess``): Ctrl-C at a terminal reaches the worker,
-which closes this process's input.
+does (the worker closed it, or died) or its engine dies, and shuts its engine down
+then. It leads a process group of its own (see ``VllmProcess``): Ctrl-C at a terminal
+reaches the worker, which closes this process's input.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Coroutine
@@ -22,6 +23,10 @@ from typing import Any
 from workers.engine import EngineDead, EngineRejected, EngineRequest, EngineSettingsRefused
 from workers.vllm_engine import VllmEngine, engine_nice, isolate_engine_cores
 from workers.vllm_process import FRAME_BUFFER_BYTES, frame, pipe_reader, read_frame
+
+log = logging.getLogger(__name__)
+# How often the front end looks for its engine's death while no command comes.
+DEATH_CHECK_S = 0.5
 
 
 class _Frames(asyncio.Protocol):
@@ -106,7 +111,7 @@ class Frontend:
         except EngineRejected as exc:
             error = ("rejected", exc.code, str(exc))
         except EngineDead as exc:
-            error = ("dead", str(exc))
+            error = ("dead", str(exc), *(("before",) if exc.before else ()))
         except Exception as exc:
             error = ("failed", f"{type(exc).__name__}: {exc}")
         finally:
@@ -144,14 +149,26 @@ async def serve(out_fd: int) -> None:
         transport, _ = await loop.connect_write_pipe(lambda: frames, out)
         transport.set_write_buffer_limits(high=FRAME_BUFFER_BYTES)
         frontend = Frontend(engine, transport, frames)
+        reading: asyncio.Future[Any] | None = None
         try:
             while True:
+                reading = reading or asyncio.ensure_future(read_frame(reader))
+                if not (await asyncio.wait([reading], timeout=DEATH_CHECK_S))[0]:
+                    # An engine that died while idle ends this process too: the worker
+                    # sees its pipe close, and exits before it starts a turn on it.
+                    if (dead := engine.dead()) is not None:
+                        log.error("%s: the front end exits", dead)
+                        return
+                    continue
                 try:
-                    command = await read_frame(reader)
+                    command = reading.result()
                 except asyncio.IncompleteReadError:
                     return  # the worker closed its end, or died
+                reading = None
                 frontend.handle(command)
         finally:
+            if reading is not None:
+                reading.cancel()
             await frontend.close()
     finally:
         engine.close()

@@ -18,7 +18,10 @@ both this code. Each run is an *attempt*, numbered by the parent: a turn's next 
   (``Engine.abort``: it ends ``abort``); end of input: shut down.
 - child → parent: ``("ready", limits)`` or ``("failed", message)`` once, then frames of
   ``(kv cache usage, entries)``, an entry being an output ``(n, text, token ids,
-  prompt tokens, finish reason)`` or an attempt's end ``(n, error)``.
+  prompt tokens, finish reason)`` or an attempt's end ``(n, error)``: None, or
+  ``("rejected", code, message)``, ``("dead", message)`` (``"before"`` after it: the
+  engine had died before the attempt reached it), ``("failed", message)``. The child
+  exits when its engine dies, idle or not.
 
 While the worker paces the engine (``Engine.pace``) it reads no frame; the child's
 writes then back up to ``FRAME_BUFFER_BYTES`` and pace its own pump, whose collectors
@@ -123,7 +126,7 @@ def _ended(error: tuple[str, ...] | None) -> BaseException | None:
     if kind == "rejected":
         return EngineRejected(rest[0], rest[1])
     if kind == "dead":
-        return EngineDead(rest[0])
+        return EngineDead(rest[0], before="before" in rest[1:])
     return RuntimeError(rest[0])
 
 
@@ -191,6 +194,10 @@ class VllmProcess:
     def running(self) -> int:
         return len(self._attempts)
 
+    def dead(self) -> EngineDead | None:
+        """Known once the child has exited (it exits when its engine dies, idle or not)."""
+        return self._dead
+
     def pace(self, wait: Pace) -> None:
         self._pace = wait
 
@@ -245,7 +252,7 @@ class VllmProcess:
 
     async def run(self, request: EngineRequest, sink: Sink) -> None:
         if self._dead is not None:
-            raise self._dead
+            raise self._dead.raised_before()
         writer = await self._connected()
         n, self._next = self._next, self._next + 1
         attempt = _Attempt(sink, asyncio.get_running_loop().create_future())

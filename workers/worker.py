@@ -227,10 +227,10 @@ class Worker:
                         self.intake.put(record, ahead.get(record.position))
                     else:  # control events at once, whatever a prompt waits for
                         await self._take(record)
+                # An engine found dead (idle, say) starts nothing more: the worker exits.
+                self._fatal = self._fatal or self.writer.failed or self.engine.dead()
                 self._start_waiting()
                 heartbeat.beat()
-                if self.writer.failed is not None:
-                    self._fatal = self.writer.failed
                 if time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                     # Every record polled so far is taken: the consumer's position may pass
                     # transaction markers, so the group's lag reaches 0 when all is done.
@@ -333,7 +333,7 @@ class Worker:
             self.tracker.done(tp, offset)
 
     def _start_waiting(self) -> None:
-        if self._stopping:
+        if self._stopping or self._fatal is not None:
             return  # left in the log for the partitions' next owner
         while len(self.flights) < self.engine.max_num_seqs:
             item = self.waiting.pop()
