@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from gateway.settings import GatewaySettings
 from launch.local import infra_down, infra_up
+from launch.supervise import Child, stop_all
 from memory.settings import MemorySettings
 from pipeline.settings import CommonSettings
 
@@ -31,36 +31,31 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     # The gateway recalls users' memories from the memory service (MEMORY_PORT).
     memory_url = f"http://127.0.0.1:{MemorySettings().port}"
     env = {**os.environ, "GATEWAY_MEMORY_URL": os.environ.get("GATEWAY_MEMORY_URL", memory_url)}
-    procs = {name: subprocess.Popen([*exe, name], start_new_session=True, env=env)
-             for name in ("projector", "analytics", "memory", "worker", "gateway")}
+    # One that exits (a worker whose engine died) is started again, as a deployment's
+    # supervisor would: the demo goes on.
+    children = [Child(name, [*exe, name], {"start_new_session": True, "env": env})
+                for name in ("projector", "analytics", "memory", "worker", "gateway")]
     base = f"http://{gateway.host}:{gateway.port}"
     try:
+        for child in children:
+            child.start()
         try:
             # Ready: the dependencies answer, and the worker has warmed its engine up
             # (the first turns a benchmark sends then wait for no compilation).
-            wait_http(f"{base}/readyz", list(procs.values()), timeout=600)
+            wait_http(f"{base}/readyz", [c.proc for c in children if c.proc], timeout=600)
         except StartupFailed as exc:
             raise SystemExit(str(exc)) from None
         print(_demo_banner(base, gateway.models[0],
                            _keys_exist(common.database_url)), flush=True)
-        while all(p.poll() is None for p in procs.values()):
+        while True:
             time.sleep(0.5)
-        dead = [n for n, p in procs.items() if p.poll() is not None]
-        print(f"{', '.join(dead)} exited; stopping the demo", file=sys.stderr)
-        return 1
+            for child in children:
+                child.keep()
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_all(children, 40, group=True)
         infra_down(common)
 
 

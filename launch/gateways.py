@@ -16,18 +16,15 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from gateway.settings import GatewaySettings
-from pipeline.retry import Backoff
+from launch.supervise import Child, stop_all
 
 log = logging.getLogger("pipeline.gateways")
 STOP_S = 30.0
-RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -59,22 +56,6 @@ def _die_with(supervisor: int) -> Callable[[], None]:
     return arm
 
 
-@dataclass
-class _Child:
-    index: int
-    command: list[str]
-    proc: subprocess.Popen[bytes] | None = None
-    # Its pauses before starting again, doubling while it keeps exiting.
-    restarts: Backoff = field(default_factory=lambda: Backoff(RESTART_MIN_S, RESTART_MAX_S))
-    restart_at: float = 0.0
-    started_at: float = field(default=0.0)
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.command, preexec_fn=_die_with(os.getpid()))
-        self.started_at = time.monotonic()
-        log.info("gateway %d started (pid %d)", self.index, self.proc.pid)
-
-
 def run_gateways(settings: GatewaySettings, workers: int) -> int:
     """Supervise ``workers`` gateway processes until SIGINT or SIGTERM."""
     # A port held by anything, another set of gateways sharing it included, is refused
@@ -90,12 +71,13 @@ def run_gateways(settings: GatewaySettings, workers: int) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     children = []
+    arm = _die_with(os.getpid())
     for i in range(workers):
         command = [sys.executable, "-m", "launch", "gateway", "--workers", "1", "--reuse-port",
                    "--host", settings.host, "--port", str(settings.port)]
         if settings.metrics_port:
             command += ["--metrics-port", str(settings.metrics_port + i)]
-        children.append(_Child(i, command))
+        children.append(Child(f"gateway {i}", command, {"preexec_fn": arm}))
     log.info("%d gateways on %s:%d", workers, settings.host, settings.port)
     try:
         for child in children:
@@ -103,38 +85,8 @@ def run_gateways(settings: GatewaySettings, workers: int) -> int:
         while not stopping:
             time.sleep(0.2)
             for child in children:
-                _keep(child)
+                child.keep()
         return 0
     finally:
-        for child in children:
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_S
-        for child in children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("gateway %d did not stop in %.0f s: killing it", child.index,
-                            STOP_S)
-                child.proc.kill()
-                child.proc.wait()
+        stop_all(children, STOP_S)
         held.close()
-
-
-def _keep(child: _Child) -> None:
-    """Start ``child`` again if it exited, after its pause."""
-    proc = child.proc
-    if proc is not None and proc.poll() is None:
-        if time.monotonic() - child.started_at > RESTART_MAX_S:
-            child.restarts.reset()  # it has run a while: the next exit restarts soon again
-        return
-    now = time.monotonic()
-    if proc is not None:
-        pause = child.restarts.next()
-        log.warning("gateway %d (pid %d) exited with code %s; starting it again in %.0f s",
-                    child.index, proc.pid, proc.returncode, pause)
-        child.proc, child.restart_at = None, now + pause
-    if now >= child.restart_at:
-        child.start()

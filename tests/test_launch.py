@@ -4,10 +4,13 @@ said in one line, a metrics port in use is named (a worker's before its engine s
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -76,3 +79,52 @@ def test_every_command_the_cli_parses_has_what_runs_it() -> None:
 
     commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == set(COMMANDS)
+
+
+def test_a_supervised_child_that_exits_is_started_again_and_stop_ends_every_one(
+        tmp_path: Path) -> None:
+    """``launch.supervise`` (the demo's components, a host's gateways): a child that
+    exits is started again after its pause, one that runs is left alone, and
+    ``stop_all`` ends them all, a child's whole group with ``group``, even one that
+    ignores SIGTERM."""
+    from launch.supervise import Child, stop_all
+    from pipeline.retry import Backoff
+
+    runs = tmp_path / "runs"
+    exits = Child("exits", [sys.executable, "-c",
+                            f"open({str(runs)!r}, 'a').write('x')"],
+                  restarts=Backoff(0.05, 0.1))
+    # Ignores SIGTERM, and leads a group with a grandchild in it.
+    stubborn = Child("stubborn", ["sh", "-c", "trap '' TERM; sleep 600 & wait"],
+                     {"start_new_session": True})
+    children = [exits, stubborn]
+    for child in children:
+        child.start()
+    first = stubborn.proc
+    deadline = time.monotonic() + 30
+    while (not runs.exists() or len(runs.read_text()) < 3) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        for child in children:
+            child.keep()
+    assert len(runs.read_text()) >= 3  # exited, and was started again each time
+    assert stubborn.proc is first and first is not None and first.poll() is None
+    group = os.getpgid(first.pid)
+    stop_all(children, 1.0, group=True)
+    assert first.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 5  # a SIGKILLed process is gone within moments
+    while _live_in_group(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live_in_group(group) == []  # the grandchild went with it
+
+
+def _live_in_group(group: int) -> list[int]:
+    """The processes of a process group that still run (not zombies)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == group and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
