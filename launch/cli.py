@@ -31,6 +31,7 @@ from launch.tools import run_bench_command, run_fuzz_command
 from memory.settings import MemorySettings
 from pipeline.kafka.client import name_clients
 from pipeline.kafka.config import AccessRefused, ClientConfigError
+from pipeline.keylimits import KeyringError
 from pipeline.logs import log_format, setup_logging
 from pipeline.retry import Backoff, RepeatFilter
 from pipeline.settings import CommonSettings
@@ -105,9 +106,12 @@ def _attempt(args: argparse.Namespace, common: CommonSettings, external_db: bool
         return 2
     except Exception as exc:
         down = service_down(exc, common, external_db)
-        if down is None:
-            raise
-        raise ServiceDown(down) from None
+        if down is not None:
+            raise ServiceDown(down) from None
+        if isinstance(exc, KeyringError):  # the log's keys or layout refuse this process
+            print(f"pipeline {args.command}: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 ONE_SHOT = {"migrate", "topics", "keys", "replay", "audit", "usage", "rollout", "erase",

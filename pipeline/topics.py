@@ -43,6 +43,9 @@ ROLLOUTS = "chat.rollouts"
 KEYS = "chat.keys"
 # What the store is projected from: the durable record, and the keys' index (data_keys).
 STORE_TOPICS = (*CONVERSATION_TOPICS, KEYS)
+# The topics keyed by conversation, which hold it in one partition number of each: one
+# partition count for all of them (``pipeline.keystore`` checks it at every start).
+PARTITIONED_ALIKE = (*CONVERSATION_TOPICS, LIVE, KEYS)
 # The conversations whose data keys were destroyed lately (``pipeline.erasures``).
 ERASURES = "chat.erasures"
 # KEK rotations: where each wrote the keys anew (``pipeline.rotations``).

@@ -178,3 +178,31 @@ def subprocess_cli(stack: Stack, *args: str, **env: str) -> subprocess.Completed
                           text=True, env=stack.env(**env), timeout=300)
 
 
+
+
+def test_chat_topics_of_different_partition_counts_stop_every_process_at_its_start(
+        cluster: Cluster) -> None:
+    """Partitions added to one chat topic (here ``chat.live``, after the module's other
+    tests) would send a conversation's records and keys to partitions where no reader
+    looks for them: every process refuses to start, in one line naming the counts.
+    (Last in the module: its broker keeps the layout.)"""
+    from confluent_kafka.admin import AdminClient, NewPartitions
+
+    from pipeline.keylimits import KeyringError
+    from pipeline.keystore import open_keyring
+    from pipeline.settings import CommonSettings
+
+    cluster.stop()
+    admin = AdminClient({"bootstrap.servers": cluster.stack.bootstrap})
+    admin.create_partitions([NewPartitions(LIVE, PARTITIONS + 1)])[LIVE].result(30)
+    with pytest.raises(KeyringError, match=rf"{LIVE} has {PARTITIONS + 1}"):
+        open_keyring(CommonSettings(kafka_bootstrap=cluster.stack.bootstrap), "layout")
+    env = {**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": cluster.stack.bootstrap,
+           "DATABASE_URL": cluster.stack.database_url}
+    done = subprocess.run([sys.executable, "-m", "launch", "projector"], env=env,
+                          timeout=120, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pipeline projector: the chat topics must have one partition "
+                           f"count, and chat.keys has {PARTITIONS} while {LIVE} has "
+                           f"{PARTITIONS + 1}"), done.stderr
