@@ -90,17 +90,22 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     try:
         yield Running(made, loop)
     finally:
-        async def shut_down() -> None:  # on the engine's loop, as the worker does
-            made.close()
-            ours = asyncio.current_task()
-            rest = [t for t in asyncio.all_tasks() if t is not ours]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
+        _shut_down(made, loop)
 
-        loop.run_until_complete(shut_down())
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+
+def _shut_down(made: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    """Close the engine on its loop, as the worker does, then the loop."""
+    async def shut_down() -> None:
+        made.close()
+        ours = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not ours]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
+    loop.run_until_complete(shut_down())
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 def ask(rid: str, max_tokens: int, prefix: tuple[int, ...] = (), words: int = 3) -> EngineRequest:
@@ -526,9 +531,7 @@ def test_an_engine_that_dies_idle_says_so_and_blames_no_later_request(
         after = loop.run_until_complete(told())
         assert after.before, after
     finally:
-        made.close()
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+        _shut_down(made, loop)  # after its front end died (it once raised then)
     if isinstance(made, VllmProcess):
         deadline = time.monotonic() + 30
         while (left := [p for p in [made.pid, *below] if pid_alive(p)]) \

@@ -338,8 +338,9 @@ class VllmProcess:
         """End the child's input (it shuts its engine down and exits); kill it if it
         has not within ``CLOSE_TIMEOUT_S``."""
         # The pipes' own ends, closed now: their transports would close them only once
-        # the event loop runs again, and the child waits for the end of its input.
-        if self._writer is not None:
+        # the event loop runs again, and the child waits for the end of its input. (One
+        # closing already lost its child: aborting it again would raise.)
+        if self._writer is not None and not self._writer.is_closing():
             self._writer.abort()
         if self._read_pipe is not None:
             self._read_pipe.close()
