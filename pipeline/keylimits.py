@@ -4,14 +4,11 @@ its limits, the key it makes for a new conversation, and its error."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pipeline import sealing
-from pipeline.kafka.plain import PlainReader
-from pipeline.topics import KEYS, PARTITIONED_ALIKE
 
 # The keys a process holds at most (``PIPELINE_KEY_CACHE``), least recently used first out.
 KEY_CACHE = 16_384
@@ -59,24 +56,3 @@ class KeyringLimits:
     cache: int = KEY_CACHE
     read_ahead: bool = False
 
-
-def check_layout(bootstrap: str, name: str, keys: int,
-                 retrying: Callable[[Callable[[], int]], int], wait_s: float) -> None:
-    """``KeyringError`` unless every chat topic made so far has the partition count of
-    ``chat.keys``, ``keys`` (``PARTITIONED_ALIKE``): a conversation's records, and its
-    keys, are found by one partition number in each. ``retrying(call)`` asks again while
-    a leader moves."""
-    reader = PlainReader(bootstrap, f"{name}-layout")
-    try:
-        counts = {topic: retrying(lambda t=topic: len(reader.partitions(t, wait_s)))  # type: ignore[misc]
-                  for topic in PARTITIONED_ALIKE if topic != KEYS}
-    finally:
-        reader.close()
-    odd = {topic: n for topic, n in counts.items() if n and n != keys}
-    if odd:
-        raise KeyringError(
-            f"the chat topics must have one partition count, and {KEYS} has {keys} while "
-            + ", ".join(f"{t} has {n}" for t, n in odd.items())
-            + ": a conversation's partition is its id's hash modulo the count, the same in "
-            "each topic. Were partitions added to a topic? See docs/deploying.md, "
-            "\"Partitions\".")

@@ -45,7 +45,8 @@ from pipeline.kek import (
 )
 from pipeline.keycache import GONE, KeyCache
 from pipeline.keyindex import legacy_index
-from pipeline.keylimits import ROTATIONS_FRESH_S, KeyringError, KeyringLimits, NewKey, check_layout
+from pipeline.keylimits import ROTATIONS_FRESH_S, KeyringError, KeyringLimits, NewKey
+from pipeline.layout import check_layout
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff, QuietLog
 from pipeline.rotations import Rotation, find_moved, read_rotations
@@ -102,8 +103,7 @@ class Keyring:
             if not partitions:
                 raise KeyringError(f"the topic {KEYS} does not exist: `pipeline topics` makes it")
             self._partitions = len(partitions)
-            check_layout(self._bootstrap, self._name, self._partitions, self._retrying,
-                         self._limits.wait_s)
+            check_layout(self._bootstrap, self._name, self._partitions, self._retrying)
             self._rotations = self._retrying(
                 lambda: read_rotations(self._bootstrap, self._name, self._limits.wait_s))
             self._rotations_read = time.monotonic()
