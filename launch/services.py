@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.settings import GatewaySettings
 from memory.embedder import Embedder
@@ -25,6 +26,9 @@ from projections.settings import AnalyticsSettings, ProjectorSettings
 from workers.engine import Engine
 from workers.settings import WorkerSettings
 from workers.tiny_model import TINY_MODEL_NAME
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("pipeline")
 
@@ -59,8 +63,9 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
 
     setup_tracing("gateway")
     app = create_app(settings, common)
+    start = StartFailure(app)
     # uvicorn's own handlers write text; with JSON its lines go to the root's instead.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+    config = uvicorn.Config(start, host=settings.host, port=settings.port, log_level="info",
                             log_config=LOGGING_CONFIG if log_format() == "text" else None,
                             access_log=False, timeout_graceful_shutdown=settings.drain_s,
                             timeout_keep_alive=settings.keep_alive_s,
@@ -70,10 +75,40 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
                             # any caller on 127.0.0.1).
                             proxy_headers=False)
     server = uvicorn.Server(config)
-    if reuse_port:
-        server.run(sockets=[reuse_port_socket(settings.host, settings.port)])
-    else:
-        server.run()
+    sockets = [reuse_port_socket(settings.host, settings.port)] if reuse_port else None
+    try:
+        server.run(sockets=sockets)
+    except SystemExit:  # uvicorn's own exit on a failed start, having said only that
+        if start.failure is not None:
+            raise start.failure from None
+        raise
+
+
+class StartFailure:
+    """The gateway's app as uvicorn runs it, keeping a failed start's exception for
+    ``run_gateway`` to raise once uvicorn has given up: the command then says it as it
+    says any other's (one line for a refusal or a service down), where uvicorn would log
+    the application's whole traceback."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.failure: Exception | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def said_by_the_command(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, said_by_the_command)
+        except Exception as exc:
+            self.failure = exc
+            raise
 
 
 def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Path, str]:
