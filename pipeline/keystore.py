@@ -49,7 +49,7 @@ from pipeline.keylimits import ROTATIONS_FRESH_S, KeyringError, KeyringLimits, N
 from pipeline.layout import check_layout
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff, QuietLog
-from pipeline.rotations import Rotation, find_moved, read_rotations
+from pipeline.rotations import Rotation, find_moved, read_rotations, rotations_and_layout
 from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS
 
@@ -103,9 +103,9 @@ class Keyring:
             if not partitions:
                 raise KeyringError(f"the topic {KEYS} does not exist: `pipeline topics` makes it")
             self._partitions = len(partitions)
-            check_layout(self._bootstrap, self._name, self._partitions, self._retrying)
-            self._rotations = self._retrying(
-                lambda: read_rotations(self._bootstrap, self._name, self._limits.wait_s))
+            self._rotations, layout = self._retrying(
+                lambda: rotations_and_layout(self._bootstrap, self._name, self._limits.wait_s))
+            check_layout(self._bootstrap, self._name, self._partitions, layout, self._retrying)
             self._rotations_read = time.monotonic()
             self._check_kek(partitions)
         except KafkaException as exc:

@@ -12,7 +12,8 @@ fetches.
 ``chat.rotations`` is compacted, one record per rotation (key: the new KEK's
 fingerprint), written when a rotation starts (each window open: from the partition's
 end then) and when it is done (each window's end). Every keyring reads it whole at
-start: a rotation or two a year.
+start: a rotation or two a year. It holds one more record, the chat topics' partition
+count when the first keyring started (key ``layout``, ``pipeline.layout``).
 """
 
 from __future__ import annotations
@@ -65,27 +66,39 @@ def started(to: str, replaced: list[str], ends: dict[int, int]) -> Rotation:
                     int(time.time() * 1000))
 
 
+LAYOUT = b"layout"  # the record key of the chat topics' partition count (pipeline.layout)
+
+
 def read_rotations(bootstrap: str, name: str, timeout: float = 15.0) -> list[Rotation]:
     """Every rotation, newest first (``chat.rotations`` read whole: a few records)."""
+    return rotations_and_layout(bootstrap, name, timeout)[0]
+
+
+def rotations_and_layout(bootstrap: str, name: str, timeout: float = 15.0
+                         ) -> tuple[list[Rotation], Record | None]:
+    """Every rotation, newest first, and the newest ``LAYOUT`` record if there is one
+    (``chat.rotations`` read whole: a few records)."""
     reader = PlainReader(bootstrap, f"{name}-rotations")
     try:
         partitions = reader.partitions(ROTATIONS, timeout)
         bounds = {p: reader.bounds(ROTATIONS, p, timeout) for p in partitions}
         todo = {p: end for p, (low, end) in bounds.items() if end > low}
         if not todo:
-            return []
+            return [], None
         reader.start({(ROTATIONS, p): bounds[p][0] for p in todo})
-        latest: dict[str, Rotation | None] = {}
+        latest: dict[bytes, Record] = {}
         deadline = time.monotonic() + timeout
         while todo:
             for record in reader.read(1000, timeout=0.1):
-                latest[(record.key or b"").decode(errors="replace")] = Rotation.parse(record)
+                latest[record.key or b""] = record
             todo = {p: end for p, end in todo.items()
                     if reader.position(ROTATIONS, p) < end}
             if todo and time.monotonic() > deadline:
                 raise TimeoutError(f"{ROTATIONS} not read to its end in {timeout:g} s")
-        return sorted((r for r in latest.values() if r is not None),
-                      key=lambda r: r.at_ms, reverse=True)
+        layout = latest.pop(LAYOUT, None)
+        rotations = (Rotation.parse(record) for record in latest.values())
+        return sorted((r for r in rotations if r is not None),
+                      key=lambda r: r.at_ms, reverse=True), layout
     finally:
         reader.close()
 

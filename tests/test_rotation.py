@@ -184,13 +184,15 @@ def test_chat_topics_of_different_partition_counts_stop_every_process_at_its_sta
         cluster: Cluster) -> None:
     """Partitions added to one chat topic (here ``chat.live``, after the module's other
     tests) would send a conversation's records and keys to partitions where no reader
-    looks for them: every process refuses to start, in one line naming the counts.
-    (Last in the module: its broker keeps the layout.)"""
+    looks for them: every process refuses to start, in one line naming the counts. Added
+    to every chat topic alike, they are refused too, by the count the first keyring
+    recorded. (Last in the module: its broker keeps the layout.)"""
     from confluent_kafka.admin import AdminClient, NewPartitions
 
     from pipeline.keylimits import KeyringError
     from pipeline.keystore import open_keyring
     from pipeline.settings import CommonSettings
+    from pipeline.topics import PARTITIONED_ALIKE
 
     cluster.stop()
     admin = AdminClient({"bootstrap.servers": cluster.stack.bootstrap})
@@ -209,3 +211,26 @@ def test_chat_topics_of_different_partition_counts_stop_every_process_at_its_sta
                                f"partition count, and chat.keys has {PARTITIONS} while "
                                f"{LIVE} has {PARTITIONS + 1}"), done.stderr
         assert "Traceback" not in done.stderr, done.stderr
+
+    made = admin.list_topics(timeout=30).topics
+    grown = [NewPartitions(t, PARTITIONS + 1) for t in PARTITIONED_ALIKE
+             if t != LIVE and t in made]
+    for future in admin.create_partitions(grown).values():
+        future.result(30)
+    with pytest.raises(KeyringError, match=rf"have {PARTITIONS + 1} partitions each, but "
+                                           rf"were first used with {PARTITIONS} "):
+        open_keyring(CommonSettings(kafka_bootstrap=cluster.stack.bootstrap), "layout")
+
+
+def test_a_layout_record_that_holds_no_count_is_read_as_none() -> None:
+    from pipeline.codec import Position
+    from pipeline.kafka import Record
+    from pipeline.layout import layout_count, layout_record
+
+    def record(value: bytes | None) -> Record:
+        return Record(Position("chat.rotations", 0, 0), b"layout", value, 0)
+
+    assert layout_count(record(layout_record(6)[1])) == 6
+    for value in (None, b"", b"[]", b'{"partitions": 0}', b'{"partitions": true}',
+                  b'{"partitions": "6"}', b"\xff", b"[" * 100_000):
+        assert layout_count(record(value)) is None, value
