@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -115,8 +116,10 @@ class StartupFailed(RuntimeError):
 def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
               logs: str = "its log") -> None:
     """Until ``url`` answers 200; fail at once if one of ``procs`` exits meanwhile
-    (``logs``: where the failure names their output to be)."""
+    (``logs``: where the failure names their output to be), and with its last answer if
+    the time runs out (a gateway's ``/readyz`` names what it waits for)."""
     deadline = time.monotonic() + timeout
+    last = "no answer"
     while time.monotonic() < deadline:
         exited = next((p for p in procs if p.poll() is not None), None)
         if exited is not None:
@@ -128,9 +131,14 @@ def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:
                     return
+        except urllib.error.HTTPError as exc:
+            last = f"{exc.code} {exc.read(300).decode(errors='replace').strip()}"
+            exc.close()
+            time.sleep(0.5)
         except OSError:
             time.sleep(0.5)
-    raise StartupFailed(f"{url} did not answer within {timeout:.0f}s")
+    raise StartupFailed(f"{url} did not answer 200 within {timeout:.0f}s; its last "
+                        f"answer: {last}")
 
 
 def wait_until(

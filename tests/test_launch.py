@@ -128,3 +128,31 @@ def _live_in_group(group: int) -> list[int]:
         if int(fields[2]) == group and fields[0] != "Z":
             live.append(int(stat.parent.name))
     return live
+
+
+def test_a_start_that_never_gets_ready_says_what_the_url_last_answered() -> None:
+    """``make demo`` waits for the gateway's ``/readyz``, which names what it waits for
+    (a model no worker serves): the failure quotes it, not only the time spent."""
+    import http.server
+    import threading
+
+    from infra.process import StartupFailed, wait_http
+
+    class Warming(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b'{"status":"warming","waiting_for":{"m":"no worker"}}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Warming)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(StartupFailed, match=r'last answer: 503 \{"status":"warming",'
+                                                r'"waiting_for":\{"m":"no worker"\}\}'):
+            wait_http(f"http://127.0.0.1:{server.server_port}/readyz", [], timeout=1.5)
+    finally:
+        server.shutdown()
+        server.server_close()
