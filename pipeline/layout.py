@@ -30,8 +30,8 @@ def check_layout(bootstrap: str, name: str, keys: int, recorded: Record | None,
                  retrying: Callable[[Callable[[], int]], int]) -> None:
     """``KeyringError`` unless every chat topic made so far has the partition count of
     ``chat.keys``, ``keys`` (``PARTITIONED_ALIKE``), and that is the count ``recorded``
-    (the ``layout`` record of ``chat.rotations``), which is written if there is none yet.
-    ``retrying(call)`` asks again while a leader moves."""
+    (the ``layout`` record of ``chat.rotations``), which is written if there is none (yet,
+    or since a tombstone). ``retrying(call)`` asks again while a leader moves."""
     reader = PlainReader(bootstrap, f"{name}-layout")
     try:
         counts = {topic: retrying(lambda t=topic: len(reader.partitions(t)))  # type: ignore[misc]
@@ -43,7 +43,7 @@ def check_layout(bootstrap: str, name: str, keys: int, recorded: Record | None,
         raise KeyringError(
             f"the chat topics must have one partition count, and {KEYS} has {keys} while "
             + ", ".join(f"{t} has {n}" for t, n in odd.items()) + f": {ADVICE}")
-    if recorded is None:
+    if recorded is None or recorded.value is None:  # none yet, or deleted by an operator
         _record(bootstrap, name, keys)
         return
     made = layout_count(recorded)

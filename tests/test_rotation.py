@@ -221,6 +221,21 @@ def test_chat_topics_of_different_partition_counts_stop_every_process_at_its_sta
                                            rf"were first used with {PARTITIONS} "):
         open_keyring(CommonSettings(kafka_bootstrap=cluster.stack.bootstrap), "layout")
 
+    # A tombstone on the record (topics made anew, say): the next start records anew.
+    from pipeline.kafka.plain import PlainWriter
+    from pipeline.layout import layout_count
+    from pipeline.rotations import LAYOUT, rotations_and_layout
+    from pipeline.topics import ROTATIONS
+
+    writer = PlainWriter(cluster.stack.bootstrap, "reset")
+    writer.send(ROTATIONS, LAYOUT, None)
+    assert writer.flush(30) == []
+    # The module's rotation left keys of both KEKs.
+    open_keyring(CommonSettings(kafka_bootstrap=cluster.stack.bootstrap, kek=cluster.new,
+                                kek_previous=cluster.old), "layout").close()
+    recorded = rotations_and_layout(cluster.stack.bootstrap, "check")[1]
+    assert recorded is not None and layout_count(recorded) == PARTITIONS + 1
+
 
 def test_a_layout_record_that_holds_no_count_is_read_as_none() -> None:
     from pipeline.codec import Position
