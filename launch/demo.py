@@ -9,9 +9,11 @@ import time
 
 from gateway.settings import GatewaySettings
 from launch.local import infra_down, infra_up
+from launch.services import served_name
 from launch.supervise import Child, stop_all
 from memory.settings import MemorySettings
 from pipeline.settings import CommonSettings
+from workers.settings import WorkerSettings
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -31,6 +33,9 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     # The gateway recalls users' memories from the memory service (MEMORY_PORT).
     memory_url = f"http://127.0.0.1:{MemorySettings().port}"
     env = {**os.environ, "GATEWAY_MEMORY_URL": os.environ.get("GATEWAY_MEMORY_URL", memory_url)}
+    if "GATEWAY_MODELS" not in os.environ:  # the gateway serves what the worker does
+        gateway = gateway.model_copy(update={"models": [served_name(WorkerSettings())]})
+        env["GATEWAY_MODELS"] = gateway.models[0]
     # One that exits (a worker whose engine died) is started again, as a deployment's
     # supervisor would: the demo goes on.
     children = [Child(name, [*exe, name], {"start_new_session": True, "env": env})

@@ -111,16 +111,25 @@ class StartFailure:
             raise
 
 
+def served_name(settings: WorkerSettings) -> str:
+    """The model name a worker of these settings serves (``WORKER_SERVED_MODEL_NAME``,
+    else its engine's or model directory's)."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.engine == "sim":
+        return "sim"
+    return Path(settings.model).name if settings.model else TINY_MODEL_NAME
+
+
 def resolve_model(common: CommonSettings, settings: WorkerSettings) -> tuple[Path, str]:
     if settings.model:
-        path = Path(settings.model)
-        return path, settings.served_model_name or path.name
+        return Path(settings.model), served_name(settings)
     from workers.tiny_model import make_tiny_model
 
     path = make_tiny_model(common.state_dir / "models" / TINY_MODEL_NAME)
     log.warning("serving the tiny random model at %s: its text is noise. "
                 "Set WORKER_MODEL to a model directory to serve a real model.", path)
-    return path, settings.served_model_name or TINY_MODEL_NAME
+    return path, served_name(settings)
 
 
 def make_engine(common: CommonSettings, settings: WorkerSettings) -> Engine:
@@ -129,7 +138,7 @@ def make_engine(common: CommonSettings, settings: WorkerSettings) -> Engine:
         from workers.sim_engine import SimEngine
 
         log.warning("SIMULATED engine: no model runs; for load and fault tests only")
-        return SimEngine(settings.served_model_name or "sim", ttft_ms=settings.sim_ttft_ms,
+        return SimEngine(served_name(settings), ttft_ms=settings.sim_ttft_ms,
                          tokens_per_s=settings.sim_tokens_per_s,
                          max_num_seqs=settings.max_num_seqs or 256,
                          max_model_len=settings.max_model_len or 8192)
