@@ -28,6 +28,9 @@ from workers.settings import WorkerSettings
 from workers.tiny_model import TINY_MODEL_NAME
 
 if TYPE_CHECKING:
+    import socket
+
+    import uvicorn
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("pipeline")
@@ -74,19 +77,13 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
                             # GATEWAY_TRUSTED_PROXIES only (uvicorn's own would believe
                             # any caller on 127.0.0.1).
                             proxy_headers=False)
-    server = uvicorn.Server(config)
     sockets = [reuse_port_socket(settings.host, settings.port)] if reuse_port else None
-    try:
-        server.run(sockets=sockets)
-    except SystemExit:  # uvicorn's own exit on a failed start, having said only that
-        if start.failure is not None:
-            raise start.failure from None
-        raise
+    start.serve(config, sockets)
 
 
 class StartFailure:
-    """The gateway's app as uvicorn runs it, keeping a failed start's exception for
-    ``run_gateway`` to raise once uvicorn has given up: the command then says it as it
+    """A service's app as uvicorn runs it, keeping a failed start's exception for
+    ``serve`` to raise once uvicorn has given up: the command then says it as it
     says any other's (one line for a refusal or a service down), where uvicorn would log
     the application's whole traceback."""
 
@@ -108,6 +105,17 @@ class StartFailure:
             await self.app(scope, receive, said_by_the_command)
         except Exception as exc:
             self.failure = exc
+            raise
+
+    def serve(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> None:
+        """Serve with uvicorn; a failed start raises what the app raised."""
+        import uvicorn
+
+        try:
+            uvicorn.Server(config).run(sockets=sockets)
+        except SystemExit:  # uvicorn's own exit on a failed start, having said only that
+            if self.failure is not None:
+                raise self.failure from None
             raise
 
 
@@ -238,9 +246,10 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
 
     app = service.app()
     app.router.lifespan_context = lifespan
+    start = StartFailure(app)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                    loop="uvloop", http="httptools")
+        start.serve(uvicorn.Config(start, host=settings.host, port=settings.port,
+                                   log_level="warning", loop="uvloop", http="httptools"))
     finally:
         keyring.close()
 

@@ -156,3 +156,28 @@ def test_a_start_that_never_gets_ready_says_what_the_url_last_answered() -> None
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_service_whose_start_fails_under_uvicorn_raises_what_its_app_raised(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """The gateway and the memory service serve through ``StartFailure``: the command
+    says the app's own exception in one line, where uvicorn would log its traceback."""
+    import contextlib
+    from collections.abc import AsyncIterator
+
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from launch.services import StartFailure
+    from pipeline.keystore import KeyringError
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: object) -> AsyncIterator[None]:
+        raise KeyringError("the KEK does not open this cluster's keys")
+        yield
+
+    start = StartFailure(Starlette(lifespan=lifespan))
+    config = uvicorn.Config(start, host="127.0.0.1", port=free_port(), log_level="warning")
+    with pytest.raises(KeyringError, match="does not open"):
+        start.serve(config)
+    assert "Traceback" not in capfd.readouterr().err
