@@ -195,6 +195,11 @@ def test_chat_topics_of_different_partition_counts_stop_every_process_at_its_sta
     from pipeline.topics import PARTITIONED_ALIKE
 
     cluster.stop()
+    # The module's rotation left keys of both KEKs. A start records the layout, if none
+    # before it did (this test run alone).
+    both = CommonSettings(kafka_bootstrap=cluster.stack.bootstrap, kek=cluster.new,
+                          kek_previous=cluster.old)
+    open_keyring(both, "layout").close()
     admin = AdminClient({"bootstrap.servers": cluster.stack.bootstrap})
     admin.create_partitions([NewPartitions(LIVE, PARTITIONS + 1)])[LIVE].result(30)
     with pytest.raises(KeyringError, match=rf"{LIVE} has {PARTITIONS + 1}"):
@@ -230,9 +235,7 @@ def test_chat_topics_of_different_partition_counts_stop_every_process_at_its_sta
     writer = PlainWriter(cluster.stack.bootstrap, "reset")
     writer.send(ROTATIONS, LAYOUT, None)
     assert writer.flush(30) == []
-    # The module's rotation left keys of both KEKs.
-    open_keyring(CommonSettings(kafka_bootstrap=cluster.stack.bootstrap, kek=cluster.new,
-                                kek_previous=cluster.old), "layout").close()
+    open_keyring(both, "layout").close()
     recorded = rotations_and_layout(cluster.stack.bootstrap, "check")[1]
     assert recorded is not None and layout_count(recorded) == PARTITIONS + 1
 
