@@ -9,6 +9,9 @@ and 200 that sent a body at one byte a second were all held for half a minute an
 * a request's head (its line and headers) must come within ``header_timeout_s`` of the
   connection opening or of its first byte, and its body within ``body_timeout_s`` of
   its head: else **408** with a JSON body, and the connection closes;
+* a request that is not HTTP/1.1 uvicorn can parse (a control character in a header,
+  a broken request line) is answered **400** with a JSON body, as the app's errors are,
+  where uvicorn would answer in plain text and log a line for each;
 * one client address holds at most ``per_address`` connections at once: the next is
   answered **429** and closed. A trusted proxy's address (``GATEWAY_TRUSTED_PROXIES``)
   is not capped: its clients are many, and the proxy bounds them
@@ -47,7 +50,7 @@ class ConnectionLimits:
     per_address: int = 256
     trusted: tuple[Network, ...] = ()
     # Called with the reason of each refusal ("header_timeout", "body_timeout",
-    # "per_address"): the gateway's metric.
+    # "per_address", "malformed"): the gateway's metric.
     refused: Callable[[str], None] = lambda _: None
     open: dict[str, int] = field(default_factory=dict)  # connections by client address
     _logged: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -82,6 +85,13 @@ HEADER_TIMEOUT = _refusal(408, "Request Timeout", "request_timeout",
                           "The request's headers did not all come in time.")
 BODY_TIMEOUT = _refusal(408, "Request Timeout", "request_timeout",
                         "The request's body did not all come in time.")
+MALFORMED = _refusal(400, "Bad Request", "invalid_http",
+                     "The request is not valid HTTP/1.1: its request line or a header "
+                     "could not be parsed (a header value must not hold control "
+                     "characters).")
+# uvicorn's own line for each request it cannot parse: said by ``note`` instead, once a
+# minute per address.
+UNPARSED = "Invalid HTTP request received."
 TOO_MANY = _refusal(429, "Too Many Requests", "too_many_connections",
                     "This address has too many connections open (GATEWAY_MAX_CONNECTIONS_"
                     "PER_ADDRESS); use fewer, or keep-alive.")
@@ -97,6 +107,8 @@ def protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if UNPARSED_FILTER not in self.logger.filters:  # (uvicorn's logging set anew)
+                self.logger.addFilter(UNPARSED_FILTER)
             address = self.client[0] if self.client else ""
             if limits.capped(address):
                 if limits.open.get(address, 0) >= limits.per_address:
@@ -154,9 +166,24 @@ def protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             else:
                 self._refuse(HEADER_TIMEOUT if what == "header" else BODY_TIMEOUT)
 
+        def send_400_response(self, msg: str) -> None:  # a request it could not parse
+            address = self.client[0] if self.client else ""
+            limits.note("malformed", address, "refused a request that is not valid HTTP")
+            self._refuse(MALFORMED)
+
         def _refuse(self, response: bytes) -> None:
             if not self.transport.is_closing():
                 self.transport.write(response)
                 self.transport.close()
 
     return Bounded
+
+
+class _Unparsed(logging.Filter):
+    """Drops uvicorn's line for a request it could not parse (``Bounded`` says it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != UNPARSED
+
+
+UNPARSED_FILTER = _Unparsed()

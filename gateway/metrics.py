@@ -47,7 +47,7 @@ class GatewayMetrics:
             "refused: here (no store query) or the store", ["by"], registry=registry)
         self.connections_refused = Counter(
             "gateway_connections_refused", "Connections closed before the app saw a request: "
-            "header_timeout, body_timeout (408), per_address (429)", ["reason"],
+            "header_timeout, body_timeout (408), per_address (429), malformed (400)", ["reason"],
             registry=registry)
         self.idempotent_replays = Counter("gateway_idempotent_replays",
                                           "Retried requests answered with their original turn",

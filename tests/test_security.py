@@ -290,8 +290,9 @@ def test_behind_a_trusted_proxy_wrong_keys_lock_out_their_client_alone(
 
 def test_slow_and_piled_up_connections_are_closed_and_others_are_served(
         secured: Secured) -> None:
-    """Connections that never finish their headers, bodies sent a byte a second, and more
-    connections from one address than its cap: each gets its 408 or 429 (JSON) in time,
+    """Connections that never finish their headers, bodies sent a byte a second, more
+    connections from one address than its cap, and requests that are not HTTP: each gets
+    its 408, 429 or 400 (JSON) in time,
     a client with a key is served meanwhile, and clients that leave mid-request or
     mid-stream leave no traceback in the log."""
     port = free_port()
@@ -342,6 +343,13 @@ def test_slow_and_piled_up_connections_are_closed_and_others_are_served(
             sock.sendall(b" ")
         statuses = [answer(sock) for sock in slow_heads + slow_bodies]
         assert {(s, e["error"]["code"]) for s, e in statuses} == {(408, "request_timeout")}
+        # Requests uvicorn cannot parse: a 400 in JSON too, said once a minute.
+        malformed = [opened(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                            b"X-Session-Id: \x7f\r\n\r\n"),
+                     opened(b"GET /v1/mo dels HTTP/1.1\r\n\r\n"),
+                     opened(b"\x00\x01\x02\r\n\r\n")]
+        statuses = [answer(sock) for sock in malformed]
+        assert {(s, e["error"]["code"]) for s, e in statuses} == {(400, "invalid_http")}
         assert time.monotonic() - began < 15, "the slow clients were held too long"
         # Clients that leave: in the middle of a body, and in the middle of a stream.
         cut = opened(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
@@ -354,11 +362,14 @@ def test_slow_and_piled_up_connections_are_closed_and_others_are_served(
         time.sleep(1.0)
         metrics = scrape(f"{url}/metrics")
         refusals = {reason: metrics.get(f'gateway_connections_refused_total{{reason="{reason}"}}')
-                    for reason in ("header_timeout", "body_timeout", "per_address")}
-        assert refusals == {"header_timeout": 40, "body_timeout": 20, "per_address": 1}
+                    for reason in ("header_timeout", "body_timeout", "per_address",
+                                   "malformed")}
+        assert refusals == {"header_timeout": 40, "body_timeout": 20, "per_address": 1,
+                            "malformed": 3}
         log = gateway.tail(200_000)
         assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
-        assert log.count("said once a minute") <= 3, log[-3000:]
+        assert log.count("said once a minute") <= 4, log[-3000:]
+        assert "Invalid HTTP request received" not in log, log[-3000:]
     finally:
         for sock in socks:
             sock.close()
