@@ -28,7 +28,7 @@ from pipeline.kafka import LogReader, Record
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff
 from pipeline.topics import CONTROL, CONVERSATION_TOPICS, LIVE, PROMPTS
-from schemas import Event
+from schemas import Event, Usage
 from schemas.live import LiveBatch
 
 TOPICS = CONVERSATION_TOPICS
@@ -165,14 +165,20 @@ class ConversationStore:
                 "SELECT seq, role, content, request_id, created_at FROM messages"
                 " WHERE conversation_id = %s", (conversation_id,))).fetchall():
                 view.messages[seq] = Message(role, content, request_id, at)
-            for request_id, status, model, at, offset, end, ended, began in await (
+            for (request_id, status, model, at, offset, end, ended, began, reason,
+                 prompt_tokens, completion_tokens, code, message) in await (
                     await conn.execute(
                         "SELECT request_id, status, model, submitted_at, prompt_offset,"
                         " end_offset, CASE WHEN end_offset IS NOT NULL THEN finished_at END,"
-                        " started_at FROM generations WHERE conversation_id = %s",
+                        " started_at, finish_reason, prompt_tokens, completion_tokens,"
+                        " error_code, error_message"
+                        " FROM generations WHERE conversation_id = %s",
                         (conversation_id,))).fetchall():
-                view.stored_turn(TurnState(request_id, status, model, at, offset, end, ended,
-                                           began))
+                view.stored_turn(TurnState(
+                    request_id, status, model, at, offset, end, ended, began, reason,
+                    Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                    if None not in (reason, prompt_tokens, completion_tokens) else None,
+                    (code, message or "") if code is not None else None))
             view.key_refs = [ref for ref, in await (await conn.execute(
                 "SELECT key_id FROM data_keys WHERE conversation_id = %s"
                 " ORDER BY created_at, key_id LIMIT %s",

@@ -21,6 +21,7 @@ from schemas import (
     SessionCreated,
     SessionDeleted,
     TurnRef,
+    Usage,
 )
 from schemas.conversation import (
     FAILED,
@@ -53,6 +54,9 @@ class TurnState:
     end_offset: int | None = None  # where its first end is in chat.generations
     ended_at: datetime | None = None  # when its worker ended it (its end's time)
     started_at: datetime | None = None  # when its first attempt started (its worker's time)
+    finish_reason: str | None = None  # its last GenerationFinished's, as the store keeps it
+    usage: Usage | None = None  # that end's
+    error: tuple[str, str] | None = None  # its last GenerationFailed's code and message
 
 
 @dataclass
@@ -149,11 +153,13 @@ class ConversationView:
                               event.occurred_at)
             turn = self._turn(event.request_id)
             turn.status = ended_status(event.finish_reason)
+            turn.finish_reason, turn.usage = event.finish_reason, event.usage
             self._ended(turn, event, offset)
         elif isinstance(event, GenerationFailed):
             self._touch(event)
             turn = self._turn(event.request_id)
             turn.status = FAILED
+            turn.error = (event.code, event.message)
             self._ended(turn, event, offset)
 
     @staticmethod

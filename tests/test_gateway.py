@@ -309,8 +309,12 @@ def test_background_turn_runs_on_without_a_client(gw: Gateways) -> None:
                        stop_after=2)
     assert wait_status(gw.url, gone.request_id, {"cancelled", "finished"},
                        GRACE_S + 15) == "finished"
+    gw.wait_projected()  # so that the retrieve reads the turn from the store
     r = httpx.get(f"{gw.url}/v1/chat/completions/{gone.request_id}", timeout=30).json()
     assert r["choices"][0]["message"]["content"] == expected((GRACE_S + 1) * RATE)
+    # Its end, as a client that streamed it saw it (was: finish_reason null, no usage).
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == (GRACE_S + 1) * RATE and "error" not in r
 
 
 def test_head_on_a_stream_attaches_nothing(gw: Gateways) -> None:

@@ -324,11 +324,17 @@ def test_the_read_model_and_the_store_apply_the_same_rules(stack: Stack) -> None
         stored_messages = conn.execute("SELECT conversation_id, seq, role, content FROM messages"
                                        " ORDER BY 1, 2").fetchall()
         stored_statuses = dict(conn.execute("SELECT request_id, status FROM generations"))
+        stored_ends = {r: (reason, tokens, (code, message) if code else None) for
+                       r, reason, tokens, code, message in conn.execute(
+                           "SELECT request_id, finish_reason, completion_tokens, error_code,"
+                           " error_message FROM generations")}
         deleted = {c for (c,) in conn.execute("SELECT id FROM conversations WHERE deleted")}
     assert {conv: v.title for conv, v in views.items()} == stored_titles
     assert sorted((conv, seq, m.role, m.content) for conv, v in views.items()
                   for seq, m in v.messages.items()) == stored_messages
     assert {r: t.status for v in views.values() for r, t in v.turns.items()} == stored_statuses
+    assert {r: (t.finish_reason, t.usage.completion_tokens if t.usage else None, t.error)
+            for v in views.values() for r, t in v.turns.items()} == stored_ends
     assert {conv for conv, v in views.items() if v.deleted} == deleted == {gone}
     # What the rules say, spelled out (a session's own title, else its first message's):
     assert stored_titles[a] == "first\ufffd message" and stored_titles[b] == "b\ufffd title"
