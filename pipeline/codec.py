@@ -65,6 +65,9 @@ class _SealedOf(msgspec.Struct):
 
 
 _sealed_of = msgspec.json.Decoder(_SealedOf)
+# What msgspec raises for bytes that hold no value of a decoder's type: RecursionError
+# for nesting deeper than it follows (a record on a topic is anyone's bytes).
+_UNREADABLE = (msgspec.DecodeError, RecursionError)
 
 _json = msgspec.json.Encoder()
 _content = msgspec.json.Decoder(dict)
@@ -139,7 +142,7 @@ class Codec:
             raise DecodeError(f"sealed with key {key.key_id} of another conversation")
         try:
             content = _content.decode(sealing.unseal(key, event.sealed.box))
-        except (sealing.Unreadable, msgspec.DecodeError) as exc:
+        except (sealing.Unreadable, *_UNREADABLE) as exc:
             raise DecodeError(str(exc)) from None
         return with_content(event, content, None), key  # type: ignore[return-value]
 
@@ -164,8 +167,7 @@ class Codec:
                 continue
             try:
                 opened[ref] = _live_texts.decode(sealing.unseal(key, box))
-            except (sealing.Unreadable, msgspec.DecodeError,
-                    msgspec.ValidationError) as exc:
+            except (sealing.Unreadable, *_UNREADABLE) as exc:
                 raise DecodeError(str(exc)) from None
         if not opened:
             return batch
@@ -256,7 +258,7 @@ def sealed_key(data: bytes | None, model: str | None = None
         return None
     try:
         found = _sealed_of.decode(data)
-    except msgspec.DecodeError:
+    except _UNREADABLE:
         return None
     if found.sealed is None or (model is not None and found.model != model):
         return None
@@ -271,7 +273,7 @@ def names_model(data: bytes | None, model: str) -> bool:
         return False
     try:
         return _sealed_of.decode(data).model == model
-    except msgspec.DecodeError:
+    except _UNREADABLE:
         return False
 
 

@@ -76,6 +76,16 @@ class Heartbeat:
             self._quiet.warning("heartbeat not sent: %s", exc)
 
 
+def heartbeat_of(value: bytes) -> tuple[dict[str, object], str, float] | None:
+    """A heartbeat record's fields, its model and when it was sent; None if it is not one
+    (whatever its bytes: a record on the topic is anyone's)."""
+    try:
+        beat = json.loads(value)
+        return beat, str(beat["model"]), float(beat["at"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
 def _sizes(beat: dict[str, object]) -> tuple[int, int] | None:
     context, token_bytes = beat.get("context"), beat.get("token_bytes")
     if type(context) is int and type(token_bytes) is int and context > 0 and token_bytes > 0:
@@ -126,11 +136,10 @@ class Roster:
                 self._seen.pop(worker, None)
                 self._loads.pop(worker, None)
                 continue
-            try:
-                beat = json.loads(value)
-                model, at = str(beat["model"]), float(beat["at"])
-            except (ValueError, KeyError, TypeError):
+            read = heartbeat_of(value)
+            if read is None:
                 continue
+            beat, model, at = read
             self._loads[worker] = _loads(beat)
             sizes = _sizes(beat)
             if sizes is None:

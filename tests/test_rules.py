@@ -5,14 +5,21 @@ event versions."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.edge import check_text, host_allowed, host_name, idempotency_key, load_json
 from gateway.errors import APIError
 from gateway.view import ConversationView
-from pipeline.codec import CLEAR, DecodeError
+from pipeline.codec import CLEAR, DecodeError, Position, names_model, parse, parse_live, sealed_key
+from pipeline.kafka import Record
+from pipeline.kek import key_info
+from pipeline.layout import layout_count
+from pipeline.roster import heartbeat_of
+from pipeline.rotations import Rotation
 from projections.projection import project
 from schemas import (
     ChatMessage,
@@ -24,6 +31,7 @@ from schemas import (
     SessionDeleted,
 )
 from schemas.conversation import TurnLedger, Verdict, storable, title
+from schemas.rollout import Rollout
 from workers.control import ControlBook
 from workers.plan import stop_at
 
@@ -138,6 +146,52 @@ def test_the_grace_counts_from_when_the_log_had_the_departure() -> None:
     book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
                               grace_s=10, occurred_at=NOW), logged_at=NOW - timedelta(seconds=5))
     assert stop_at(book, p) == NOW + timedelta(seconds=10)
+
+
+# -- a topic's records ---------------------------------------------------------------------
+DEEP = b"[" * 100_000 + b"]" * 100_000
+# Bytes anyone with a producer can put on a topic, where each reader below meets them.
+RECORDS = [b"", b"\x00", b"\xff\xfe{}", b"null", b"[]", b"{}", b'"text"', b"1e999", DEEP,
+           b'{"a": ' * 40 + b"1" + b"}" * 40,
+           b'{"model": ' + DEEP + b"}", b'{"sealed": {"key": ' + DEEP + b"}}",
+           b'{"orig": ' + DEEP + b"}", b'{"model": "m", "at": ' + DEEP + b"}",
+           b'{"type": "PromptSubmitted", "messages": ' + DEEP + b"}",
+           b'{"at": 1, "deltas": ' + DEEP + b"}"]
+
+
+def _record(value: bytes, key: bytes | None = None) -> Record:
+    return Record(Position("chat.any", 0, 7), key, value, 0)
+
+
+# Each reader of a topic's records, and what it answers for a record that holds none.
+READERS: dict[str, tuple[Callable[[bytes], object], object]] = {
+    "parse": (parse, DecodeError),
+    "parse_live": (parse_live, DecodeError),
+    "decode_keyed": (CLEAR.decode_keyed, DecodeError),
+    "decode_live": (CLEAR.decode_live, DecodeError),
+    "sealed_key": (sealed_key, None),
+    "sealed_key of a model": (lambda v: sealed_key(v, "m"), None),
+    "names_model": (lambda v: names_model(v, "m"), False),
+    "key_info": (lambda v: key_info(f"{uuid.uuid4()}/abc".encode(), v), ValueError),
+    "heartbeat": (heartbeat_of, None),
+    "rollout": (Rollout.model_validate_json, ValidationError),
+    "rotation": (lambda v: Rotation.parse(_record(v)), None),
+    "layout": (lambda v: layout_count(_record(v)), None),
+}
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_of_a_topic_refuses_what_no_record_of_it_holds(reader: str) -> None:
+    """A record is anyone's bytes: each reader answers its own refusal (the consumer
+    dead-letters or passes over the record), never another error. One that raised
+    RecursionError for deep nesting (``sealed_key``) stopped a worker at each start."""
+    read, refusal = READERS[reader]
+    for value in RECORDS:
+        if isinstance(refusal, type):
+            with pytest.raises(refusal):
+                read(value)
+        else:
+            assert read(value) == refusal, value[:60]
 
 
 # -- the gateway's edge -------------------------------------------------------------------
