@@ -327,8 +327,8 @@ class Keyring:
                 if held is not None:
                     return None if held is GONE else held  # type: ignore[return-value]
                 ref = KeyRef.parse(key_id) or self._legacy_ref(key_id)
-                if ref is None:
-                    return self._destroyed(key_id)
+                if ref is None or ref.partition >= self._partitions:  # its count is fixed
+                    return self._destroyed(key_id)  # never to be found: not waited for
                 lookup = self._read([(ref.partition, ref.offset)])
                 # A key fetched after its erasure was written is refused: read the
                 # erasures to their end as they are now, after the key.

@@ -258,6 +258,12 @@ def test_a_key_not_found_yet_for_recent_content_is_looked_for_again(
         started = time.monotonic()
         assert reader.for_reading(never, True, time.time() - 2 * 86_400) is None
         assert time.monotonic() - started < 10
+        # A partition the topic lacks is never waited for, however recent the content (a
+        # forged prompt naming one held its worker's partition for the intake's 120 s).
+        nowhere = str(KeyRef(new.short_id, 10_000, 0))
+        started = time.monotonic()
+        assert reader.for_reading(nowhere, True, time.time()) is None
+        assert time.monotonic() - started < 10
 
 
 def test_a_reader_that_reads_ahead_holds_the_keys_its_fetch_brought(
