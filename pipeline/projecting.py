@@ -28,20 +28,30 @@ T = TypeVar("T")
 
 
 class Stopped(Exception):
-    """Stop was asked while a refused batch waited to be tried again."""
+    """Stop was asked while a refused batch waited to be tried again, or while a step
+    did not end within ``STOP_GRACE_S`` of it."""
+
+
+# How long a step under way may go on after stop is asked before it is cancelled: a
+# batch that is being applied ends in that time; one waiting for what is away (a key
+# while Kafka is, which its decoding asks for again until it can) would wait forever,
+# and its process with it. Its records are polled again by whoever takes them next.
+STOP_GRACE_S = 5.0
 
 
 async def until_taken(step: Callable[[], Awaitable[T]],
                       retryable: tuple[type[BaseException], ...],
                       retrying: Callable[[BaseException, float], Awaitable[None]],
-                      backoff: Backoff, stop: asyncio.Event | None = None) -> T:
+                      backoff: Backoff, stop: asyncio.Event | None = None,
+                      grace_s: float = STOP_GRACE_S) -> T:
     """What ``step`` gives once it raises none of ``retryable``. After each refusal,
     ``retrying(error, delay_s)`` is told (to log, count, drop a broken connection) and
     the step runs again after the backoff's next delay; ``Stopped`` as soon as ``stop``
-    is set meanwhile. Any other error propagates."""
+    is set meanwhile, or ``grace_s`` after it if a step under way has not ended. Any
+    other error propagates."""
     while True:
         try:
-            result = await step()
+            result = await (step() if stop is None else _unless_stopped(step, stop, grace_s))
         except retryable as exc:
             delay = backoff.next()
             await retrying(exc, delay)
@@ -55,6 +65,26 @@ async def until_taken(step: Callable[[], Awaitable[T]],
             continue
         backoff.reset()
         return result
+
+
+async def _unless_stopped(step: Callable[[], Awaitable[T]], stop: asyncio.Event,
+                          grace_s: float) -> T:
+    """What ``step`` gives; ``Stopped`` (the step cancelled) if it has not ended
+    ``grace_s`` after ``stop`` is set."""
+    task = asyncio.ensure_future(step())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            await asyncio.wait({task}, timeout=grace_s)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise Stopped
+        return task.result()
+    finally:
+        stopping.cancel()
+        task.cancel()  # the caller cancelled: so is the step
 
 
 class Projection(Protocol):

@@ -538,4 +538,32 @@ def test_a_refused_batch_is_taken_again_until_it_passes_and_stop_ends_the_wait()
             await until_taken(refused, (ConnectionError,), retrying, Backoff(60, 60), stop)
         assert time.monotonic() - started < 5  # not the minute's backoff
 
+        # A step that never ends (a key asked for again while Kafka is away) is cancelled
+        # its grace after stop: a projector so stuck ignored SIGTERM for minutes.
+        cancelled = asyncio.Event()
+
+        async def stuck() -> str:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+            return "never"
+
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        started = time.monotonic()
+        with pytest.raises(Stopped):
+            await until_taken(stuck, (ConnectionError,), retrying, Backoff(60, 60), stop,
+                              grace_s=0.3)
+        assert cancelled.is_set() and 0.4 < time.monotonic() - started < 5
+
+        async def ending() -> str:  # a batch being applied when stop came ends in its grace
+            await asyncio.sleep(0.3)
+            return "stored"
+
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.1, stop.set)
+        assert await until_taken(ending, (ConnectionError,), retrying, Backoff(60, 60), stop,
+                                 grace_s=2) == "stored"
+
     asyncio.run(run())
