@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from pipeline.kafka import KafkaException, Record, unreachable
 from pipeline.kafka.plain import PlainReader
+from pipeline.logs import shown
 from pipeline.retry import Backoff, QuietLog
 from pipeline.topics import ERASURES
 
@@ -93,6 +94,7 @@ class Erasures:
         self._partitions: list[int] = []
         self._pruned = time.monotonic()
         self.read = 0  # records read so far (a slow start says how far it got)
+        self.unreadable = 0  # of them, records that are not erasures
 
     def start(self) -> None:
         self._asker = PlainReader(self._bootstrap, f"{self._name}-erasures-ends")
@@ -262,8 +264,10 @@ class Erasures:
                 try:
                     conversation = uuid.UUID((record.key or b"").decode())
                 except ValueError:
-                    log.warning("%s holds a record keyed %r: not an erasure", ERASURES,
-                                record.key)
+                    self.unreadable += 1
+                    self._quiet.warning("%s holds records that are not erasures (%d so far; "
+                                        "one keyed %s)", ERASURES, self.unreadable,
+                                        shown(record.key))
                     continue
                 at = record.timestamp_ms / 1000
                 if at >= horizon and at > self._at.get(conversation, 0.0):

@@ -15,6 +15,9 @@ from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 TURN_FIELDS = ("request_id", "conversation_id", "tenant")
+# A line's message is cut here: a record's bytes quoted in a warning, or a client's
+# value in an error, must not make one line as long as the input (a 1 MB key would).
+MESSAGE_CHARS = 4000
 _turn: ContextVar[dict[str, str] | None] = ContextVar("pipeline_turn", default=None)
 
 
@@ -48,6 +51,21 @@ class TurnFilter(logging.Filter):
         return True
 
 
+def bounded(message: str, limit: int = MESSAGE_CHARS) -> str:
+    """``message``, cut to ``limit`` characters with how many were left out."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit} more characters)"
+
+
+def shown(value: bytes | None, limit: int = 64) -> str:
+    """A record's key or value as a log line quotes it: its first ``limit`` bytes, and
+    its length when there is more."""
+    if value is None or len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} bytes)"
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -55,7 +73,7 @@ class JsonFormatter(logging.Formatter):
                 timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": bounded(record.getMessage()),
         }
         for key in TURN_FIELDS:
             value = getattr(record, key, None)
@@ -69,6 +87,10 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = bounded(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from pipeline.kafka import ProduceError
 from pipeline.kafka.plain import BEGINNING, PlainReader, PlainWriter
+from pipeline.retry import QuietLog
 from pipeline.topics import ROLLOUTS
 from schemas.rollout import Rollout, stale
 
@@ -27,6 +28,8 @@ class RolloutBook:
         self._reader.start({(ROLLOUTS, 0): BEGINNING})
         self.latest: dict[str, Rollout] = {}
         self.history: list[Rollout] = []
+        self.unreadable = 0  # records that are not rollouts, passed over
+        self._quiet = QuietLog(log)
 
     def refresh(self) -> dict[str, Rollout]:
         for msg in self._reader.read(1000):
@@ -35,8 +38,10 @@ class RolloutBook:
             try:
                 record = Rollout.model_validate_json(msg.value)
             except ValidationError as exc:
-                log.warning("unreadable rollout record at offset %s: %s",
-                            msg.position.offset, exc)
+                self.unreadable += 1
+                self._quiet.warning("%s holds records that are not rollouts (%d so far; "
+                                    "at offset %s: %s)", ROLLOUTS, self.unreadable,
+                                    msg.position.offset, _first_error(exc))
                 continue
             if stale(self.latest.get(record.alias), record):
                 continue
@@ -60,6 +65,16 @@ class RolloutBook:
     def close(self) -> None:
         self._reader.close()
 
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first of a refusal's errors, on one line, without the input it quotes."""
+    errors = exc.errors(include_url=False, include_input=False)
+    if not errors:
+        return exc.title
+    where = ".".join(str(part) for part in errors[0]["loc"]) or "record"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {errors[0]['msg']}{more}"
 
 
 def publish(bootstrap: str, record: Rollout, timeout: float = 30.0) -> None:

@@ -9,13 +9,29 @@ import asyncio
 import io
 import json
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from pydantic import ValidationError
 
-from pipeline.logs import JsonFormatter, TextFormatter, TurnFilter, bind_turn, turn_fields
+from pipeline.codec import Position
+from pipeline.erasures import Erasures
+from pipeline.kafka import Record
+from pipeline.logs import (
+    MESSAGE_CHARS,
+    JsonFormatter,
+    TextFormatter,
+    TurnFilter,
+    bind_turn,
+    shown,
+    turn_fields,
+)
+from pipeline.rollout import _first_error
+from pipeline.topics import ERASURES
+from schemas.rollout import Rollout
 
 
 @pytest.fixture
@@ -91,3 +107,42 @@ def test_text_lines_name_the_turn_too() -> None:
     record.request_id, record.tenant = "chatcmpl-1", "acme"
     assert TextFormatter().format(record).endswith(
         "x: hello [request_id=chatcmpl-1 tenant=acme]")
+
+
+def test_a_line_quotes_at_most_so_much_of_what_it_was_given() -> None:
+    """A record's bytes or a client's value in a message never make a line as long as
+    themselves, in either format."""
+    huge = b"k" * 1_000_000
+    record = logging.LogRecord("x", logging.WARNING, __file__, 1, "keyed %r", (huge,), None)
+    for formatter in (TextFormatter(), JsonFormatter()):
+        line = formatter.format(record)
+        assert len(line) < MESSAGE_CHARS + 200
+        assert f"({len(repr(huge)) + 6 - MESSAGE_CHARS} more characters)" in line
+    assert shown(huge) == f"{huge[:64]!r}... (1000000 bytes)"
+    assert shown(b"short") == "b'short'" and shown(None) == "None"
+
+
+def test_a_state_topic_full_of_records_it_cannot_hold_is_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every process reads ``chat.erasures`` and ``chat.rollouts`` from their start, and
+    both are kept forever: records that are not theirs (any writer's garbage) are
+    counted and said once in a while, not a line each at every start."""
+    erasures = Erasures("127.0.0.1:1", "garbage", 3600.0)  # never started: no broker
+    garbage = [b"", b"\x00", b"k" * 1_000_000, *(uuid.uuid4().bytes for _ in range(500))]
+    records = [Record(Position(ERASURES, 0, i), key, b"{}", int(time.time() * 1000))
+               for i, key in enumerate([None, *garbage])]
+    with caplog.at_level(logging.WARNING, logger="pipeline.erasures"):
+        erasures._apply(records)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert erasures.unreadable == len(records) and len(message) < 300
+    assert erasures.revoked(uuid.uuid4()) is False
+
+    nested = b'{"alias": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for value in (nested, b'{"alias": "' + b"x" * 1_000_000 + b'"}', b"\x00"):
+        try:
+            Rollout.model_validate_json(value)
+        except ValidationError as exc:
+            said = _first_error(exc)
+            assert "\n" not in said and len(said) < 200, said
+        else:
+            raise AssertionError("read as a rollout")
