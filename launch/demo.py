@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -26,7 +28,10 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
     # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited ignored.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    infra_up(common, external_db)
+    # Another demo (or anything else) on the gateway's port would answer this one's
+    # readiness check and take its clients: refused before anything starts.
+    refuse_taken_port(gateway.host, gateway.port)
+    started = infra_up(common, external_db)
     exe = [sys.executable, "-m", "launch"]
     # Each component in its own process group: the demo forwards Ctrl-C as SIGTERM,
     # and one that will not stop is killed with every process it started (vLLM's engine).
@@ -61,7 +66,20 @@ def run_demo(common: CommonSettings, gateway: GatewaySettings, external_db: bool
         return 0
     finally:
         stop_all(children, 40, group=True)
-        infra_down(common)
+        infra_down(common, started)
+
+
+def refuse_taken_port(host: str, port: int) -> None:
+    """Raise ``EADDRINUSE`` (the command's "address in use" line) if ``port`` is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(errno.EADDRINUSE, f"{host}:{port} is taken before the demo "
+                          "starts anything") from None
 
 
 def _keys_exist(database_url: str) -> bool:

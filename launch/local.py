@@ -8,9 +8,18 @@ need no flag; ``up --brokers N`` on a state made with another size refuses.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.settings import CommonSettings
+
+
+@dataclass(frozen=True)
+class Started:
+    """What an ``infra_up`` started itself: not what was running already."""
+
+    kafka: bool
+    postgres: bool
 
 
 def _kafka_port(bootstrap: str) -> int:
@@ -47,12 +56,14 @@ def _local_stack(common: CommonSettings, brokers: int | None = None,
 
 
 def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = None,
-             secure: bool = False) -> None:
+             secure: bool = False) -> Started:
     from pipeline.kafka import broker_count, ensure_topics, wait_for_broker
     from pipeline.topics import topic_specs
     from projections.migrate import migrate
 
     cluster, postgres = _local_stack(common, brokers, secure)
+    started = Started(kafka=not all(cluster.running()),
+                      postgres=not external_db and not postgres.running())
     print(f"Kafka      {cluster.bootstrap}  ({cluster.size} node{'s' * (cluster.size > 1)},"
           f" data in {cluster.home})", flush=True)
     cluster.start()
@@ -75,6 +86,7 @@ def infra_up(common: CommonSettings, external_db: bool, brokers: int | None = No
     applied = migrate(common.database_url)
     print(f"migrations {'applied ' + ', '.join(applied) if applied else 'up to date'}",
           flush=True)
+    return started
 
 
 SCRAM_USER = "pipeline"
@@ -105,11 +117,24 @@ def _secure_clients(cluster: Any) -> None:
           f"PIPELINE_KAFKA_CONFIG={mtls}", flush=True)
 
 
-def infra_down(common: CommonSettings) -> None:
+def infra_down(common: CommonSettings, only: Started | None = None) -> None:
+    """Stop the local stack; ``only``: just what one ``infra_up`` started (a demo leaves
+    running what was running before it, another demo's or ``pipeline infra up``'s)."""
     cluster, postgres = _local_stack(common)
-    cluster.stop()
-    postgres.stop()
-    print("stopped Kafka and PostgreSQL (data kept under .state/)")
+    only = only or Started(kafka=True, postgres=True)
+    if only.kafka:
+        cluster.stop()
+    if only.postgres:
+        postgres.stop()
+    stopped = [name for name, did in (("Kafka", only.kafka), ("PostgreSQL", only.postgres))
+               if did]
+    left = [name for name, did in (("Kafka", only.kafka), ("PostgreSQL", only.postgres))
+            if not did]
+    if stopped:
+        print(f"stopped {' and '.join(stopped)} (data kept under .state/)")
+    if left:
+        print(f"left {' and '.join(left)} running: it was running before this started "
+              "(`pipeline infra down` stops it)")
 
 
 def infra_status(common: CommonSettings, external_db: bool) -> int:

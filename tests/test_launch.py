@@ -181,3 +181,41 @@ def test_a_service_whose_start_fails_under_uvicorn_raises_what_its_app_raised(
     with pytest.raises(KeyringError, match="does not open"):
         start.serve(config)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_demo_whose_port_is_taken_starts_nothing(tmp_path: Path) -> None:
+    """A second ``make demo`` (or anything on the gateway's port) would answer the
+    demo's readiness check and take its clients, and stopping it stopped the Kafka and
+    PostgreSQL the first one ran on: it is refused before it starts anything."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**os.environ, "GATEWAY_PORT": str(port), "PIPELINE_STATE_DIR": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-m", "launch", "demo"], env=env, timeout=120,
+                              capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert f"127.0.0.1:{port} is taken" in done.stderr and "address in use" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no Kafka, no PostgreSQL
+
+
+def test_a_demo_stops_only_what_it_started(capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    """A demo started beside a running stack (``pipeline infra up``'s) leaves it running
+    when it stops; ``pipeline infra down`` stops it. A process stands in for the broker
+    here: its pid where the local broker's is kept."""
+    from launch.local import Started, infra_down
+
+    common = CommonSettings(state_dir=tmp_path)
+    (tmp_path / "kafka").mkdir()
+    broker = subprocess.Popen(["sleep", "600"])
+    try:
+        (tmp_path / "kafka" / "broker.pid").write_text(f"{broker.pid}\n")
+        infra_down(common, Started(kafka=False, postgres=False))  # what a demo started
+        assert broker.poll() is None
+        assert "left Kafka and PostgreSQL running" in capsys.readouterr().out
+        infra_down(common)  # pipeline infra down
+        broker.wait(timeout=30)  # stopped (reaped by the stop itself: no status here)
+    finally:
+        broker.kill()
+        broker.wait()
