@@ -21,7 +21,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from gateway.problems import LogUnavailable, StoreUnavailable
-from pipeline.kafka import KafkaException, LogReader, ProduceError, unreachable
+from pipeline.kafka import KafkaException, LogReader, ProduceError, stale_leader, unreachable
 from pipeline.retry import QuietLog
 from pipeline.topics import PROMPTS
 
@@ -31,6 +31,8 @@ _quiet = QuietLog(log)
 # What the database raises when it, or the way to it, is gone (a query's own errors, a
 # bad value say, are not among them: they stay errors of this program).
 DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+# How long a call refused by a partition's former leader waits to be asked again.
+STALE_LEADER_RETRY_S = 0.1
 
 
 class Breaker:
@@ -67,7 +69,18 @@ async def from_log(call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
     if KAFKA.open:
         raise LogUnavailable()
     try:
-        return await asyncio.wait_for(call(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    return await call()
+                except KafkaException as exc:
+                    if not stale_leader(exc):
+                        raise
+                    # A leader moved (a broker paused or restarted): refused before
+                    # anything was done, and answered once the client knows the new one.
+                    _quiet.warning("Kafka's leadership moved under a call; asking again: "
+                                   "%r", exc)
+                    await asyncio.sleep(STALE_LEADER_RETRY_S)
     except TimeoutError as exc:
         KAFKA.trip(f"no answer within {timeout_s:g} s")
         raise LogUnavailable() from exc

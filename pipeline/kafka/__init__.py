@@ -47,6 +47,7 @@ from pipeline.kafka.client import (
     client_config,
     client_id,
     client_logging,
+    stale_leader,
     unreachable,
 )
 from pipeline.kafka.config import AccessRefused, ClientConfigError
@@ -102,6 +103,7 @@ __all__ = [
     "read_spans",
     "scan_partitions",
     "set_scram_password",
+    "stale_leader",
     "topic_limits",
     "unreachable",
     "wait_for_broker",

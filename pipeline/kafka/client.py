@@ -227,3 +227,18 @@ def unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` says the cluster did not answer (as opposed to refusing a call)."""
     return (isinstance(exc, KafkaException) and bool(exc.args)
             and isinstance(exc.args[0], KafkaError) and exc.args[0].code() in _UNREACHABLE)
+
+
+# What a broker answers when the client's idea of a partition's leader is out of date
+# (the leader moved, a broker was paused or restarted): the call was refused before it
+# did anything, and asked again once the client has refreshed its metadata (which this
+# answer makes it do), it is answered.
+_STALE_LEADER = {KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
+                 KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                 KafkaError.OFFSET_NOT_AVAILABLE}
+
+
+def stale_leader(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal that the same call, asked again, gets past."""
+    return (isinstance(exc, KafkaException) and bool(exc.args)
+            and isinstance(exc.args[0], KafkaError) and exc.args[0].code() in _STALE_LEADER)
