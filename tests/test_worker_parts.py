@@ -391,3 +391,31 @@ def test_a_turn_the_engine_died_under_is_resumed_only_if_it_streamed_early_in_it
     # The engine had died before the turn reached it: the turn did not kill it.
     assert resumed_after_engine_death(streamed=False, attempt=0, before=True)
     assert resumed_after_engine_death(streamed=True, attempt=5, before=True)
+
+
+def test_a_takeover_asks_nothing_more_of_a_consumer_that_closes() -> None:
+    """A worker asked to stop while it joined its group hung: the consumer's close served
+    the assignment callback, whose takeover retried forever on a client being destroyed
+    (``_DESTROY``), and the process never exited (10 minutes, by hand). A takeover now
+    gives up once its consumer closes, and one the close itself calls asks nothing."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from confluent_kafka import KafkaError
+
+    from pipeline.kafka import KafkaException
+    from workers.takeover import Rebalances, retrying
+
+    consumer = SimpleNamespace(closing=False)
+    asked: list[float] = []
+
+    def take() -> dict[tuple[str, int], int]:
+        asked.append(time.monotonic())
+        consumer.closing = True  # the worker's stop closes the consumer meanwhile
+        raise KafkaException(KafkaError(KafkaError._DESTROY))
+
+    assert retrying(take, lambda: consumer.closing) is None
+    assert len(asked) == 1
+    rebalances = Rebalances(cast(Any, None), "unused:9092", cast(Any, consumer),
+                            cast(Any, None), CLEAR, "m", 60.0, 60_000)
+    assert rebalances.on_assign([("chat.prompts", 0)]) is None  # nothing asked: no owner

@@ -49,14 +49,18 @@ class Handover:
     control_ends: dict[int, int]  # control partition -> where reading goes on
 
 
-def retrying(take: Callable[[], T]) -> T:
+def retrying(take: Callable[[], T], closing: Callable[[], bool] = lambda: False) -> T | None:
     """``take()``, retried with backoff while Kafka does not answer (a broker restarting
-    makes it): a worker never exits for that."""
+    makes it): a worker never exits for that. None once ``closing()``: the client it asks
+    through is being closed (the worker stops), and nothing asked of it is answered."""
     backoff = Backoff(0.5, 10.0)
     while True:
         try:
             return take()
         except (KafkaException, TimeoutError) as exc:
+            if closing():
+                log.info("taking partitions over stopped: the worker's consumer closes")
+                return None
             delay = backoff.next()
             _quiet.warning("could not take partitions over (retrying in %.1f s): %s",
                            delay, exc)
@@ -141,9 +145,13 @@ class Rebalances:
         self.recovery_window_s = recovery_window_s
         self.transaction_timeout_ms = transaction_timeout_ms
 
-    def on_assign(self, assigned: list[TP]) -> dict[TP, int]:
-        """Take partitions over; where to read them from."""
-        return retrying(lambda: self._take_over(assigned))
+    def on_assign(self, assigned: list[TP]) -> dict[TP, int] | None:
+        """Take partitions over; where to read them from. None (nothing taken over): the
+        consumer's close serves this callback, for a join still under way when the worker
+        was asked to stop; a stop then hung, retrying on a client being destroyed."""
+        if self.consumer.closing:
+            return None
+        return retrying(lambda: self._take_over(assigned), lambda: self.consumer.closing)
 
     def _take_over(self, assigned: list[TP]) -> dict[TP, int]:
         prompts = [p for t, p in assigned if t == PROMPTS]

@@ -65,6 +65,9 @@ class AsyncConsumer:
         }
         config.update(extra)
         self._consumer = Consumer(config)
+        # Set once ``close`` begins: a rebalance callback the close itself serves (a join
+        # still under way) must ask nothing more of a client being destroyed.
+        self.closing = False
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"kafka-consumer-{group_id}"
         )
@@ -159,6 +162,7 @@ class AsyncConsumer:
         return await self.call(self.ends_sync, partitions, request_s)
 
     async def close(self) -> None:
+        self.closing = True
         try:
             await self.call(self._consumer.close)
         finally:
