@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -162,6 +162,30 @@ def make_engine(common: CommonSettings, settings: WorkerSettings) -> Engine:
     return VllmEngine(settings, path, name)
 
 
+class StopDuringStart(BaseException):
+    """SIGINT or SIGTERM came while a blocking start ran (``stopped_by_signal``)."""
+
+
+@contextlib.contextmanager
+def stopped_by_signal() -> Iterator[None]:
+    """While a start blocks the event loop (a model's load: minutes on a large GPU model),
+    the loop runs no signal handler, so a stop asked then would wait for the start to
+    end: SIGINT and SIGTERM raise ``StopDuringStart`` instead, at once, and the start
+    unwinds (vLLM stops the engine core it began)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise StopDuringStart
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
     from prometheus_client import CollectorRegistry
 
@@ -181,7 +205,15 @@ def run_worker(common: CommonSettings, settings: WorkerSettings) -> None:
         # new conversation brings the next ones' keys.
         keyring = await asyncio.to_thread(open_keyring, common, "worker",
                                           read_ahead=True)
-        engine = make_engine(common, settings)
+        try:
+            if stop.is_set():
+                raise StopDuringStart
+            with stopped_by_signal():  # an engine's start blocks the loop, for minutes
+                engine = make_engine(common, settings)
+        except StopDuringStart:
+            log.info("worker stopped while its engine started")
+            keyring.close()
+            return
         if isinstance(engine, SimEngine):  # fault injection, simulated engine only
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.crash)
         try:
