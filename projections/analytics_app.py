@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import ssl
+import threading
 from typing import Any
 
 import faust
@@ -142,6 +145,31 @@ def build_app(settings: AnalyticsSettings, bootstrap: str, store: AnalyticsStore
     return app
 
 
+# How long a stop may take once signalled, before the process exits without finishing it.
+STOP_GRACE_S = 15.0
+
+
+class _BoundedStop(faust.Worker):
+    """faust's worker, whose stop is bounded. One signalled while it joined its group,
+    as it starts, was seen to stop no further, still running when SIGKILLed 40 s later;
+    past ``STOP_GRACE_S`` after the signal this process exits as a SIGKILL would leave
+    it: its folds are in the store, and what it read since its last commit is read
+    again by the group's next member (``AnalyticsStore`` counts an event once)."""
+
+    def _schedule_shutdown(self, signal: signal.Signals) -> None:
+        if not self._signal_stop_time:
+            timer = threading.Timer(STOP_GRACE_S, _exit_unstopped)
+            timer.daemon = True
+            timer.start()
+        super()._schedule_shutdown(signal)
+
+
+def _exit_unstopped() -> None:
+    log.error("analytics did not stop within %.0f s of the signal: exiting", STOP_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
+
+
 def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
         registry: CollectorRegistry) -> None:
     """Run until SIGTERM or SIGINT (faust's worker handles both, stopping cleanly)."""
@@ -157,7 +185,7 @@ def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
     app = build_app(settings, bootstrap, store, deadletters)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    worker = faust.Worker(app, loop=loop, loglevel=logging.getLogger().level,
+    worker = _BoundedStop(app, loop=loop, loglevel=logging.getLogger().level,
                           override_logging=False, quiet=True)
     # Its terminal spinner wrote cursor codes into the service's log (a JSON line began
     # with one): a service has no terminal.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -602,3 +603,46 @@ def test_prometheus_holds_a_bounded_number_of_tenants(stack: Stack) -> None:
               if m.name == "analytics_active_sessions" for s in m.samples}
     assert active == {"t0": 6, "t1": 5, "(other)": 10}
     assert registry.get_sample_value("analytics_labelled_tenants") == 2
+
+
+HANGING_STOP = """
+import asyncio, sys
+import faust
+import projections.analytics_app as app
+from launch.cli import main
+
+async def never(self, *args, **kwargs):  # a stop that never ends, as one was seen to
+    await asyncio.sleep(3600)
+
+app.STOP_GRACE_S = 2.0
+faust.App.stop = never
+sys.argv = ["pipeline", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_an_analytics_stop_that_never_ends_is_bounded(sim_stack: Stack) -> None:
+    """Stopped by ``make demo`` while it joined its group, the analytics consumer stopped
+    no further, until SIGKILLed 40 s later: past ``STOP_GRACE_S`` after the signal it now
+    exits, as a SIGKILL would leave it (its folds are idempotent)."""
+    schema = f"stop_{uuid.uuid4().hex[:8]}"
+    log = sim_stack.logs / f"analytics-{schema}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HANGING_STOP, "analytics", "--group", schema, "--schema",
+             schema, "--metrics-port", str(free_port())],
+            stdout=out, stderr=subprocess.STDOUT, env=sim_stack.env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Starting..." not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        assert proc.wait(timeout=30) == 1
+        assert 2.0 <= time.monotonic() - began < 10
+        assert "analytics did not stop within 2 s of the signal: exiting" in log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
