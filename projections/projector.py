@@ -307,9 +307,11 @@ class Projector:
         self._producer = EventProducer(self.bootstrap)  # parks what cannot be applied
         self._last_report = self._last_skip = 0.0
 
-    def _on_assign(self, partitions: list[TP]) -> dict[TP, int]:
+    def _on_assign(self, partitions: list[TP], closing: Callable[[], bool] = lambda: False
+                   ) -> dict[TP, int] | None:
         """Start every assigned partition at the position stored with the rows (waiting,
-        with backoff, for the database if it is away)."""
+        with backoff, for the database if it is away). None, nothing started, once
+        ``closing()``: the projector stops, and its stop must not wait for the database."""
         backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S)
         while True:
             try:
@@ -317,6 +319,9 @@ class Projector:
                     stored = load_positions(conn)
                 break
             except psycopg.OperationalError as exc:
+                if closing():
+                    log.info("assignment dropped: the projector's consumer closes")
+                    return None
                 self._quiet.warning("cannot read the stored positions, retrying: %s", exc)
                 time.sleep(backoff.next())
         start = {tp: stored.get(tp, BEGINNING) for tp in partitions}
@@ -335,7 +340,8 @@ class Projector:
                                  **{"session.timeout.ms": self.settings.session_timeout_ms,
                                     "fetch.min.bytes": FETCH_MIN_BYTES,
                                     "fetch.wait.max.ms": max(int(window_s * 1000), 1)})
-        consumer.subscribe(list(self.topics), on_assign=self._on_assign)
+        consumer.subscribe(list(self.topics), on_assign=lambda partitions: self._on_assign(
+            partitions, lambda: consumer.closing))
 
         def retrying(exc: BaseException, records: int, delay: float) -> None:
             self.metrics.retries.inc()

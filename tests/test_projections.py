@@ -494,6 +494,25 @@ def test_a_setup_step_waits_for_a_database_that_answers_late(stack: Stack) -> No
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+def test_a_projector_whose_consumer_closes_waits_no_more_for_the_database() -> None:
+    """Partitions assigned while the database is away wait for it (their positions are
+    stored with the rows), but not once the projector stops: a worker's takeover that
+    retried so on a consumer being closed kept its process from exiting."""
+    from prometheus_client import CollectorRegistry
+
+    from projections.projector import Projector
+
+    away = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing"  # nothing listens
+    projector = Projector(ProjectorSettings(), "127.0.0.1:1", away, CollectorRegistry())
+    closing = iter([False, True])
+    started = time.monotonic()
+    try:
+        assert projector._on_assign([(PROMPTS, 0)], lambda: next(closing)) is None
+    finally:
+        projector._producer.close()
+    assert time.monotonic() - started < 10
+
+
 def test_a_refused_batch_is_taken_again_until_it_passes_and_stop_ends_the_wait() -> None:
     """The step every consumer that writes to PostgreSQL takes a batch with: tried again
     after each refusal the caller names (told of each, with its delay), its result once

@@ -193,6 +193,8 @@ class GroupConsumer(AsyncConsumer):
         """Join the group; the callbacks run on the consumer thread during a poll."""
 
         def assigned(consumer: Consumer, parts: list[TopicPartition]) -> None:
+            if self.closing:  # served by ``close`` (a join under way): nothing to take
+                return
             offsets = on_assign([(p.topic, p.partition) for p in parts]) if on_assign else None
             if offsets is not None:
                 consumer.assign([TopicPartition(p.topic, p.partition,
