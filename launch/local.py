@@ -126,10 +126,9 @@ def infra_down(common: CommonSettings, only: Started | None = None) -> None:
         cluster.stop()
     if only.postgres:
         postgres.stop()
-    stopped = [name for name, did in (("Kafka", only.kafka), ("PostgreSQL", only.postgres))
-               if did]
-    left = [name for name, did in (("Kafka", only.kafka), ("PostgreSQL", only.postgres))
-            if not did]
+    parts = (("Kafka", only.kafka), ("PostgreSQL", only.postgres))
+    stopped = [name for name, did in parts if did]
+    left = [name for name, did in parts if not did]
     if stopped:
         print(f"stopped {' and '.join(stopped)} (data kept under .state/)")
     if left:

@@ -295,7 +295,7 @@ def parse(data: bytes | None) -> Event:
         raw = json.loads(data)
         return EVENT_ADAPTER.validate_python(upcast(raw) if isinstance(raw, dict) else raw)
     except ValidationError as exc:
-        raise DecodeError(_summarise(first_error or exc)) from exc
+        raise DecodeError(summarise(first_error or exc)) from exc
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"not an event: {exc}") from None
 
@@ -316,12 +316,13 @@ def parse_live(data: bytes | None) -> LiveBatch:
     try:
         return LIVE_ADAPTER.validate_json(data)
     except ValidationError as exc:
-        raise DecodeError(_summarise(exc)) from None
+        raise DecodeError(summarise(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"not a live batch: {exc}") from None
 
 
-def _summarise(exc: ValidationError) -> str:
+def summarise(exc: ValidationError) -> str:
+    """A refusal's first errors on one line, without the input they quote."""
     parts = []
     for err in exc.errors()[:5]:
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"

@@ -10,6 +10,7 @@ import time
 
 from pydantic import ValidationError
 
+from pipeline.codec import summarise
 from pipeline.kafka import ProduceError
 from pipeline.kafka.plain import BEGINNING, PlainReader, PlainWriter
 from pipeline.retry import QuietLog
@@ -41,7 +42,7 @@ class RolloutBook:
                 self.unreadable += 1
                 self._quiet.warning("%s holds records that are not rollouts (%d so far; "
                                     "at offset %s: %s)", ROLLOUTS, self.unreadable,
-                                    msg.position.offset, _first_error(exc))
+                                    msg.position.offset, summarise(exc))
                 continue
             if stale(self.latest.get(record.alias), record):
                 continue
@@ -64,17 +65,6 @@ class RolloutBook:
 
     def close(self) -> None:
         self._reader.close()
-
-
-
-def _first_error(exc: ValidationError) -> str:
-    """The first of a refusal's errors, on one line, without the input it quotes."""
-    errors = exc.errors(include_url=False, include_input=False)
-    if not errors:
-        return exc.title
-    where = ".".join(str(part) for part in errors[0]["loc"]) or "record"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {errors[0]['msg']}{more}"
 
 
 def publish(bootstrap: str, record: Rollout, timeout: float = 30.0) -> None:

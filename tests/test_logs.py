@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 from pydantic import ValidationError
 
-from pipeline.codec import Position
+from pipeline.codec import Position, summarise
 from pipeline.erasures import Erasures
 from pipeline.kafka import Record
 from pipeline.logs import (
@@ -29,7 +29,6 @@ from pipeline.logs import (
     shown,
     turn_fields,
 )
-from pipeline.rollout import _first_error
 from pipeline.topics import ERASURES
 from schemas.rollout import Rollout
 
@@ -142,7 +141,7 @@ def test_a_state_topic_full_of_records_it_cannot_hold_is_one_warning(
         try:
             Rollout.model_validate_json(value)
         except ValidationError as exc:
-            said = _first_error(exc)
+            said = summarise(exc)
             assert "\n" not in said and len(said) < 200, said
         else:
             raise AssertionError("read as a rollout")
