@@ -16,7 +16,7 @@ from gateway.errors import api_error
 from gateway.follow import Following
 from gateway.http import caller_of, read_body, resources, tenant_of
 from gateway.ids import parse_event_id
-from gateway.openai_api import FINISH_REASONS, ChatRequest, parse_chat_request, usage_json
+from gateway.openai_api import ChatRequest, finish_reason_json, parse_chat_request, usage_json
 from gateway.problems import Problem, SessionNotFound
 from gateway.wire import completion, sse_stream
 from pipeline.tracing import TRACER, Span, from_http, ms_to_ns, record_headers
@@ -168,8 +168,8 @@ async def retrieve(request: Request) -> Response:
     if reply is not None:
         body["choices"] = [{"index": 0, "message": {"role": "assistant",
                                                     "content": reply.content},
-                            "finish_reason": turn.finish_reason and FINISH_REASONS.get(
-                                turn.finish_reason, "stop"),
+                            "finish_reason": turn.finish_reason
+                            and finish_reason_json(turn.finish_reason),
                             "logprobs": None}]
     if turn.usage is not None:
         body["usage"] = usage_json(turn.usage)

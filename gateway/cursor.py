@@ -145,7 +145,7 @@ class Cursor:
             return [self._sse(self._chunk({"role": "assistant", "content": event.text}), item)]
         self.done = True
         if isinstance(event, End):
-            reason = openai_api.FINISH_REASONS.get(event.finish_reason, "stop")
+            reason = openai_api.finish_reason_json(event.finish_reason)
             out = [self._sse(self._chunk({}, reason), item)]
             if self.include_usage:
                 out.append(sse(openai_api.usage_chunk(self.completion_id, self.created,

@@ -20,6 +20,13 @@ from schemas import ChatMessage, SamplingParams, Usage
 from schemas.events import MAX_COUNT
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+def finish_reason_json(reason: str) -> str:
+    """OpenAI's ``finish_reason`` for a turn's: a cancelled turn (``abort``), or any other
+    the API has no word for, stopped."""
+    return FINISH_REASONS.get(reason, "stop")
+
 def _no_nul(value: str) -> str:
     if "\0" in value:
         raise ValueError("user holds no NUL")
@@ -262,7 +269,7 @@ def completion(
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "logprobs": None,
-            "finish_reason": FINISH_REASONS.get(finish_reason, finish_reason),
+            "finish_reason": finish_reason_json(finish_reason),
         }],
         "usage": usage_json(usage),
     }
