@@ -29,6 +29,7 @@ from workers.tiny_model import TINY_MODEL_NAME
 
 if TYPE_CHECKING:
     import socket
+    from types import FrameType
 
     import uvicorn
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -66,7 +67,7 @@ def run_gateway(common: CommonSettings, settings: GatewaySettings,
 
     setup_tracing("gateway")
     app = create_app(settings, common)
-    start = StartFailure(app)
+    start = StartFailure(app, "gateway")
     # uvicorn's own handlers write text; with JSON its lines go to the root's instead.
     config = uvicorn.Config(start, host=settings.host, port=settings.port, log_level="info",
                             log_config=LOGGING_CONFIG if log_format() == "text" else None,
@@ -87,8 +88,9 @@ class StartFailure:
     says any other's (one line for a refusal or a service down), where uvicorn would log
     the application's whole traceback."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, name: str) -> None:
         self.app = app
+        self.name = name  # the service's, for its lines
         self.failure: Exception | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,11 +110,27 @@ class StartFailure:
             raise
 
     def serve(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> None:
-        """Serve with uvicorn; a failed start raises what the app raised."""
+        """Serve with uvicorn; a failed start raises what the app raised. SIGINT or
+        SIGTERM while the app starts (waiting for Kafka, say) ends the start at once,
+        where uvicorn would wait for it to finish first."""
         import uvicorn
 
+        class Server(uvicorn.Server):
+            main: asyncio.Task[None] | None = None
+
+            async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+                self.main = asyncio.current_task()
+                await super().serve(sockets)
+
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                if not self.started and self.main is not None:
+                    self.main.get_loop().call_soon_threadsafe(self.main.cancel)
+                super().handle_exit(sig, frame)
+
         try:
-            uvicorn.Server(config).run(sockets=sockets)
+            Server(config).run(sockets=sockets)
+        except asyncio.CancelledError:
+            log.info("%s stopped while it started", self.name)
         except SystemExit:  # uvicorn's own exit on a failed start, having said only that
             if self.failure is not None:
                 raise self.failure from None
@@ -278,7 +296,7 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
 
     app = service.app()
     app.router.lifespan_context = lifespan
-    start = StartFailure(app)
+    start = StartFailure(app, "memory")
     try:
         start.serve(uvicorn.Config(start, host=settings.host, port=settings.port,
                                    log_level="warning", loop="uvloop", http="httptools"))

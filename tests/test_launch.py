@@ -176,11 +176,37 @@ def test_a_service_whose_start_fails_under_uvicorn_raises_what_its_app_raised(
         raise KeyringError("the KEK does not open this cluster's keys")
         yield
 
-    start = StartFailure(Starlette(lifespan=lifespan))
+    start = StartFailure(Starlette(lifespan=lifespan), "test")
     config = uvicorn.Config(start, host="127.0.0.1", port=free_port(), log_level="warning")
     with pytest.raises(KeyringError, match="does not open"):
         start.serve(config)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_gateway_waiting_for_kafka_at_its_start_stops_when_asked() -> None:
+    """A gateway waits up to ``GATEWAY_STARTUP_TIMEOUT_S`` (120 s) for Kafka as it
+    starts, and uvicorn let SIGTERM wait for that start to end: a deploy or a demo
+    stopping it then hung. The start is now cut short, and the process says so."""
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    env = {**os.environ, "DATABASE_URL": f"postgresql://u:p@{closed}/db",
+           "PIPELINE_KAFKA_BOOTSTRAP": closed, "GATEWAY_PORT": str(free_port())}
+    gateway = subprocess.Popen([sys.executable, "-m", "launch", "gateway"], env=env,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert gateway.stderr is not None
+        for line in gateway.stderr:  # the start is under way, waiting for Kafka
+            if "waiting for Kafka to start the gateway" in line:
+                break
+        gateway.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        said = gateway.communicate(timeout=30)[1]
+        took = time.monotonic() - asked
+    finally:
+        gateway.kill()
+        gateway.wait()
+    assert gateway.returncode == 0, said
+    assert took < 15  # what is left of one metadata request (5 s), then the clients' close
+    assert "gateway stopped while it started" in said and "Traceback" not in said
 
 
 def test_a_demo_whose_port_is_taken_starts_nothing(tmp_path: Path) -> None:
