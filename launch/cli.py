@@ -57,6 +57,14 @@ def _overrides(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for it, and no traceback
+        print(f"pipeline {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
     _setup_logging()
     name_clients(args.command)  # the broker tells this process's clients apart by it
     common = CommonSettings()

@@ -39,6 +39,26 @@ def test_a_command_whose_service_is_down_says_so_in_one_line(argv: list[str],
     assert "secret" not in done.stderr
 
 
+def test_a_command_interrupted_says_so_in_one_line() -> None:
+    """Ctrl-C on a command (here one waiting for its service) ends it with the shell's
+    status for an interrupt and one line, where Python printed a traceback."""
+    closed = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": closed}
+    command = subprocess.Popen([sys.executable, "-m", "launch", "topics", "--wait", "120"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert command.stderr is not None
+        said = command.stderr.readline()  # the first try failed: it waits to try again
+        assert "trying again" in said, said
+        command.send_signal(signal.SIGINT)
+        said = command.communicate(timeout=60)[1]
+    finally:
+        command.kill()
+        command.wait()
+    assert command.returncode == 130
+    assert said == "pipeline topics: interrupted\n"
+
+
 def test_the_local_database_being_down_points_at_infra_up() -> None:
     settings = CommonSettings(database_url=f"postgresql://postgres@127.0.0.1:{free_port()}/x")
     with pytest.raises(psycopg.OperationalError) as err:
