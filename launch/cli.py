@@ -255,7 +255,7 @@ COMMANDS: dict[str, Command] = {
     "erase": lambda args, common, _: run_erase_command(common, args),
     "bench": lambda args, common, _: run_bench_command(common, args),
     "rollout": lambda args, common, _: run_rollout_command(common, args),
-    "fuzz": lambda args, common, _: run_fuzz_command(args),
+    "fuzz": lambda args, common, _: run_fuzz_command(common, args),
     "demo": _demo,
 }
 

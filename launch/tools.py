@@ -13,9 +13,11 @@ from launch.services import resolve_model
 from pipeline.settings import CommonSettings
 
 
-def run_fuzz_command(args: argparse.Namespace) -> int:
+def run_fuzz_command(common: CommonSettings, args: argparse.Namespace) -> int:
     """schemathesis against the gateway's own document: no request may get a server
-    error (run it against a healthy stack: a 503 while a dependency is away counts)."""
+    error (run it against a healthy stack: a 503 while a dependency is away counts). It
+    runs in ``<state dir>/fuzz``, where it keeps its example database, so that the
+    directory it is called from is left as it was."""
     settings = GatewaySettings()
     url = (args.url or f"http://{settings.host}:{settings.port}").rstrip("/")
     st = Path(sys.executable).with_name("st")
@@ -30,7 +32,9 @@ def run_fuzz_command(args: argparse.Namespace) -> int:
         command += ["--header", f"Authorization: Bearer {args.key}"]
     print(" ".join(c if "Bearer" not in c else "Authorization: Bearer ..." for c in command),
           flush=True)
-    return subprocess.run(command, check=False).returncode
+    workdir = common.state_dir / "fuzz"
+    workdir.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(command, check=False, cwd=workdir).returncode
 
 
 def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:

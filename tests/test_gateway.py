@@ -838,11 +838,12 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(
     3.11's ast.parse, which hypothesis calls, is not thread-safe, CPython gh-106905), a
     short pass; ``/v1/usage`` is in the document, its numbers without their bounds."""
     assert "/v1/usage" in httpx.get(f"{gw.url}/openapi.json", timeout=10).json()["paths"]
-    run = subprocess.run(  # in tmp_path, where it keeps its example database
+    run = subprocess.run(
         [sys.executable, "-m", "launch", "fuzz", "--url", gw.url, "--examples", "25",
          "--seed", "1"], env=gw.stack.env(),
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # its example database is in the state dir
     assert " passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1]
     for service in (gw.services["gateway-1"], gw.services["gateway-2"]):
         assert "Traceback" not in service.log.read_text(errors="replace"), service.tail(80)
