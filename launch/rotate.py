@@ -32,7 +32,7 @@ from pipeline.kafka import iter_spans
 from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.kek import Kek, fingerprint, key_info, load_kek, load_previous_keks
 from pipeline.keystore import Keyring, open_keyring
-from pipeline.rotations import Rotation, started
+from pipeline.rotations import Rotation, read_rotations, started, unfinished
 from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS, ROTATIONS
 
@@ -58,6 +58,11 @@ def rotate_command(common: CommonSettings, args: argparse.Namespace) -> int:
         starts = {p: reader.bounds(KEYS, p)[0] for p in partitions}
     finally:
         reader.close()
+    for earlier in unfinished(read_rotations(common.kafka_bootstrap, "kek-rotate")):
+        if earlier.to == kek.fingerprint:
+            print(f"finishing the rotation to {earlier.to} begun at {earlier.began}, "
+                  "which did not finish: the keys it wrote anew stay where it put them",
+                  flush=True)
     rotation = started(kek.fingerprint, replaced, ends)
     _write(writer, ROTATIONS, *rotation.record())
     total = sum(ends[p] - starts[p] for p in partitions)

@@ -49,7 +49,7 @@ from pipeline.keylimits import ROTATIONS_FRESH_S, KeyringError, KeyringLimits, N
 from pipeline.layout import check_layout
 from pipeline.partitioning import partition_for
 from pipeline.retry import Backoff, QuietLog
-from pipeline.rotations import Rotation, find_moved, read_rotations, rotations_and_layout
+from pipeline.rotations import Rotation, find_moved, read_rotations, rotations_at_start
 from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS
 
@@ -103,8 +103,9 @@ class Keyring:
             if not partitions:
                 raise KeyringError(f"the topic {KEYS} does not exist: `pipeline topics` makes it")
             self._partitions = len(partitions)
-            self._rotations, layout = self._retrying(
-                lambda: rotations_and_layout(self._bootstrap, self._name, self._limits.wait_s))
+            self._rotations, layout = self._retrying(  # a rotation not finished: refused
+                lambda: rotations_at_start(self._bootstrap, self._name, self._limits.wait_s,
+                                           self._kek.knows))
             check_layout(self._bootstrap, self._name, self._partitions, layout, self._retrying)
             self._rotations_read = time.monotonic()
             self._check_kek(partitions)
@@ -491,8 +492,7 @@ def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) ->
     """This process's keyring, started (see ``Keyring.start``): its ``codec`` seals and
     opens the process's content."""
     try:
-        kek = load_kek(common)
-        previous = load_previous_keks(common)
+        kek, previous = load_kek(common), load_previous_keks(common)
     except KekError as exc:
         raise KeyringError(str(exc)) from None
     limits = KeyringLimits(erasure_window_s=common.erasure_window_ms / 1000,

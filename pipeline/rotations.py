@@ -9,9 +9,16 @@ offsets (its window). A reader that finds nothing it can open where a box says l
 the windows of the rotations since (``Keyring``): a binary search by ``orig``, a few
 fetches.
 
-``chat.rotations`` is compacted, one record per rotation (key: the new KEK's
-fingerprint), written when a rotation starts (each window open: from the partition's
-end then) and when it is done (each window's end). Every keyring reads it whole at
+``chat.rotations`` is compacted, one record per run of a rotation (key: the new KEK's
+fingerprint and when the run began, ``<fingerprint>@<ms>``), written when it starts
+(each window open: from the partition's end then) and when it is done (each window's
+end). A run's record never replaces another's: a second run to the same KEK (one that
+finishes an interrupted run, or one made by mistake after a whole one) keeps the first
+run's windows, where the keys it moved are found once compaction has deleted their
+first records. Records of stacks before this keyed a rotation by the fingerprint alone,
+and are read the same way. A run that was not done, and that no later run to the same
+KEK, replacing the same KEKs, finished (``unfinished``), may have left keys the old KEK
+alone opens: a keyring that lacks that KEK refuses to start. Every keyring reads it whole at
 start: a rotation or two a year. It holds one more record, the chat topics' partition
 count when the first keyring started (key ``layout``, ``pipeline.layout``).
 """
@@ -27,6 +34,7 @@ from pipeline.kafka import Record
 from pipeline.kafka.lookup import Lookup
 from pipeline.kafka.plain import PlainReader
 from pipeline.kek import parse_record_key
+from pipeline.keylimits import KeyringError
 from pipeline.topics import ROTATIONS
 
 
@@ -40,8 +48,13 @@ class Rotation:
     done: bool
     at_ms: int
 
+    @property
+    def began(self) -> str:
+        """When the run began, for a person."""
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.at_ms / 1000))
+
     def record(self) -> tuple[bytes, bytes]:
-        return self.to.encode(), json.dumps({
+        return f"{self.to}@{self.at_ms}".encode(), json.dumps({
             "v": 1, "to": self.to, "replaced": list(self.replaced), "done": self.done,
             "at": self.at_ms, "windows": {str(p): list(w) for p, w in self.windows.items()},
         }).encode()
@@ -64,6 +77,14 @@ class Rotation:
 def started(to: str, replaced: list[str], ends: dict[int, int]) -> Rotation:
     return Rotation(to, tuple(replaced), {p: (end, None) for p, end in ends.items()}, False,
                     int(time.time() * 1000))
+
+
+def unfinished(rotations: list[Rotation]) -> list[Rotation]:
+    """The runs that were not done and that no later run to the same KEK, replacing at
+    least the same KEKs, finished: interrupted, or under way (see the module)."""
+    return [r for r in rotations if not r.done and not any(
+        later.done and later.to == r.to and later.at_ms > r.at_ms
+        and set(r.replaced) <= set(later.replaced) for later in rotations)]
 
 
 LAYOUT = b"layout"  # the record key of the chat topics' partition count (pipeline.layout)
@@ -101,6 +122,24 @@ def rotations_and_layout(bootstrap: str, name: str, timeout: float = 15.0
                       key=lambda r: r.at_ms, reverse=True), layout
     finally:
         reader.close()
+
+
+def rotations_at_start(bootstrap: str, name: str, timeout: float,
+                       knows: Callable[[str], bool]) -> tuple[list[Rotation], Record | None]:
+    """``rotations_and_layout`` for a keyring that starts with the KEKs it ``knows``:
+    refused (``KeyringError``) if a rotation not finished replaced a KEK it lacks, since
+    the keys that rotation has not written anew open with that KEK alone."""
+    rotations, layout = rotations_and_layout(bootstrap, name, timeout)
+    for rotation in unfinished(rotations):
+        missing = [f for f in rotation.replaced if not knows(f)]
+        if missing:
+            raise KeyringError(
+                f"the KEK rotation to {rotation.to} begun at {rotation.began} has not "
+                f"finished, and this process lacks the KEK it replaces ({', '.join(missing)})"
+                ": keys it has not written anew open with that KEK alone. Set "
+                "PIPELINE_KEK_PREVIOUS to it, and run `pipeline kek rotate` again to finish "
+                "the rotation before retiring it")
+    return rotations, layout
 
 
 # A window narrower than this is read through instead of halved (a fetch brings about

@@ -143,6 +143,12 @@ def test_a_kek_rotation_under_load_loses_no_turn_and_leaves_every_box_open(
     assert rotated.returncode == 0, rotated.stderr
     assert "wrapped 12 data key(s) anew" in rotated.stdout, rotated.stdout
     assert answers and set(answers) == {200}, answers
+    # Run again (by mistake, or to finish a run cut short): nothing is left to write
+    # anew, and its record keeps the first run's, whose windows hold the moved keys (it
+    # replaced it, and every key of before the rotation was lost to compaction).
+    again = subprocess_cli(cluster.stack, "kek", "rotate", **both)
+    assert again.returncode == 0, again.stderr
+    assert "wrapped 0 data key(s) anew" in again.stdout, again.stdout
     # The old KEK retired: every box of the log opens with the new one alone, those
     # sealed before the rotation through its windows.
     only_new = Keyring(cluster.stack.bootstrap, base64.b64decode(cluster.new), "only-new")
@@ -161,6 +167,36 @@ def test_a_kek_rotation_under_load_loses_no_turn_and_leaves_every_box_open(
     assert again.status_code == 200 and text_of(again.text) == text_of(first), again.text
     after = turn(cluster.url, "after", sessions[1])
     assert after.status_code == 200, after.text
+
+
+def test_a_rotation_not_finished_keeps_its_old_kek_in_use(cluster: Cluster) -> None:
+    """A rotation cut short (Ctrl-C, a crash) left keys the old KEK alone opens: a
+    process without that KEK refuses to start, naming the rotation, until a run to the
+    same KEK finishes it. Its records are written here as a run writes them."""
+    from dataclasses import replace
+
+    from pipeline.kafka.plain import PlainWriter
+    from pipeline.kek import fingerprint
+    from pipeline.keylimits import KeyringError
+    from pipeline.rotations import started
+    from pipeline.topics import ROTATIONS
+
+    newest = os.urandom(32)
+    new = base64.b64decode(cluster.new)
+    cut_short = started(fingerprint(newest), [fingerprint(new)], {0: 0})
+    writer = PlainWriter(cluster.stack.bootstrap, "test-rotation")
+    writer.send(ROTATIONS, *cut_short.record())
+    assert writer.flush(30) == []
+    with pytest.raises(KeyringError, match=f"rotation to {fingerprint(newest)} begun "
+                                               r"at .* has not finished"):
+        Keyring(cluster.stack.bootstrap, newest, "newest-only").start()
+    with Keyring(cluster.stack.bootstrap, newest, "both", previous=[new]):
+        pass  # the old KEK at hand: it starts, and may finish the rotation
+    finished = replace(cut_short, at_ms=cut_short.at_ms + 1, windows={0: (0, 0)}, done=True)
+    writer.send(ROTATIONS, *finished.record())
+    assert writer.flush(30) == []
+    with Keyring(cluster.stack.bootstrap, newest, "newest-only"):
+        pass  # a later run to the same KEK finished it
 
 
 def text_of(sse: str) -> str:
