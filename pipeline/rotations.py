@@ -16,9 +16,9 @@ end). A run's record never replaces another's: a second run to the same KEK (one
 finishes an interrupted run, or one made by mistake after a whole one) keeps the first
 run's windows, where the keys it moved are found once compaction has deleted their
 first records. Records of stacks before this keyed a rotation by the fingerprint alone,
-and are read the same way. A run that was not done, and that no later run to the same
-KEK, replacing the same KEKs, finished (``unfinished``), may have left keys the old KEK
-alone opens: a keyring that lacks that KEK refuses to start. Every keyring reads it whole at
+and are read the same way. A run that was not done, and that no later run replacing the
+same KEKs finished (``unfinished``), may have left keys the old KEK alone opens: a
+keyring that lacks that KEK refuses to start. Every keyring reads it whole at
 start: a rotation or two a year. It holds one more record, the chat topics' partition
 count when the first keyring started (key ``layout``, ``pipeline.layout``).
 """
@@ -80,11 +80,12 @@ def started(to: str, replaced: list[str], ends: dict[int, int]) -> Rotation:
 
 
 def unfinished(rotations: list[Rotation]) -> list[Rotation]:
-    """The runs that were not done and that no later run to the same KEK, replacing at
-    least the same KEKs, finished: interrupted, or under way (see the module)."""
+    """The runs that were not done and that no later run replacing at least the same
+    KEKs finished (to the same KEK, or to another): interrupted, or under way (see the
+    module). A later run that finished wrote anew every key those KEKs wrapped."""
     return [r for r in rotations if not r.done and not any(
-        later.done and later.to == r.to and later.at_ms > r.at_ms
-        and set(r.replaced) <= set(later.replaced) for later in rotations)]
+        later.done and later.at_ms > r.at_ms and set(r.replaced) <= set(later.replaced)
+        for later in rotations)]
 
 
 LAYOUT = b"layout"  # the record key of the chat topics' partition count (pipeline.layout)

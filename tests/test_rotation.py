@@ -199,6 +199,21 @@ def test_a_rotation_not_finished_keeps_its_old_kek_in_use(cluster: Cluster) -> N
         pass  # a later run to the same KEK finished it
 
 
+def test_a_rotation_is_finished_by_a_later_run_that_replaced_what_it_did() -> None:
+    from pipeline.rotations import Rotation, unfinished
+
+    def run(to: str, replaced: tuple[str, ...], at: int, done: bool) -> Rotation:
+        return Rotation(to, replaced, {}, done, at)
+
+    cut = run("n", ("o",), 10, False)
+    assert unfinished([cut]) == [cut]
+    assert unfinished([cut, run("n", ("o",), 5, True)]) == [cut]  # done before it began
+    assert unfinished([cut, run("n", ("o",), 20, True)]) == []
+    assert unfinished([cut, run("m", ("n", "o"), 20, True)]) == []  # to another KEK
+    assert unfinished([cut, run("m", ("n",), 20, True)]) == [cut]  # o's keys left as they were
+    assert unfinished([cut, run("n", ("o",), 20, False)]) == [cut, run("n", ("o",), 20, False)]
+
+
 def text_of(sse: str) -> str:
     """The content of an SSE stream's chunks."""
     parts = []
