@@ -36,6 +36,9 @@ from pipeline.rotations import Rotation, read_rotations, started, unfinished
 from pipeline.settings import CommonSettings
 from pipeline.topics import ERASURES, KEYS, ROTATIONS
 
+# Data keys by conversation: its tenant, and the keys' short ids.
+Keys = dict[uuid.UUID, tuple[str, list[str]]]
+
 
 class RotationError(Exception):
     """The rotation cannot be made (said in one line)."""
@@ -71,10 +74,10 @@ def rotate_command(common: CommonSettings, args: argparse.Namespace) -> int:
     windows: dict[int, tuple[int, int | None]] = {}
     with open_keyring(common, "kek-rotate") as keyring:
         for p in partitions:  # each partition's window: its keys in the order they came
-            moved = _rewrap(common, kek, replaced, keyring, writer, p, starts[p], ends[p],
-                            bar)
-            rewrapped += len(moved)
-            retombstoned += _undo_undone(keyring, writer, moved, p)
+            moved, live = _rewrap(common, kek, replaced, keyring, writer, p, starts[p],
+                                  ends[p], bar)
+            rewrapped += sum(len(ids) for _, ids in moved.values())
+            retombstoned += _undo_undone(keyring, writer, live, p)
             end = _end(common, p)
             windows[p] = (ends[p], end)
     bar.close()
@@ -88,14 +91,16 @@ def rotate_command(common: CommonSettings, args: argparse.Namespace) -> int:
 
 def _rewrap(common: CommonSettings, kek: Kek, replaced: list[str], keyring: Keyring,
             writer: PlainWriter, partition: int, start: int, end: int,
-            bar: tqdm) -> dict[uuid.UUID, tuple[str, list[str]]]:
+            bar: tqdm) -> tuple[Keys, Keys]:
     """Write anew, in offset order, each live key of the partition (up to ``end``) that a
-    replaced KEK wrapped: what was written, by conversation (its tenant, short ids)."""
+    replaced KEK wrapped: what was written, and every live key (by conversation: its
+    tenant, short ids)."""
     latest: dict[bytes, tuple[int, bytes | None]] = {}
     for record in iter_spans(common.kafka_bootstrap, KEYS, {partition: (start, end)}):
         latest[record.key or b""] = (record.position.offset, record.value)
         bar.update(1)
-    moved: dict[uuid.UUID, tuple[str, list[str]]] = {}
+    moved: Keys = {}
+    live: Keys = {}
     for key, (offset, value) in sorted(latest.items(), key=lambda kv: kv[1][0]):
         if value is None:
             continue  # destroyed
@@ -103,6 +108,7 @@ def _rewrap(common: CommonSettings, kek: Kek, replaced: list[str], keyring: Keyr
             info = key_info(key, value)
         except ValueError:
             continue  # not a key's record
+        live.setdefault(info.conversation_id, (info.tenant, []))[1].append(info.short_id)
         if info.kek not in replaced or keyring.revoked(info.conversation_id):
             continue
         writer.send(KEYS, key, kek.rewrap(key, value, offset), partition)
@@ -112,17 +118,17 @@ def _rewrap(common: CommonSettings, kek: Kek, replaced: list[str], keyring: Keyr
     failed = writer.flush(120)
     if failed:
         raise RotationError(f"keys written anew were not acknowledged: {failed[0]}")
-    return moved
+    return moved, live
 
 
-def _undo_undone(keyring: Keyring, writer: PlainWriter,
-                 moved: dict[uuid.UUID, tuple[str, list[str]]], partition: int) -> int:
-    """Destroy again the keys written anew whose conversations were erased meanwhile
-    (their erasure written again with the tombstones: ``pipeline.erasures``)."""
+def _undo_undone(keyring: Keyring, writer: PlainWriter, live: Keys, partition: int) -> int:
+    """Destroy again the live keys of conversations erased: a key this run wrote anew
+    after its erasure's tombstone, and one an earlier run cut short left so (its erasure
+    written again with the tombstones: ``pipeline.erasures``)."""
     if not keyring.catch_up():
         raise RotationError(f"could not read {ERASURES} to its end: the keys written anew "
                             "are not known to be of live conversations; run it again")
-    erased = [(c, tenant, ids) for c, (tenant, ids) in moved.items() if keyring.revoked(c)]
+    erased = [(c, tenant, ids) for c, (tenant, ids) in live.items() if keyring.revoked(c)]
     for conversation, tenant, short_ids in erased:
         writer.send(ERASURES, *keyring.erasure(conversation, tenant))
         for short_id in short_ids:

@@ -199,6 +199,46 @@ def test_a_rotation_not_finished_keeps_its_old_kek_in_use(cluster: Cluster) -> N
         pass  # a later run to the same KEK finished it
 
 
+def test_a_key_a_run_cut_short_wrote_after_its_erasure_is_destroyed_by_the_next(
+        cluster: Cluster) -> None:
+    """A run writes each key anew from what it read: a conversation erased in between
+    has its key's tombstone undone by that write, which the run destroys again once it
+    has read the erasures. Cut short before that, it left the key live, and its content
+    readable once the erasure's record expires: the next run destroys every live key of
+    an erased conversation, not only those it wrote. The records are written here as
+    that run left them."""
+    import uuid
+
+    from pipeline.codec import conversation_key
+    from pipeline.erasures import erasure_record
+    from pipeline.kafka import iter_spans
+    from pipeline.kafka.plain import PlainReader, PlainWriter
+    from pipeline.kek import Kek, record_key
+    from pipeline.partitioning import partition_for
+    from pipeline.topics import ERASURES, KEYS
+
+    conversation = uuid.uuid4()
+    key = record_key(conversation, "k1")
+    partition = partition_for(conversation_key(conversation), PARTITIONS)
+    undone = Kek(base64.b64decode(cluster.new)).wrap(conversation, "k1", os.urandom(32),
+                                                     "default", None, orig=0)
+    writer = PlainWriter(cluster.stack.bootstrap, "test-rotation")
+    writer.send(ERASURES, *erasure_record(conversation, "default", "test"))
+    writer.send(KEYS, key, None, partition)  # the erasure's tombstone, then the run's write
+    writer.send(KEYS, key, undone, partition)
+    assert writer.flush(30) == []
+    rotated = subprocess_cli(cluster.stack, "kek", "rotate", PIPELINE_KEK=cluster.new,
+                             PIPELINE_KEK_PREVIOUS=cluster.old)
+    assert rotated.returncode == 0, rotated.stderr
+    assert "1 erased meanwhile destroyed again" in rotated.stdout, rotated.stdout
+    reader = PlainReader(cluster.stack.bootstrap, "test-rotation")
+    end = reader.end(KEYS, partition)
+    reader.close()
+    values = [r.value for r in iter_spans(cluster.stack.bootstrap, KEYS, {partition: (0, end)})
+              if r.key == key]
+    assert values == [None, undone, None], values
+
+
 def test_a_rotation_is_finished_by_a_later_run_that_replaced_what_it_did() -> None:
     from pipeline.rotations import Rotation, unfinished
 
