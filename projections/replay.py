@@ -58,7 +58,8 @@ def prepare_target(database_url: str, schema: str | None) -> None:
                 sql.Identifier(where))).fetchone()
             if count and count[0]:
                 raise ReplayError(f"the target {where!r} already holds {count[0]} conversations;"
-                                  " replay needs an empty database or schema")
+                                  " replay needs an empty database or schema: drop it (a"
+                                  " replay cut short leaves one so) or name another")
     migrate(database_url, schema=schema)
 
 
