@@ -260,13 +260,9 @@ def run_memory(common: CommonSettings, settings: MemorySettings) -> None:
 
     url = common.database_url
     if settings.schema_name is not None:
-        from projections.migrate import in_schema
+        from pipeline.pgschema import create_schema
 
-        in_schema(url, settings.schema_name)  # checks the name
-        import psycopg
-
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {settings.schema_name}")
+        create_schema(url, settings.schema_name)
         # pgvector's type lives in the schema the extension was created in (public).
         url = make_conninfo(url, options=f"-c search_path={settings.schema_name},public")
     store.migrate(url)

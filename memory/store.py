@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 
 from memory.embedder import Vector
+from pipeline.pgschema import schema_lock
 
 SCHEMA = """
 CREATE EXTENSION IF NOT EXISTS vector;
@@ -51,8 +52,9 @@ class PgvectorMissing(RuntimeError):
 
 
 def migrate(database_url: str) -> None:
-    """Create the tables (and the pgvector extension) if they are not there."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    """Create the tables (and the pgvector extension) if they are not there, under the
+    database's lock on schema changes (several services may start at once)."""
+    with psycopg.connect(database_url, autocommit=True) as conn, schema_lock(conn):
         try:
             conn.execute(SCHEMA)
         except psycopg.errors.FeatureNotSupported as exc:

@@ -1,6 +1,8 @@
 """Versioned SQL migrations, applied in order under an advisory lock.
 
 Two processes migrating at once serialise on the lock; the second sees the work done.
+It is the lock of every change of the schema that a service makes as it starts
+(``pipeline.pgschema``).
 Each migration applied is recorded with the SHA-256 of its text: a database migrated from
 a different text of a migration (one edited after it was applied) is refused, naming it,
 since its schema is not the one this code expects. A migration recorded before digests
@@ -11,16 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
+
+from pipeline.pgschema import check_schema_name, create_schema, schema_lock
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
-_LOCK_KEY = 0x63686174  # "chat"
 
 
 class MigrationError(RuntimeError):
@@ -31,9 +32,7 @@ def in_schema(database_url: str, schema: str | None) -> str:
     """``database_url`` with ``schema`` first on the search path."""
     if schema is None:
         return database_url
-    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
-        raise ValueError(f"invalid schema name {schema!r}: use lowercase letters, digits, _")
-    return make_conninfo(database_url, options=f"-c search_path={schema}")
+    return make_conninfo(database_url, options=f"-c search_path={check_schema_name(schema)}")
 
 
 def migrate(database_url: str, schema: str | None = None) -> list[str]:
@@ -42,8 +41,7 @@ def migrate(database_url: str, schema: str | None = None) -> list[str]:
     applied_now: list[str] = []
     url = in_schema(database_url, schema)  # checks the name before it reaches SQL
     if schema is not None:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        create_schema(database_url, schema)
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute("SHOW server_encoding").fetchone()
         encoding = row[0] if row else None
@@ -54,8 +52,7 @@ def migrate(database_url: str, schema: str | None = None) -> list[str]:
             # the pipeline can read back as text.
             raise MigrationError(f"the database's encoding is {encoding!r}, not UTF8: "
                                  "create it with ENCODING 'UTF8' (initdb --encoding=UTF8)")
-        conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
-        try:
+        with schema_lock(conn):
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
                 " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
@@ -85,6 +82,4 @@ def migrate(database_url: str, schema: str | None = None) -> list[str]:
                                  " VALUES (%s, %s)", (version, digest))
                 log.info("applied migration %s", version)
                 applied_now.append(version)
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_KEY,))
     return applied_now

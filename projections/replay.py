@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from pipeline.codec import Codec
 from pipeline.kafka import LogReader
+from pipeline.pgschema import create_schema
 from pipeline.topics import STORE_TOPICS
 from projections.migrate import in_schema, migrate
 from projections.projector import apply_batch, store_positions
@@ -46,9 +47,9 @@ class ReplayStats:
 def prepare_target(database_url: str, schema: str | None) -> None:
     """Create the schema if asked, refuse a store that already has rows, migrate."""
     in_schema(database_url, schema)  # validates the name before it reaches SQL
+    if schema:
+        create_schema(database_url, schema)
     with psycopg.connect(database_url, autocommit=True) as conn:
-        if schema:
-            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
         where = schema or "public"
         exists = conn.execute(
             "SELECT 1 FROM information_schema.tables WHERE table_schema = %s"

@@ -204,6 +204,36 @@ def test_a_user_keeps_their_newest_memories_whatever_order_they_come_in(stack: S
     assert kept[0] == kept[1] == {"turn-3", "turn-4", "turn-5", "turn-v"}
 
 
+def test_services_starting_at_once_make_their_schema_once(stack: Stack) -> None:
+    """Memory services (and analytics, a replay) that start together each make their
+    tables and schema if missing: PostgreSQL's ``CREATE ... IF NOT EXISTS`` of one object
+    by two sessions at once fails in one (38 of 60 memory services, three at a time, did),
+    so each takes the migrations' lock first (``projections.migrate.schema_lock``)."""
+    from projections.migrate import migrate
+
+    failed: list[BaseException] = []
+
+    def at_once(start: Callable[[], object]) -> None:
+        def run() -> None:
+            try:
+                start()
+            except Exception as exc:
+                failed.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+
+    for _ in range(4):
+        schema = f"at_once_{uuid.uuid4().hex[:8]}"
+        at_once(lambda s=schema: migrate(stack.database_url, schema=s))  # type: ignore[misc]
+        url = new_database(stack.database_url, f"memory_at_once_{uuid.uuid4().hex[:8]}")
+        at_once(lambda u=url: store.migrate(u))  # type: ignore[misc]
+    assert failed == []
+
+
 def test_a_fact_told_in_one_session_is_given_to_the_model_in_the_next(mem: Memory) -> None:
     alice, fact = user_name(), f"My dog is called Rex-{uuid.uuid4().hex[:6]}."
     first = turn(mem.url, fact, alice)
