@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 import zlib
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -419,3 +420,33 @@ def test_a_key_made_at_a_time_no_clock_gives_is_refused_not_crashed() -> None:
     with pytest.raises(ValueError):
         key_writes(Record(Position(KEYS, 0, 7), f"{uuid.uuid4()}/abc".encode(), value, 0))
     assert key_writes(Record(Position(KEYS, 2, 9), f"{uuid.uuid4()}/abc".encode(), None, 0))
+
+
+def test_processes_of_a_new_stack_starting_at_once_share_one_kek(tmp_path: Path) -> None:
+    """The first process of a local stack makes its KEK file; others starting at once
+    read the whole key, never a file begun (four at once read an empty one in 87 rounds
+    of 200, and stopped), and nothing is left beside it."""
+    import threading
+
+    from pipeline.kek import load_kek
+    from pipeline.settings import CommonSettings
+
+    for n in range(50):
+        common = CommonSettings(state_dir=tmp_path / str(n))
+        got: list[bytes] = []
+        failed: list[Exception] = []
+
+        def start(common: CommonSettings = common, got: list[bytes] = got,
+                  failed: list[Exception] = failed) -> None:
+            try:
+                got.append(load_kek(common))
+            except Exception as exc:
+                failed.append(exc)
+
+        threads = [threading.Thread(target=start) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert failed == [] and len(got) == 4 and len(set(got)) == 1
+        assert [p.name for p in (tmp_path / str(n)).iterdir()] == ["kek"]
