@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,6 +176,25 @@ def new_database(database_url: str, name: str) -> str:
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return database_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def at_once(start: Callable[[], object], times: int) -> list[Exception]:
+    """Call ``start`` on ``times`` threads at once (processes of a stack starting
+    together); what the calls raised."""
+    failed: list[Exception] = []
+
+    def run() -> None:
+        try:
+            start()
+        except Exception as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(times)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return failed
 
 
 @pytest.fixture(scope="session")

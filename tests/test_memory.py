@@ -39,6 +39,7 @@ from tests.conftest import (
     Pipeline,
     Service,
     Stack,
+    at_once,
     new_database,
     start_service,
     wait_healthy,
@@ -208,30 +209,14 @@ def test_services_starting_at_once_make_their_schema_once(stack: Stack) -> None:
     """Memory services (and analytics, a replay) that start together each make their
     tables and schema if missing: PostgreSQL's ``CREATE ... IF NOT EXISTS`` of one object
     by two sessions at once fails in one (38 of 60 memory services, three at a time, did),
-    so each takes the migrations' lock first (``projections.migrate.schema_lock``)."""
+    so each takes the lock of schema changes first (``pipeline.pgschema``)."""
     from projections.migrate import migrate
-
-    failed: list[BaseException] = []
-
-    def at_once(start: Callable[[], object]) -> None:
-        def run() -> None:
-            try:
-                start()
-            except Exception as exc:
-                failed.append(exc)
-
-        threads = [threading.Thread(target=run) for _ in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
 
     for _ in range(4):
         schema = f"at_once_{uuid.uuid4().hex[:8]}"
-        at_once(lambda s=schema: migrate(stack.database_url, schema=s))  # type: ignore[misc]
+        assert at_once(lambda s=schema: migrate(stack.database_url, schema=s), 3) == []
         url = new_database(stack.database_url, f"memory_at_once_{uuid.uuid4().hex[:8]}")
-        at_once(lambda u=url: store.migrate(u))  # type: ignore[misc]
-    assert failed == []
+        assert at_once(lambda u=url: store.migrate(u), 3) == []
 
 
 def test_a_fact_told_in_one_session_is_given_to_the_model_in_the_next(mem: Memory) -> None:

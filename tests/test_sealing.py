@@ -426,27 +426,13 @@ def test_processes_of_a_new_stack_starting_at_once_share_one_kek(tmp_path: Path)
     """The first process of a local stack makes its KEK file; others starting at once
     read the whole key, never a file begun (four at once read an empty one in 87 rounds
     of 200, and stopped), and nothing is left beside it."""
-    import threading
-
     from pipeline.kek import load_kek
     from pipeline.settings import CommonSettings
+    from tests.conftest import at_once
 
     for n in range(50):
         common = CommonSettings(state_dir=tmp_path / str(n))
         got: list[bytes] = []
-        failed: list[Exception] = []
-
-        def start(common: CommonSettings = common, got: list[bytes] = got,
-                  failed: list[Exception] = failed) -> None:
-            try:
-                got.append(load_kek(common))
-            except Exception as exc:
-                failed.append(exc)
-
-        threads = [threading.Thread(target=start) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert failed == [] and len(got) == 4 and len(set(got)) == 1
+        assert at_once(lambda c=common, g=got: g.append(load_kek(c)), 4) == []
+        assert len(got) == 4 and len(set(got)) == 1
         assert [p.name for p in (tmp_path / str(n)).iterdir()] == ["kek"]
