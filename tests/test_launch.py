@@ -44,17 +44,19 @@ def test_a_command_interrupted_says_so_in_one_line() -> None:
     status for an interrupt and one line, where Python printed a traceback."""
     closed = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PIPELINE_KAFKA_BOOTSTRAP": closed}
-    command = subprocess.Popen([sys.executable, "-m", "launch", "topics", "--wait", "120"],
-                               env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        assert command.stderr is not None
-        said = command.stderr.readline()  # the first try failed: it waits to try again
-        assert "trying again" in said, said
-        command.send_signal(signal.SIGINT)
-        said = command.communicate(timeout=60)[1]
-    finally:
-        command.kill()
-        command.wait()
+    # As from a terminal: a shell's background job (CI's, say) inherits SIGINT ignored.
+    with subprocess.Popen([sys.executable, "-m", "launch", "topics", "--wait", "120"],
+                          env=env, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+                          ) as command:
+        try:
+            assert command.stderr is not None
+            said = command.stderr.readline()  # the first try failed: it waits to try again
+            assert "trying again" in said, said
+            command.send_signal(signal.SIGINT)
+            said = command.communicate(timeout=60)[1]
+        finally:
+            command.kill()
     assert command.returncode == 130
     assert said == "pipeline topics: interrupted\n"
 
@@ -210,20 +212,19 @@ def test_a_gateway_waiting_for_kafka_at_its_start_stops_when_asked() -> None:
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there
     env = {**os.environ, "DATABASE_URL": f"postgresql://u:p@{closed}/db",
            "PIPELINE_KAFKA_BOOTSTRAP": closed, "GATEWAY_PORT": str(free_port())}
-    gateway = subprocess.Popen([sys.executable, "-m", "launch", "gateway"], env=env,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        assert gateway.stderr is not None
-        for line in gateway.stderr:  # the start is under way, waiting for Kafka
-            if "waiting for Kafka to start the gateway" in line:
-                break
-        gateway.send_signal(signal.SIGTERM)
-        asked = time.monotonic()
-        said = gateway.communicate(timeout=30)[1]
-        took = time.monotonic() - asked
-    finally:
-        gateway.kill()
-        gateway.wait()
+    with subprocess.Popen([sys.executable, "-m", "launch", "gateway"], env=env,
+                          stderr=subprocess.PIPE, text=True) as gateway:
+        try:
+            assert gateway.stderr is not None
+            for line in gateway.stderr:  # the start is under way, waiting for Kafka
+                if "waiting for Kafka to start the gateway" in line:
+                    break
+            gateway.send_signal(signal.SIGTERM)
+            asked = time.monotonic()
+            said = gateway.communicate(timeout=30)[1]
+            took = time.monotonic() - asked
+        finally:
+            gateway.kill()
     assert gateway.returncode == 0, said
     assert took < 15  # what is left of one metadata request (5 s), then the clients' close
     assert "gateway stopped while it started" in said and "Traceback" not in said
