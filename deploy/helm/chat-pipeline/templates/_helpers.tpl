@@ -22,9 +22,9 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Integers go through int64 before quote: Helm reads numbers as floats, and quotes
 86400000 as "8.64e+07", which no service parses. */}}
-{{/* What a service reads: the cluster and its client file always; the store, the KEK
-and a Kafka password only where it needs them, so that a component holds no secret it
-does not use. Called with (dict "root" $ "db" bool "kek" bool "kafka" <a kafka block of
+{{/* What a service reads: the cluster, its client file and the erasure window always;
+the store, the KEK and a Kafka password only where it needs them, so that a component
+holds no secret it does not use. Called with (dict "root" $ "db" bool "kek" bool "kafka" <a kafka block of
 the values: username, passwordSecret>). */}}
 {{- define "chat-pipeline.env" -}}
 {{- $values := .root.Values -}}
@@ -43,6 +43,10 @@ the values: username, passwordSecret>). */}}
   value: /tmp/pipeline
 - name: PIPELINE_METRICS_HOST
   value: 0.0.0.0
+{{- /* Every process, the setup job too: it makes chat.keys and chat.erasures with it,
+and a process keeping erasures for less than the topics keep keys refuses to start. */}}
+- name: PIPELINE_ERASURE_WINDOW_MS
+  value: {{ $values.sealing.erasureWindowMs | int64 | quote }}
 {{- if .db }}
 - name: DATABASE_URL
   valueFrom:
@@ -56,8 +60,6 @@ the values: username, passwordSecret>). */}}
     secretKeyRef:
       name: {{ $values.sealing.kekSecret.name }}
       key: {{ $values.sealing.kekSecret.key }}
-- name: PIPELINE_ERASURE_WINDOW_MS
-  value: {{ $values.sealing.erasureWindowMs | int64 | quote }}
 {{- end }}
 {{- if $kafka.passwordSecret.name }}
 - name: PIPELINE_KAFKA_PASSWORD
