@@ -64,6 +64,8 @@ class KafkaBroker:
     tls: Authority | None = None
     sasl_port: int | None = None
     mtls_port: int | None = None
+    # Settings of the broker's own beside these (a test's: a broker that makes topics).
+    settings: dict[str, str] = field(default_factory=dict)
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -157,6 +159,7 @@ class KafkaBroker:
             "offsets.retention.minutes": str(OFFSETS_RETENTION_MINUTES),
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
+            **self.settings,
         }
         path = self.home / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))

@@ -92,12 +92,19 @@ def client_id(part: str) -> str:
     return f"chat-{_service['name']}/{part}"
 
 
+# librdkafka's producers ask the broker to make a topic they name that does not exist, and
+# a broker that does (``auto.create.topics.enable``, Kafka's default) makes it with its
+# own defaults: a ``chat.keys`` deleting keys after 7 days, say. Only ``pipeline topics``
+# makes topics (``pipeline.topicconfig``).
+NO_AUTO_CREATE = {"allow.auto.create.topics": False}
+
+
 def client_config(bootstrap: str, part: str) -> dict[str, Any]:
     """What every Kafka client starts from: its id (``client_id``; a ``client.id`` the
     operator's properties set is kept instead, for quotas of their own), the cluster's
     address and the operator's client properties (``PIPELINE_KAFKA_CONFIG``: TLS, SASL)."""
     named = {"client.id": client_id(part)}
-    return {**named, **client_properties(), "bootstrap.servers": bootstrap}
+    return {**named, **client_properties(), "bootstrap.servers": bootstrap, **NO_AUTO_CREATE}
 
 
 # librdkafka stops fetching a partition while its local queue holds
