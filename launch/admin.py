@@ -61,21 +61,50 @@ def run_rollout_command(common: CommonSettings, args: argparse.Namespace) -> int
     return 0 if controller.watch(record, policy).status == "promoted" else 1
 
 
-def run_topics_command(common: CommonSettings) -> int:
+def run_topics_command(common: CommonSettings, fix: bool = False) -> int:
     """The topics an operator's cluster needs, made with the topic settings
-    (``PIPELINE_PARTITIONS``, ``PIPELINE_REPLICATION_FACTOR``, ...); existing ones are
-    kept (their record limit raised to the pipeline's)."""
-    from pipeline.kafka import broker_count, ensure_topics
+    (``PIPELINE_PARTITIONS``, ``PIPELINE_REPLICATION_FACTOR``, ...). Existing ones are
+    kept, their record limit raised to the pipeline's, and their other settings checked
+    (``pipeline.topicconfig``): what differs is shown, and set with ``fix`` where that
+    keeps at least as much. 1 if a setting left would make the services refuse to start."""
+    from pipeline.kafka import broker_count, ensure_topics, set_topic_configs, topic_configs
+    from pipeline.topicconfig import ADVICE, BY_HAND, drift, fixable, hazards, warnings
     from pipeline.topics import topic_specs
 
     specs = topic_specs(common.topic_policy(), broker_count(common.kafka_bootstrap))
     created = ensure_topics(common.kafka_bootstrap, specs)
+    kept = [s.name for s in specs if s.name not in created]
+    configs = topic_configs(common.kafka_bootstrap, kept) if kept else {}
+    differs = drift(specs, configs)
+    if fix and (changes := [f for f in differs if fixable(f)]):
+        settings: dict[str, dict[str, str]] = {}
+        for finding in changes:
+            settings.setdefault(finding.topic, {})[finding.setting] = finding.want
+        set_topic_configs(common.kafka_bootstrap, settings)
+        configs = topic_configs(common.kafka_bootstrap, kept)
+        differs = drift(specs, configs)
     for spec in specs:
-        print(f"{spec.name:<20} " + (
-            f"created ({spec.partitions} partitions, replication {spec.replication}, "
-            f"{spec.config.get('min.insync.replicas')} in sync)" if spec.name in created
-            else "exists (kept as it is)"))
-    return 0
+        if spec.name in created:
+            print(f"{spec.name:<20} created ({spec.partitions} partitions, replication "
+                  f"{spec.replication}, {spec.config.get('min.insync.replicas')} in sync)")
+            continue
+        own = [f for f in differs if f.topic == spec.name]
+        print(f"{spec.name:<20} exists" + (", as the pipeline makes it" if not own else ""))
+        for finding in own:
+            print(f"  {finding.setting}={finding.have} (the pipeline's: {finding.want})"
+                  + ("; --fix sets it" if fixable(finding) else
+                     "; left as it is: it must not pass the topic's in-sync replicas"
+                     if finding.setting in BY_HAND else
+                     "; left as it is: the pipeline's keeps less, and lowering it deletes "
+                     "records"))
+    for warning in warnings(common.kafka_bootstrap, configs):
+        print(f"pipeline topics: warning: {warning}", file=sys.stderr)
+    refused = hazards(configs, common.erasure_window_ms)
+    for finding in refused:
+        print(f"pipeline topics: services refuse to start: {finding}", file=sys.stderr)
+    if refused and not fix:
+        print(f"pipeline topics: {ADVICE}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 def run_keys_command(common: CommonSettings, args: argparse.Namespace) -> int:

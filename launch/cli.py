@@ -240,7 +240,7 @@ Command = Callable[[argparse.Namespace, CommonSettings, bool], int]
 COMMANDS: dict[str, Command] = {
     "infra": _infra,
     "migrate": _migrate,
-    "topics": lambda args, common, _: run_topics_command(common),
+    "topics": lambda args, common, _: run_topics_command(common, args.fix),
     "gateway": _gateway,
     "keys": lambda args, common, _: run_keys_command(common, args),
     "kek": lambda args, common, _: run_kek_command(common, args),

@@ -56,7 +56,12 @@ def parser() -> argparse.ArgumentParser:
                             "TLS on port+101, and write the matching client files")
     migrate = sub.add_parser("migrate", help="apply database migrations")
     topics = sub.add_parser("topics", help="create the pipeline's topics on the configured "
-                                           "cluster (PIPELINE_KAFKA_BOOTSTRAP), if missing")
+                                           "cluster (PIPELINE_KAFKA_BOOTSTRAP), if missing, "
+                                           "and check the settings of those that exist")
+    topics.add_argument("--fix", action="store_true",
+                        help="set what differs from the pipeline's settings on existing "
+                             "topics, but for what would make a topic keep less (that is "
+                             "shown, for the operator to do)")
     for setup in (migrate, topics):
         setup.add_argument(
             "--wait", type=_seconds, default=0.0, metavar="SECONDS",

@@ -89,10 +89,9 @@ class Keyring:
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> Keyring:
-        """Read ``chat.erasures`` to its end and check the key-encryption key against the
-        newest record of each ``chat.keys`` partition (``KeyringError`` if another one
-        wrapped it). Its reader and writer of content seal and open with it through a
-        codec (``codec``)."""
+        """Read ``chat.erasures`` to its end; check the topics (``pipeline.layout``), and the
+        key-encryption key against each ``chat.keys`` partition's newest record
+        (``KeyringError`` if another one wrapped it). Content is sealed with it (``codec``)."""
         try:
             self._erasures.start()
         except ErasuresUnavailable as exc:
@@ -106,7 +105,8 @@ class Keyring:
             self._rotations, layout = self._retrying(  # a rotation not finished: refused
                 lambda: rotations_at_start(self._bootstrap, self._name, self._limits.wait_s,
                                            self._kek.knows))
-            check_layout(self._bootstrap, self._name, self._partitions, layout, self._retrying)
+            check_layout(self._bootstrap, self._name, self._partitions, layout, self._retrying,
+                         round(self._limits.erasure_window_s * 1000))
             self._rotations_read = time.monotonic()
             self._check_kek(partitions)
         except KafkaException as exc:

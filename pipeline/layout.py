@@ -3,6 +3,9 @@ keys, are found by one partition number in each topic of ``PARTITIONED_ALIKE``, 
 must have one partition count, and keep it. Checked by every keyring's start
 (``pipeline.keystore``), so by every process.
 
+Their settings are checked too: those that would lose records refuse the start
+(``pipeline.topicconfig``).
+
 The count the topics had when the first keyring started is kept in ``chat.rotations``
 (key ``layout``, written by that keyring): partitions added later to every topic alike
 keep the counts equal, but move conversations away from their records and keys all the
@@ -12,12 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 
+from pipeline import topicconfig
 from pipeline.kafka import ProduceError, Record
 from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.keylimits import KeyringError
 from pipeline.rotations import LAYOUT
+from pipeline.topicconfig import Retrying
 from pipeline.topics import KEYS, PARTITIONED_ALIKE, ROTATIONS
 
 log = logging.getLogger(__name__)
@@ -27,11 +31,14 @@ ADVICE = ("a conversation's partition is its id's hash modulo the count, the sam
 
 
 def check_layout(bootstrap: str, name: str, keys: int, recorded: Record | None,
-                 retrying: Callable[[Callable[[], int]], int]) -> None:
+                 retrying: Retrying, window_ms: int) -> None:
     """``KeyringError`` unless every chat topic made so far has the partition count of
     ``chat.keys``, ``keys`` (``PARTITIONED_ALIKE``), and that is the count ``recorded``
     (the ``layout`` record of ``chat.rotations``), which is written if there is none (yet,
-    or since a tombstone). ``retrying(call)`` asks again while a leader moves."""
+    or since a tombstone); and unless the topics' settings keep their records
+    (``pipeline.topicconfig``, with this process's erasure window, ``window_ms``).
+    ``retrying(call)`` asks again while a leader moves."""
+    topicconfig.check(bootstrap, window_ms, retrying)
     reader = PlainReader(bootstrap, f"{name}-layout")
     try:
         counts = {topic: retrying(lambda t=topic: len(reader.partitions(t)))  # type: ignore[misc]

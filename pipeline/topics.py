@@ -112,7 +112,10 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
         raise ValueError(f"replication factor {replication} needs at least that many "
                          f"brokers; the cluster has {brokers}")
     min_isr = policy.min_insync_replicas or (2 if replication >= 3 else 1)
-    base = {"min.insync.replicas": str(min_isr), "unclean.leader.election.enable": "false",
+    # Every setting a topic's records depend on is said, even where it is the broker's
+    # default: ``pipeline topics`` checks a topic that exists against it.
+    base = {"cleanup.policy": "delete", "min.insync.replicas": str(min_isr),
+            "unclean.leader.election.enable": "false",
             "max.message.bytes": str(policy.max_record_bytes)}
     log = {**base, "retention.ms": str(policy.retention_ms),
            "retention.bytes": str(policy.retention_bytes)}

@@ -27,10 +27,13 @@ from confluent_kafka import KafkaException
 
 from pipeline.kafka.admin import (
     broker_count,
+    broker_setting,
     check_access,
     delete_topics,
     ensure_topics,
     set_scram_password,
+    set_topic_configs,
+    topic_configs,
     topic_limits,
     wait_for_broker,
 )
@@ -90,6 +93,7 @@ __all__ = [
     "TransactionSettings",
     "TransactionalProducer",
     "broker_count",
+    "broker_setting",
     "check_access",
     "client_config",
     "client_id",
@@ -103,7 +107,9 @@ __all__ = [
     "read_spans",
     "scan_partitions",
     "set_scram_password",
+    "set_topic_configs",
     "stale_leader",
+    "topic_configs",
     "topic_limits",
     "unreachable",
     "wait_for_broker",

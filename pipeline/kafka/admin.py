@@ -23,7 +23,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     NewTopic,
 )
 
-from pipeline.kafka.client import client_config, client_logging
+from pipeline.kafka.client import client_config, client_logging, unreachable
 from pipeline.kafka.config import AccessRefused, describe_listener
 from pipeline.topics import TopicSpec
 
@@ -141,6 +141,62 @@ def topic_limits(bootstrap: str, topics: Sequence[str], default: int,
         if entry is not None and entry.value is not None:
             out[resource.name] = int(entry.value)
     return out
+
+
+def topic_configs(bootstrap: str, topics: Sequence[str],
+                  timeout: float = 10.0) -> dict[str, dict[str, str]]:
+    """Each topic's settings as the cluster has them (its own, else the broker's
+    defaults). A topic the cluster does not describe (refused, or missing) is left out,
+    and said; a cluster that does not answer raises ``KafkaException``."""
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
+    out: dict[str, dict[str, str]] = {}
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t)
+                                      for t in topics], request_timeout=timeout)
+    for resource, future in futures.items():
+        try:
+            entries = future.result()
+        except KafkaException as exc:
+            if unreachable(exc):
+                raise
+            log.warning("could not read the settings of %s: %s", resource.name, exc)
+            continue
+        out[resource.name] = {name: entry.value for name, entry in entries.items()
+                              if entry.value is not None}
+    return out
+
+
+def broker_setting(bootstrap: str, name: str, timeout: float = 10.0) -> str | None:
+    """A setting of one of the cluster's brokers (they are meant to agree); None if the
+    cluster does not say (a DescribeConfigs refused). Raises ``KafkaException`` if it
+    does not answer."""
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
+    brokers = admin.list_topics(timeout=timeout).brokers
+    if not brokers:
+        return None
+    resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
+    try:
+        entry = admin.describe_configs([resource], request_timeout=timeout)[resource].result()
+    except KafkaException as exc:
+        if unreachable(exc):
+            raise
+        log.warning("could not read the broker's %s: %s", name, exc)
+        return None
+    found = entry.get(name)
+    return None if found is None else found.value
+
+
+def set_topic_configs(bootstrap: str, changes: dict[str, dict[str, str]]) -> None:
+    """Set these settings of these topics, leaving their others as they are."""
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
+    resources = []
+    for topic, settings in changes.items():
+        resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        for name, value in settings.items():
+            resource.add_incremental_config(ConfigEntry(
+                name, value, incremental_operation=AlterConfigOpType.SET))
+        resources.append(resource)
+    for future in admin.incremental_alter_configs(resources).values():
+        future.result()
 
 
 def _raise_limits(bootstrap: str, admin: AdminClient, specs: list[TopicSpec],

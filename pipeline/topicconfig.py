@@ -1,0 +1,196 @@
+"""The topics' settings as the cluster has them, checked against what the record needs.
+
+``pipeline topics`` makes the topics with the pipeline's settings, and keeps a topic
+that exists as it is. A topic made some other way (by hand, by a broker that creates
+topics a client names, by an earlier version) may have settings that lose records
+without a word: ``chat.keys`` deleting keys after the broker's default 7 days leaves
+every older conversation unreadable; a conversation topic compacted keeps one record per
+conversation; ``chat.erasures`` kept for less time than a destroyed key's record makes an
+erased conversation readable again. Nothing would show it until the records are gone.
+
+* ``hazards``: the settings that lose records, or bring back erased ones, whatever the
+  operator's choices (``PIPELINE_RETENTION_MS`` and the rest). Every process's start
+  refuses them (``check``), in one line that says what to do: ``pipeline topics --fix``.
+* ``drift``: every setting that differs from what ``pipeline topics`` would make
+  (``pipeline.topics.topic_specs``), for ``pipeline topics`` to show, and to set with
+  ``--fix`` where that keeps at least as much as before (``fixable``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from pipeline.kafka import broker_setting, topic_configs
+from pipeline.keylimits import KeyringError
+from pipeline.topics import (
+    CONTROL,
+    CONVERSATION_TOPICS,
+    ERASURES,
+    KEYS,
+    ROLLOUTS,
+    ROTATIONS,
+    TopicSpec,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Retrying(Protocol):
+    """Asks ``call`` again while a leader moves (``Keyring._retrying``)."""
+
+    def __call__(self, call: Callable[[], T]) -> T: ...
+
+
+Configs = Mapping[str, Mapping[str, str]]
+FOREVER = -1
+# Settings that decide how long a topic keeps records: ``--fix`` never lowers them.
+KEEPING = ("retention.ms", "retention.bytes", "max.message.bytes")
+# Left to the operator: raising it on a topic with fewer replicas stops every write.
+BY_HAND = ("min.insync.replicas",)
+# Less than a year of a group's offsets kept after its last member left is said at start.
+OFFSETS_KEPT_MIN = 365 * 24 * 60
+ADVICE = "`pipeline topics --fix` sets what the pipeline needs (docs/deploying.md, \"Topics\")"
+
+
+@dataclass(frozen=True)
+class Finding:
+    topic: str
+    setting: str
+    have: str
+    want: str  # what the pipeline makes, or needs
+    why: str = ""  # set for a hazard: what it would lose
+
+    def __str__(self) -> str:
+        said = f"{self.topic} has {self.setting}={self.have} (the pipeline's: {self.want})"
+        return f"{said}: {self.why}" if self.why else said
+
+
+def _policies(settings: Mapping[str, str]) -> set[str]:
+    return {p.strip() for p in settings.get("cleanup.policy", "delete").split(",")}
+
+
+def _int(settings: Mapping[str, str], name: str) -> int:
+    try:
+        return int(settings.get(name, FOREVER))
+    except ValueError:
+        return FOREVER
+
+
+def _ages(settings: Mapping[str, str]) -> bool:
+    """Whether the topic deletes records by age or size."""
+    return "delete" in _policies(settings) and (
+        _int(settings, "retention.ms") != FOREVER or _int(settings, "retention.bytes") != FOREVER)
+
+
+def _days(ms: int) -> str:
+    return f"{ms / 86_400_000:g} d" if ms >= 86_400_000 else f"{ms / 3_600_000:g} h"
+
+
+def hazards(configs: Configs, window_ms: int) -> list[Finding]:
+    """The settings of ``configs`` (a topic's settings by its name; a topic missing is not
+    looked at) that lose records or bring back erased ones. ``window_ms``: the erasure
+    window this process keeps erasures for (twice it), ``PIPELINE_ERASURE_WINDOW_MS``."""
+    found = []
+    for topic in (*CONVERSATION_TOPICS, ROLLOUTS):
+        settings = configs.get(topic)
+        if settings is not None and "compact" in _policies(settings):
+            found.append(Finding(topic, "cleanup.policy", settings["cleanup.policy"], "delete",
+                                 "compaction keeps one record per key, and deletes the "
+                                 "rest of each conversation's record"))
+    for topic, what in ((KEYS, "every conversation's key, so its content,"),
+                        (ROTATIONS, "where rotations wrote keys anew, so keys they moved,")):
+        settings = configs.get(topic)
+        if settings is not None and _ages(settings):
+            found.append(Finding(
+                topic, "cleanup.policy", settings.get("cleanup.policy", ""), "compact",
+                f"{what} is deleted after retention.ms={settings.get('retention.ms')} or "
+                f"past retention.bytes={settings.get('retention.bytes')}, and lost"))
+        elif topic == KEYS and settings is not None and "compact" not in _policies(settings):
+            found.append(Finding(topic, "cleanup.policy", settings.get("cleanup.policy", ""),
+                                 "compact", "a destroyed key's record is never deleted"))
+    keys = configs.get(KEYS, {})
+    # How long a destroyed key's record may stay: the erasure window where chat.keys
+    # does not say (a topic not compacted is refused above, and fixed to it).
+    lag = window_ms
+    if "compact" in _policies(keys):
+        lag = max(_int(keys, "max.compaction.lag.ms"), _int(keys, "segment.ms"))
+    if lag == FOREVER or lag > window_ms:
+        found.append(Finding(
+            KEYS, "max.compaction.lag.ms", keys.get("max.compaction.lag.ms", ""),
+            f"{window_ms} (and segment.ms)",
+            f"a destroyed key's record may stay {_days(lag) if lag > 0 else 'forever'}, "
+            f"longer than processes keep its erasure (the erasure window, "
+            f"{_days(window_ms)}): an erased conversation would read again"))
+        lag = window_ms  # what --fix sets
+    erasures = configs.get(ERASURES)
+    if erasures is not None and _ages(erasures):
+        kept, size = _int(erasures, "retention.ms"), _int(erasures, "retention.bytes")
+        why = (f"an erasure may go before the records of the keys it names (up to "
+               f"{_days(lag)}): an erased conversation would read again after a restart")
+        if kept != FOREVER and kept < 2 * lag:
+            found.append(Finding(ERASURES, "retention.ms", str(kept), str(2 * lag), why))
+        if size != FOREVER:
+            found.append(Finding(ERASURES, "retention.bytes", str(size), str(FOREVER), why))
+    return found
+
+
+def _same(setting: str, have: str, want: str) -> bool:
+    if setting == "cleanup.policy":
+        return {p.strip() for p in have.split(",")} == {p.strip() for p in want.split(",")}
+    return have == want
+
+
+def drift(specs: list[TopicSpec], configs: Configs) -> list[Finding]:
+    """Each setting a topic of ``specs`` that exists has other than its spec's."""
+    return [Finding(spec.name, name, have, want)
+            for spec in specs if spec.name in configs
+            for name, want in spec.config.items()
+            if (have := configs[spec.name].get(name)) is not None
+            and not _same(name, have, want)]
+
+
+def fixable(finding: Finding) -> bool:
+    """Whether ``--fix`` sets it: not a setting it would lower how much a topic keeps
+    (that deletes records: the operator's to do), nor one left to the operator."""
+    if finding.setting in BY_HAND:
+        return False
+    if finding.setting in KEEPING:
+        have, want = int(finding.have), int(finding.want)
+        return have != FOREVER and (want == FOREVER or want > have)
+    return True
+
+
+def check(bootstrap: str, window_ms: int, retrying: Retrying) -> None:
+    """``KeyringError`` if a pipeline topic's settings lose records or bring back erased
+    ones (``hazards``); a warning for what costs without losing (``warnings``). A topic
+    the cluster does not describe (an ACL) is not checked, and said."""
+    topics = [*CONVERSATION_TOPICS, ROLLOUTS, KEYS, ROTATIONS, ERASURES]  # CONTROL among them
+    configs = retrying(lambda: topic_configs(bootstrap, topics))
+    found = hazards(configs, window_ms)
+    if found:
+        raise KeyringError("; ".join(map(str, found)) + f". {ADVICE}")
+    for warning in warnings(bootstrap, configs):
+        log.warning("%s", warning)
+
+
+def warnings(bootstrap: str, configs: Configs) -> list[str]:
+    """What the cluster has that costs the pipeline, without losing records."""
+    said = []
+    stamped = configs.get(CONTROL, {}).get("message.timestamp.type")
+    if stamped not in (None, "LogAppendTime"):
+        said.append(f"{CONTROL} has message.timestamp.type={stamped}: a client's departure "
+                    f"counts from when it was written, not from when it reached the log. "
+                    f"{ADVICE}")
+    kept = broker_setting(bootstrap, "offsets.retention.minutes")
+    if kept is not None and kept.isdigit() and int(kept) < OFFSETS_KEPT_MIN:
+        said.append(
+            f"the brokers keep a consumer group's offsets {int(kept) / 1440:g} days after its "
+            "last member left (offsets.retention.minutes): a projector or a model's workers "
+            "all stopped longer start again from the log's start. Set it to years "
+            "(docs/deploying.md)")
+    return said
+

@@ -1,0 +1,147 @@
+"""Topics that exist with settings that lose records (made by hand, by a broker that makes
+the topics a client names, by an earlier version): every process refuses to start on
+them, in one line that says what to do, ``pipeline topics`` shows each setting that
+differs from the pipeline's, and ``--fix`` sets them, but never makes a topic keep less.
+On a broker of its own: the topics are made wrong on purpose."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from infra.kafka_broker import KafkaBroker
+from infra.process import free_port
+from pipeline.kafka import ensure_topics, topic_configs, wait_for_broker
+from pipeline.kafka.plain import PlainWriter
+from pipeline.keylimits import KeyringError
+from pipeline.keystore import open_keyring
+from pipeline.settings import REPO_ROOT, CommonSettings
+from pipeline.topicconfig import hazards
+from pipeline.topics import (
+    CONTROL,
+    ERASURES,
+    GENERATIONS,
+    KEYS,
+    LIVE,
+    PROMPTS,
+    TopicPolicy,
+    TopicSpec,
+    topic_specs,
+)
+from tests.conftest import PARTITIONS, Stack
+
+pytestmark = pytest.mark.integration
+
+WEEK_MS = 7 * 24 * 3600 * 1000
+HOUR_MS = 3600 * 1000
+# What a broker's defaults and an operator's hand would have given them.
+WRONG = {
+    KEYS: {"cleanup.policy": "delete", "retention.ms": str(WEEK_MS)},
+    PROMPTS: {"cleanup.policy": "compact"},
+    ERASURES: {"retention.ms": str(HOUR_MS)},
+    GENERATIONS: {"retention.ms": str(WEEK_MS)},  # the operator's to choose: not refused
+    CONTROL: {"message.timestamp.type": "CreateTime"},
+    LIVE: {"retention.ms": "-1"},  # keeps more than the pipeline's 7 days
+}
+
+
+def made_wrong(spec: TopicSpec) -> TopicSpec:
+    wrong = WRONG.get(spec.name, {})
+    config = {k: v for k, v in spec.config.items()
+              if k not in wrong and not (spec.name == KEYS and "compaction" in k)}
+    return TopicSpec(spec.name, spec.partitions, {**config, **wrong}, spec.replication)
+
+
+@pytest.fixture(scope="module")
+def cluster(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # A broker that makes the topics clients name, and drops a group's offsets 7 days
+    # after its last member left, as Kafka's defaults are.
+    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-settings"),
+                         libs=REPO_ROOT / ".state" / "kafka-libs",
+                         port=free_port(), controller_port=free_port(),
+                         settings={"auto.create.topics.enable": "true",
+                                   "offsets.retention.minutes": str(7 * 24 * 60)})
+    broker.start()
+    try:
+        wait_for_broker(broker.bootstrap)
+        ensure_topics(broker.bootstrap, [made_wrong(s) for s in
+                                         topic_specs(TopicPolicy(PARTITIONS), 1)])
+        yield Stack(broker.bootstrap, stack.database_url, stack.logs)
+    finally:
+        broker.stop()
+
+
+def pipeline(cluster: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True,
+                          text=True, timeout=120, env=cluster.env())
+
+
+def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
+        cluster: Stack, caplog: pytest.LogCaptureFixture) -> None:
+    common = CommonSettings(kafka_bootstrap=cluster.bootstrap)
+    with pytest.raises(KeyringError) as refused:
+        open_keyring(common, "settings-test")
+    said = str(refused.value)
+    for topic, setting in ((KEYS, "cleanup.policy"), (PROMPTS, "cleanup.policy"),
+                           (ERASURES, "retention.ms")):
+        assert f"{topic} has {setting}=" in said, said
+    assert "pipeline topics --fix" in said and GENERATIONS not in said
+
+    # A service says so in one line and stops: it does not retry what will not change.
+    projector = pipeline(cluster, "projector")
+    assert projector.returncode == 2, projector.stderr[-2000:]
+    assert projector.stderr.startswith("pipeline projector: ")
+    assert f"{KEYS} has cleanup.policy=delete" in projector.stderr
+    assert len(projector.stderr.splitlines()) == 1, projector.stderr
+
+    shown = pipeline(cluster, "topics")
+    assert shown.returncode == 1, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    assert f"  retention.ms={WEEK_MS} (the pipeline's: -1); --fix sets it" in lines
+    assert "  message.timestamp.type=CreateTime (the pipeline's: LogAppendTime); --fix sets " \
+           "it" in lines
+    assert any(line.startswith("  retention.ms=-1 (the pipeline's: 604800000); left as it is")
+               for line in lines), shown.stdout
+    assert "services refuse to start" in shown.stderr
+    assert "warning: the brokers keep a consumer group's offsets 7 days" in shown.stderr
+
+    fixed = pipeline(cluster, "topics", "--fix")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    configs = topic_configs(cluster.bootstrap, [KEYS, PROMPTS, ERASURES, GENERATIONS, CONTROL,
+                                                LIVE])
+    assert configs[KEYS]["cleanup.policy"] == "compact"
+    assert configs[KEYS]["max.compaction.lag.ms"] == str(common.erasure_window_ms)
+    assert configs[PROMPTS]["cleanup.policy"] == "delete"
+    assert configs[ERASURES]["retention.ms"] == str(2 * common.erasure_window_ms)
+    assert configs[GENERATIONS]["retention.ms"] == "-1"
+    assert configs[CONTROL]["message.timestamp.type"] == "LogAppendTime"
+    assert configs[LIVE]["retention.ms"] == "-1"  # never lowered: that deletes records
+    assert hazards(configs, common.erasure_window_ms) == []
+    with caplog.at_level(logging.WARNING, "pipeline.topicconfig"), \
+            open_keyring(common, "settings-test"):
+        pass
+    assert [r.message for r in caplog.records
+            if "offsets.retention.minutes" in r.message], caplog.text
+
+    # A process whose erasure window is shorter than the one the topics keep would forget
+    # an erasure while the erased keys' records may still be there.
+    short = CommonSettings(kafka_bootstrap=cluster.bootstrap, erasure_window_ms=HOUR_MS)
+    with pytest.raises(KeyringError, match=f"{KEYS} has max.compaction.lag.ms="):
+        open_keyring(short, "settings-test")
+
+
+def test_no_client_of_the_pipeline_makes_a_topic_by_naming_it(cluster: Stack) -> None:
+    """On a broker that makes topics clients name, a write to a topic that does not exist
+    fails, and makes none: a topic made so would have the broker's settings."""
+    missing = f"chat.missing-{uuid.uuid4().hex[:8]}"
+    writer = PlainWriter(cluster.bootstrap, "settings-test", timeout_s=5)
+    writer.send(missing, b"k", b"v")
+    assert writer.flush(10), "a write to a missing topic was acknowledged"
+    listed = AdminClient({"bootstrap.servers": cluster.bootstrap}).list_topics(timeout=10)
+    assert PROMPTS in listed.topics and missing not in listed.topics
