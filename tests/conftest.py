@@ -3,6 +3,7 @@ and the pipeline's processes (projector, vLLM worker, gateway) run as in product
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from infra.process import free_port
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.keystore import open_keyring
 from pipeline.settings import REPO_ROOT, CommonSettings
-from pipeline.topics import STORE_TOPICS, TopicPolicy, topic_specs
+from pipeline.topics import STORE_TOPICS, TopicPolicy, TopicSpec, topic_specs
 from projections.migrate import migrate
 from tests.logread import end_offsets, hold
 
@@ -197,26 +198,35 @@ def at_once(start: Callable[[], object], times: int) -> list[Exception]:
     return failed
 
 
+@contextlib.contextmanager
+def own_broker(tmp_path_factory: pytest.TempPathFactory, name: str,
+               specs: list[TopicSpec] | None = None, **settings: str) -> Iterator[str]:
+    """A broker of a module's own (``settings``: of the broker's, beside the usual), with
+    these topics made (the pipeline's by default): its bootstrap."""
+    broker = KafkaBroker(home=tmp_path_factory.mktemp(f"kafka-{name}"),
+                         libs=REPO_ROOT / ".state" / "kafka-libs",
+                         port=free_port(), controller_port=free_port(), settings=settings)
+    broker.start()
+    try:
+        wait_for_broker(broker.bootstrap)
+        ensure_topics(broker.bootstrap,
+                      topic_specs(TopicPolicy(PARTITIONS), 1) if specs is None else specs)
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
 @pytest.fixture(scope="session")
 def sim_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A second broker and database for the SIMULATED engine's load and fault tests, so
     their workers never share a group with the vLLM worker. Each module starts the
     processes it needs on it."""
-    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-sim"),
-                         libs=REPO_ROOT / ".state" / "kafka-libs",
-                         port=free_port(), controller_port=free_port())
-    broker.start()
-    try:
+    with own_broker(tmp_path_factory, "sim") as bootstrap:
         database_url = new_database(stack.database_url, "sim")
-        wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
         migrate(database_url)
-        with hold(broker.bootstrap, open_keyring(
-                CommonSettings(kafka_bootstrap=broker.bootstrap), "tests-sim")) as keyring, \
-                keyring:
-            yield Stack(broker.bootstrap, database_url, stack.logs)
-    finally:
-        broker.stop()
+        with hold(bootstrap, open_keyring(
+                CommonSettings(kafka_bootstrap=bootstrap), "tests-sim")) as keyring, keyring:
+            yield Stack(bootstrap, database_url, stack.logs)
 
 
 @pytest.fixture(scope="session")

@@ -18,18 +18,16 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from infra.kafka_broker import KafkaBroker
 from infra.process import free_port
-from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.keystore import Keyring
-from pipeline.settings import REPO_ROOT
-from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, TopicPolicy, topic_specs
+from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS
 from projections.migrate import migrate
 from tests.conftest import (
     PARTITIONS,
     Service,
     Stack,
     new_database,
+    own_broker,
     start_service,
     wait_healthy,
 )
@@ -68,21 +66,15 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-rotation"),
-                         libs=REPO_ROOT / ".state" / "kafka-libs",
-                         port=free_port(), controller_port=free_port())
-    broker.start()
-    c = Cluster(Stack(broker.bootstrap, new_database(stack.database_url, "rotation"),
-                      stack.logs), *(base64.b64encode(os.urandom(32)).decode()
-                                     for _ in range(2)), {})
-    try:
-        wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
-        migrate(c.stack.database_url)
-        yield c
-    finally:
-        c.stop()
-        broker.stop()
+    with own_broker(tmp_path_factory, "rotation") as bootstrap:
+        c = Cluster(Stack(bootstrap, new_database(stack.database_url, "rotation"),
+                          stack.logs), *(base64.b64encode(os.urandom(32)).decode()
+                                         for _ in range(2)), {})
+        try:
+            migrate(c.stack.database_url)
+            yield c
+        finally:
+            c.stop()
 
 
 def turn(url: str, text: str, session: str | None = None, stream: bool = False

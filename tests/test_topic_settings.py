@@ -15,13 +15,11 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from infra.kafka_broker import KafkaBroker
-from infra.process import free_port
-from pipeline.kafka import ensure_topics, topic_configs, wait_for_broker
+from pipeline.kafka import topic_configs
 from pipeline.kafka.plain import PlainWriter
 from pipeline.keylimits import KeyringError
 from pipeline.keystore import open_keyring
-from pipeline.settings import REPO_ROOT, CommonSettings
+from pipeline.settings import CommonSettings
 from pipeline.topicconfig import hazards
 from pipeline.topics import (
     CONTROL,
@@ -34,7 +32,7 @@ from pipeline.topics import (
     TopicSpec,
     topic_specs,
 )
-from tests.conftest import PARTITIONS, Stack
+from tests.conftest import PARTITIONS, Stack, own_broker
 
 pytestmark = pytest.mark.integration
 
@@ -62,19 +60,11 @@ def made_wrong(spec: TopicSpec) -> TopicSpec:
 def cluster(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # A broker that makes the topics clients name, and drops a group's offsets 7 days
     # after its last member left, as Kafka's defaults are.
-    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-settings"),
-                         libs=REPO_ROOT / ".state" / "kafka-libs",
-                         port=free_port(), controller_port=free_port(),
-                         settings={"auto.create.topics.enable": "true",
-                                   "offsets.retention.minutes": str(7 * 24 * 60)})
-    broker.start()
-    try:
-        wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, [made_wrong(s) for s in
-                                         topic_specs(TopicPolicy(PARTITIONS), 1)])
-        yield Stack(broker.bootstrap, stack.database_url, stack.logs)
-    finally:
-        broker.stop()
+    specs = [made_wrong(s) for s in topic_specs(TopicPolicy(PARTITIONS), 1)]
+    with own_broker(tmp_path_factory, "settings", specs,
+                    **{"auto.create.topics.enable": "true",
+                       "offsets.retention.minutes": str(7 * 24 * 60)}) as bootstrap:
+        yield Stack(bootstrap, stack.database_url, stack.logs)
 
 
 def pipeline(cluster: Stack, *args: str) -> subprocess.CompletedProcess[str]:

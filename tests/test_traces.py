@@ -20,17 +20,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from infra.kafka_broker import KafkaBroker
 from infra.process import free_port
-from pipeline.kafka import ensure_topics, wait_for_broker
-from pipeline.settings import REPO_ROOT
-from pipeline.topics import TopicPolicy, topic_specs
 from projections.migrate import migrate
 from tests.conftest import (
-    PARTITIONS,
     Service,
     Stack,
     new_database,
+    own_broker,
     start_service,
     wait_healthy,
 )
@@ -111,38 +107,32 @@ class Traced:
 def traced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
     collector = Collector()
     threading.Thread(target=collector.serve_forever, daemon=True).start()
-    broker = KafkaBroker(home=tmp_path_factory.mktemp("kafka-traces"),
-                         libs=REPO_ROOT / ".state" / "kafka-libs",
-                         port=free_port(), controller_port=free_port())
-    broker.start()
-    services: list[Service] = []
-    try:
-        wait_for_broker(broker.bootstrap)
-        ensure_topics(broker.bootstrap, topic_specs(TopicPolicy(PARTITIONS), 1))
-        own = Stack(broker.bootstrap, new_database(stack.database_url, "traces"), stack.logs)
-        migrate(own.database_url)
-        otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_port}",
-                "OTEL_BSP_SCHEDULE_DELAY": "100"}
-        port = free_port()
-        services = [
-            start_service(own, "traced-worker", "worker", "--engine", "sim",
-                          "--served-model-name", MODEL, "--metrics-port", str(free_port()),
-                          WORKER_SIM_TOKENS_PER_S="100", **otel),
-            # vLLM (the tiny model), whose own request spans join the turn's trace.
-            start_service(own, "traced-vllm-worker", "worker", "--served-model-name",
-                          VLLM_MODEL, "--max-num-seqs", "4", **otel),
-            start_service(own, "traced-gateway", "gateway", "--port", str(port),
-                          GATEWAY_MODELS=f"{MODEL},{VLLM_MODEL}", **otel),
-        ]
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, services, timeout=90)
-        yield Traced(url, collector, services)
-    finally:
-        for service in services:
-            service.stop()
-        broker.stop()
-        collector.shutdown()
-        collector.server_close()
+    with own_broker(tmp_path_factory, "traces") as bootstrap:
+        services: list[Service] = []
+        try:
+            own = Stack(bootstrap, new_database(stack.database_url, "traces"), stack.logs)
+            migrate(own.database_url)
+            otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_port}",
+                    "OTEL_BSP_SCHEDULE_DELAY": "100"}
+            port = free_port()
+            services = [
+                start_service(own, "traced-worker", "worker", "--engine", "sim",
+                              "--served-model-name", MODEL, "--metrics-port", str(free_port()),
+                              WORKER_SIM_TOKENS_PER_S="100", **otel),
+                # vLLM (the tiny model), whose own request spans join the turn's trace.
+                start_service(own, "traced-vllm-worker", "worker", "--served-model-name",
+                              VLLM_MODEL, "--max-num-seqs", "4", **otel),
+                start_service(own, "traced-gateway", "gateway", "--port", str(port),
+                              GATEWAY_MODELS=f"{MODEL},{VLLM_MODEL}", **otel),
+            ]
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, services, timeout=90)
+            yield Traced(url, collector, services)
+        finally:
+            for service in services:
+                service.stop()
+            collector.shutdown()
+            collector.server_close()
 
 
 def _trace_of(traced: Traced, trace_id: str,
