@@ -12,6 +12,7 @@ from gateway.problems import (
     BacklogFull,
     CompletionNotFound,
     ContextTooLong,
+    ErasuresCapped,
     GenerationFailure,
     GenerationTimeout,
     InvalidLastEventId,
@@ -121,6 +122,9 @@ def api_error(problem: Problem) -> APIError:
                             headers={"Retry-After": "2"})
         case TenantLimit():
             return APIError(429, message, code=problem.code, headers={"Retry-After": "2"})
+        case ErasuresCapped():
+            return APIError(429, message, code="tenant_erasures_cap",
+                            headers={"Retry-After": str(problem.retry_after_s)})
         case RecallsBusy():
             return APIError(429, message, code="tenant_recalls_cap",
                             headers={"Retry-After": "1"})

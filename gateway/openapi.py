@@ -35,7 +35,7 @@ def _op(op_id: str, summary: str, ok: dict[str, Any], *errors: int,
         status: str = "200") -> dict[str, Any]:
     reasons = {400: "Invalid request", 404: "Not found", 409: "Conflict",
                413: "Body too large", 415: "The body is not sent as application/json",
-               429: "Backlog over its bound; see Retry-After",
+               429: "Over a limit (a rate, the backlog, a tenant's cap); see Retry-After",
                503: "Kafka or the store is unavailable; see Retry-After"}
     op: dict[str, Any] = {"operationId": op_id, "summary": summary, "responses": {
         status: ok, **{str(code): _error(reasons[code]) for code in errors}}}
@@ -112,8 +112,8 @@ def openapi_spec() -> dict[str, Any]:
         "/v1/sessions/{session_id}": {
             "get": _op("getSession", "A session", _json("The session"), 404, 503,
                        params=[session]),
-            "delete": _op("deleteSession", "Delete a session", _json("Deleted"), 404, 503,
-                          params=[session])},
+            "delete": _op("deleteSession", "Delete a session", _json("Deleted"), 404, 429,
+                          503, params=[session])},
         "/v1/sessions/{session_id}/messages": {
             "get": _op("getMessages", "A session's messages", _json("The messages"), 404, 503,
                        params=[session]),

@@ -125,6 +125,16 @@ class TenantLimit(Problem):
         self.code = "tenant_" + what.replace(" ", "_") + "_cap"
 
 
+class ErasuresCapped(Problem):
+    """The tenant deleted as many sessions in the erasure window as it may."""
+
+    def __init__(self, count: int, cap: int, retry_after_s: float) -> None:
+        super().__init__(f"This tenant deleted {count:,} sessions within the erasure window "
+                         f"(the cap is {cap:,}, GATEWAY_MAX_ERASURES_PER_TENANT); retry in "
+                         f"{retry_after_s:.0f} s.")
+        self.retry_after_s = max(int(retry_after_s + 0.999), 1)
+
+
 class RecallsBusy(Problem):
     """The memory service has as many of this tenant's recalls waiting as it takes."""
 

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import uuid
 
 from gateway.conversation_keys import ConversationKeys
 from gateway.dependencies import from_log
-from gateway.problems import LogUnavailable, SessionNotFound
+from gateway.problems import ErasuresCapped, LogUnavailable, SessionNotFound
 from gateway.settings import GatewaySettings
 from gateway.store import ConversationStore
 from gateway.view import ConversationView
@@ -53,6 +55,15 @@ class Sessions:
         deletion is in the log: its running turns stop, the store drops it, and its data
         keys are destroyed, so its content is unreadable in the log too."""
         view = await self.visible_view(session, tenant)
+        cap = self.settings.max_erasures_per_tenant
+        if cap:  # counted over every gateway, as the log has them now (read on first)
+            erasures = self.keys.keyring.erasures
+            with contextlib.suppress(TimeoutError):  # then as this gateway knows them
+                await asyncio.wait_for(asyncio.to_thread(erasures.catch_up),
+                                       self.settings.dependency_timeout_s)
+            made, frees_in = erasures.asked(tenant)
+            if made >= cap:
+                raise ErasuresCapped(made, cap, frees_in)
         await from_log(lambda: self.producer.send(CONTROL, SessionDeleted(
             conversation_id=session, request_id=f"delete-{uuid.uuid4().hex}",
             tenant=tenant, reason="deleted")), self.settings.dependency_timeout_s)

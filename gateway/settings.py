@@ -73,6 +73,10 @@ class GatewaySettings(BaseSettings):
     max_waiting_per_tenant: int | None = Field(default=1024, ge=1)
     max_running_per_tenant: int | None = Field(default=None, ge=1)
     max_streams_per_tenant: int = Field(default=2000, ge=1)
+    # Sessions a tenant may delete per erasure window (PIPELINE_ERASURE_WINDOW_MS): every
+    # process holds the erasures of two windows, and reads them at its start, so one
+    # tenant deleting without end would make every start and process larger. 0: no cap.
+    max_erasures_per_tenant: int = Field(default=20_000, ge=0)
     # A slow client's stream is dropped past this many queued events or bytes of text
     # (consecutive deltas merge first); it resumes with Last-Event-ID.
     stream_max_items: int = Field(default=1000, ge=8)

@@ -74,9 +74,9 @@ class Keyring:
         self._rotations_read = 0.0  # when (monotonic)
         limits = limits or KeyringLimits()
         self._bootstrap, self._name, self._limits = bootstrap, name, limits
-        self._erasures = Erasures(bootstrap, name, 2 * limits.erasure_window_s,
+        self.erasures = Erasures(bootstrap, name, 2 * limits.erasure_window_s,
                                   limits.wait_s)
-        self._cache = KeyCache(limits.cache, self._erasures.revoked)
+        self._cache = KeyCache(limits.cache, self.erasures.revoked)
         self._fetching = threading.Lock()  # one look-up at a time on the reader
         self._reader: PositionReader | None = None
         self._partitions = 0
@@ -93,7 +93,7 @@ class Keyring:
         key-encryption key against each ``chat.keys`` partition's newest record
         (``KeyringError`` if another one wrapped it). Content is sealed with it (``codec``)."""
         try:
-            self._erasures.start()
+            self.erasures.start()
         except ErasuresUnavailable as exc:
             raise KeyringError(str(exc), unreachable=exc.unreachable) from None
         self._reader = PositionReader(self._bootstrap, KEYS, f"{self._name}-keys")
@@ -152,7 +152,7 @@ class Keyring:
                 time.sleep(0.2)
 
     def close(self) -> None:
-        self._erasures.close()
+        self.erasures.close()
         with self._fetching:
             if self._reader is not None:
                 self._reader.close()
@@ -171,12 +171,12 @@ class Keyring:
             "erased"] | None:
         """The key this process sealed or opened the conversation's content with last, if
         it still holds it; ``"erased"`` if the conversation's keys were destroyed."""
-        if self._erasures.revoked(conversation_id):
+        if self.erasures.revoked(conversation_id):
             return "erased"
         return self._cache.current(conversation_id)
 
     def revoked(self, conversation_id: uuid.UUID) -> bool:
-        return self._erasures.revoked(conversation_id)
+        return self.erasures.revoked(conversation_id)
 
     def for_reading(self, key_id: str, wait: bool = True,
                     written_at: float | None = None) -> sealing.DataKey | None:
@@ -207,7 +207,7 @@ class Keyring:
             if not refs:
                 return 0
             lookup = self._read([(ref.partition, ref.offset) for ref in refs.values()])
-            if not self._erasures.catch_up():
+            if not self.erasures.catch_up():
                 return 0
         found = {id(record) for record in lookup.found.values()}
         nearby = [record for record in lookup.nearby if id(record) not in found]
@@ -227,7 +227,7 @@ class Keyring:
         fresh = {ref: record for record in records
                  if record.value is not None and record.position.topic == KEYS
                  and (ref := _ref_of(record)) is not None and ref not in self._cache}
-        if not fresh or not self._erasures.catch_up():
+        if not fresh or not self.erasures.catch_up():
             return 0
         for record in fresh.values():
             self._hold_nearby(record)
@@ -269,7 +269,7 @@ class Keyring:
     def erasure(self, conversation_id: uuid.UUID, tenant: str) -> tuple[bytes, bytes]:
         """The record of ``chat.erasures`` that erases the conversation, to write; this
         process refuses its keys at once."""
-        self._erasures.add(conversation_id)
+        self.erasures.add(conversation_id)
         return erasure_record(conversation_id, tenant, self._name)
 
     def tombstone(self, conversation_id: uuid.UUID, key_id: str) -> tuple[bytes, int]:
@@ -302,14 +302,14 @@ class Keyring:
 
     def catch_up(self) -> bool:
         """Whether ``chat.erasures`` was read to its end as it is now."""
-        return self._erasures.catch_up()
+        return self.erasures.catch_up()
 
     def size(self) -> int:
         return len(self._cache)
 
     def erased(self) -> int:
         """The conversations erased within the horizon, as this process knows them."""
-        return len(self._erasures)
+        return len(self.erasures)
 
     # -- holding --------------------------------------------------------------------
     def _held(self, key_id: str) -> sealing.DataKey | object | None:
@@ -333,8 +333,8 @@ class Keyring:
                 lookup = self._read([(ref.partition, ref.offset)])
                 # A key fetched after its erasure was written is refused: read the
                 # erasures to their end as they are now, after the key.
-                if not self._erasures.catch_up():
-                    exc = self._erasures.unavailable()
+                if not self.erasures.catch_up():
+                    exc = self.erasures.unavailable()
                     raise KeyringError(str(exc), unreachable=exc.unreachable)
             found = self._taken(lookup, ref, key_id)
             if isinstance(found, sealing.DataKey):
@@ -390,7 +390,7 @@ class Keyring:
             for other in nearby[:max(self._limits.cache // 8, 1)]:
                 self._hold_nearby(other)
         if isinstance(key, sealing.DataKey):
-            if self._erasures.revoked(key.conversation_id):
+            if self.erasures.revoked(key.conversation_id):
                 key = _REFUSED
             else:
                 self._cache.hold(key, seals_unless_set=True)
@@ -428,7 +428,7 @@ class Keyring:
         ref = _ref_of(record)
         if parsed is None or ref is None or record.value is None:
             return
-        if ref in self._cache or self._erasures.revoked(parsed[0]):
+        if ref in self._cache or self.erasures.revoked(parsed[0]):
             return
         try:
             self._cache.hold(self._kek.unwrap(record.key, record.value, ref))
