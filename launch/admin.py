@@ -99,7 +99,7 @@ def run_topics_command(common: CommonSettings, fix: bool = False) -> int:
                      "records"))
     for warning in warnings(common.kafka_bootstrap, configs):
         print(f"pipeline topics: warning: {warning}", file=sys.stderr)
-    refused = hazards(configs, common.erasure_window_ms)
+    refused = hazards(configs, common.topic_policy())
     for finding in refused:
         print(f"pipeline topics: services refuse to start: {finding}", file=sys.stderr)
     if refused and not fix:

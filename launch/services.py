@@ -334,7 +334,7 @@ def run_analytics(common: CommonSettings, settings: AnalyticsSettings) -> None:
     serve_metrics(registry, settings.metrics_port, common.metrics_host)
     log.info("analytics: group %s, tables in %s", settings.group,
              settings.schema_name or "the store's schema")
-    analytics_app.run(settings, common.kafka_bootstrap, url, registry)
+    analytics_app.run(settings, common.kafka_bootstrap, url, registry, common.topic_policy())
 
 
 def run_projector(common: CommonSettings, settings: ProjectorSettings) -> None:

@@ -4,11 +4,12 @@ its limits, the key it makes for a new conversation, and its error."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pipeline import sealing
+from pipeline.topics import TopicPolicy
 
 # The keys a process holds at most (``PIPELINE_KEY_CACHE``), least recently used first out.
 KEY_CACHE = 16_384
@@ -48,11 +49,16 @@ class KeyringLimits:
     reference says (``missing_wait_s``, see ``MISSING_WAIT_S``); the erasure window;
     the keys it holds at most; whether it keeps the keys a fetch brings besides the one
     asked (``read_ahead``: for a process that reads the log in order, a worker, the
-    projector or a replay, those are the next conversations' keys, mostly)."""
+    projector or a replay, those are the next conversations' keys, mostly); what the
+    topics must keep for this process (``topics``: ``pipeline.topicconfig``)."""
 
     wait_s: float = 15.0
-    erasure_window_s: float = 86_400.0
     missing_wait_s: float = MISSING_WAIT_S
     cache: int = KEY_CACHE
     read_ahead: bool = False
+    topics: TopicPolicy = field(default_factory=TopicPolicy)
+
+    @property
+    def erasure_window_s(self) -> float:
+        return self.topics.erasure_window_ms / 1000
 

@@ -106,7 +106,7 @@ class Keyring:
                 lambda: rotations_at_start(self._bootstrap, self._name, self._limits.wait_s,
                                            self._kek.knows))
             check_layout(self._bootstrap, self._name, self._partitions, layout, self._retrying,
-                         round(self._limits.erasure_window_s * 1000))
+                         self._limits.topics)
             self._rotations_read = time.monotonic()
             self._check_kek(partitions)
         except KafkaException as exc:
@@ -495,6 +495,6 @@ def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) ->
         kek, previous = load_kek(common), load_previous_keks(common)
     except KekError as exc:
         raise KeyringError(str(exc)) from None
-    limits = KeyringLimits(erasure_window_s=common.erasure_window_ms / 1000,
-                           cache=common.key_cache, read_ahead=read_ahead)
+    limits = KeyringLimits(cache=common.key_cache, read_ahead=read_ahead,
+                           topics=common.topic_policy())
     return Keyring(common.kafka_bootstrap, kek, name, limits, previous).start()

@@ -8,9 +8,10 @@ every older conversation unreadable; a conversation topic compacted keeps one re
 conversation; ``chat.erasures`` kept for less time than a destroyed key's record makes an
 erased conversation readable again. Nothing would show it until the records are gone.
 
-* ``hazards``: the settings that lose records, or bring back erased ones, whatever the
-  operator's choices (``PIPELINE_RETENTION_MS`` and the rest). Every process's start
-  refuses them (``check``), in one line that says what to do: ``pipeline topics --fix``.
+* ``hazards``: the settings that lose records, or bring back erased ones, or keep the
+  durable record for less time than this process is told it is kept
+  (``PIPELINE_RETENTION_MS``, forever by default). Every process's start refuses them
+  (``check``), in one line that says what to do: ``pipeline topics --fix``.
 * ``drift``: every setting that differs from what ``pipeline topics`` would make
   (``pipeline.topics.topic_specs``), for ``pipeline topics`` to show, and to set with
   ``--fix`` where that keeps at least as much as before (``fixable``).
@@ -19,11 +20,11 @@ erased conversation readable again. Nothing would show it until the records are 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from pipeline.kafka import broker_setting, topic_configs
+from pipeline.kafka import broker_setting, topic_configs, topic_names
 from pipeline.keylimits import KeyringError
 from pipeline.topics import (
     CONTROL,
@@ -32,6 +33,7 @@ from pipeline.topics import (
     KEYS,
     ROLLOUTS,
     ROTATIONS,
+    TopicPolicy,
     TopicSpec,
 )
 
@@ -90,17 +92,41 @@ def _days(ms: int) -> str:
     return f"{ms / 86_400_000:g} d" if ms >= 86_400_000 else f"{ms / 3_600_000:g} h"
 
 
-def hazards(configs: Configs, window_ms: int) -> list[Finding]:
+class TopicsRefused(KeyringError):
+    """The topics refuse this process: one it needs is missing, or their settings would
+    lose what it writes (``hazards``)."""
+
+
+def _shorter(have: int, want: int) -> bool:
+    """Whether a retention of ``have`` keeps less than one of ``want`` (-1: forever)."""
+    return have != FOREVER and (want == FOREVER or have < want)
+
+
+def hazards(configs: Configs, policy: TopicPolicy) -> list[Finding]:
     """The settings of ``configs`` (a topic's settings by its name; a topic missing is not
-    looked at) that lose records or bring back erased ones. ``window_ms``: the erasure
-    window this process keeps erasures for (twice it), ``PIPELINE_ERASURE_WINDOW_MS``."""
+    looked at) that lose records or bring back erased ones, for a process with this
+    ``policy``: the durable record's retention it was told (``PIPELINE_RETENTION_MS``,
+    ``PIPELINE_RETENTION_BYTES``), and the erasure window it keeps erasures for (twice
+    it, ``PIPELINE_ERASURE_WINDOW_MS``)."""
     found = []
+    window_ms = policy.erasure_window_ms
     for topic in (*CONVERSATION_TOPICS, ROLLOUTS):
         settings = configs.get(topic)
-        if settings is not None and "compact" in _policies(settings):
+        if settings is None:
+            continue
+        if "compact" in _policies(settings):
             found.append(Finding(topic, "cleanup.policy", settings["cleanup.policy"], "delete",
                                  "compaction keeps one record per key, and deletes the "
                                  "rest of each conversation's record"))
+        wants = ((FOREVER, FOREVER) if topic == ROLLOUTS
+                 else (policy.retention_ms, policy.retention_bytes))
+        for name, want in zip(("retention.ms", "retention.bytes"), wants, strict=True):
+            if _shorter(_int(settings, name), want):
+                found.append(Finding(
+                    topic, name, settings.get(name, ""), str(want),
+                    "the durable record would be deleted sooner than this process is told "
+                    "(PIPELINE_RETENTION_MS, PIPELINE_RETENTION_BYTES; forever by default): "
+                    "if that is meant, give every process the topic's value"))
     for topic, what in ((KEYS, "every conversation's key, so its content,"),
                         (ROTATIONS, "where rotations wrote keys anew, so keys they moved,")):
         settings = configs.get(topic)
@@ -164,15 +190,16 @@ def fixable(finding: Finding) -> bool:
     return True
 
 
-def check(bootstrap: str, window_ms: int, retrying: Retrying) -> None:
-    """``KeyringError`` if a pipeline topic's settings lose records or bring back erased
+def check(bootstrap: str, policy: TopicPolicy, retrying: Retrying = lambda call: call()
+          ) -> None:
+    """``TopicsRefused`` if a pipeline topic's settings lose records or bring back erased
     ones (``hazards``); a warning for what costs without losing (``warnings``). A topic
     the cluster does not describe (an ACL) is not checked, and said."""
     topics = [*CONVERSATION_TOPICS, ROLLOUTS, KEYS, ROTATIONS, ERASURES]  # CONTROL among them
     configs = retrying(lambda: topic_configs(bootstrap, topics))
-    found = hazards(configs, window_ms)
+    found = hazards(configs, policy)
     if found:
-        raise KeyringError("; ".join(map(str, found)) + f". {ADVICE}")
+        raise TopicsRefused("; ".join(map(str, found)) + f". {ADVICE}")
     for warning in warnings(bootstrap, configs):
         log.warning("%s", warning)
 
@@ -194,3 +221,13 @@ def warnings(bootstrap: str, configs: Configs) -> list[str]:
             "(docs/deploying.md)")
     return said
 
+
+
+def require(bootstrap: str, topics: Sequence[str]) -> None:
+    """``TopicsRefused`` unless every one of ``topics`` exists: a client that reads a
+    topic that does not exist may have the broker make it, with the broker's settings
+    (aiokafka's does, where the broker makes topics clients name)."""
+    missing = sorted(set(topics) - set(topic_names(bootstrap)))
+    if missing:
+        raise TopicsRefused(f"the topics {', '.join(missing)} do not exist: `pipeline "
+                            "topics` makes the pipeline's")

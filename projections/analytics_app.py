@@ -21,10 +21,12 @@ import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from prometheus_client import CollectorRegistry
 
+from pipeline import topicconfig
 from pipeline.codec import DecodeError, Position, parse
 from pipeline.deadletter import dead_letter
 from pipeline.kafka import EventProducer, KafkaException, Record, wait_for_broker
 from pipeline.kafka.config import ENV, ClientConfigError, client_properties
+from pipeline.topics import TopicPolicy
 from projections.analytics import AnalyticsMetrics, AnalyticsStore
 from projections.settings import AnalyticsSettings
 from schemas import Event
@@ -171,14 +173,19 @@ def _exit_unstopped() -> None:
 
 
 def run(settings: AnalyticsSettings, bootstrap: str, database_url: str,
-        registry: CollectorRegistry) -> None:
-    """Run until SIGTERM or SIGINT (faust's worker handles both, stopping cleanly)."""
+        registry: CollectorRegistry, policy: TopicPolicy) -> None:
+    """Run until SIGTERM or SIGINT (faust's worker handles both, stopping cleanly).
+    ``TopicsRefused`` if a topic it reads does not exist (faust's consumer would have the
+    broker make it, with the broker's settings) or the topics would lose records
+    (``pipeline.topicconfig``, with this process's ``policy``)."""
     while True:  # faust gives up at once on a broker it cannot reach when starting
         try:
             wait_for_broker(bootstrap, timeout=30)
             break
         except KafkaException as exc:
             log.warning("Kafka does not answer at %s (%s); waiting for it", bootstrap, exc)
+    topicconfig.require(bootstrap, settings.topics)
+    topicconfig.check(bootstrap, policy)
     store = AnalyticsStore(database_url,
                            AnalyticsMetrics(registry, settings.series_per_label))
     deadletters = EventProducer(bootstrap)

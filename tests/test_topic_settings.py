@@ -43,7 +43,7 @@ WRONG = {
     KEYS: {"cleanup.policy": "delete", "retention.ms": str(WEEK_MS)},
     PROMPTS: {"cleanup.policy": "compact"},
     ERASURES: {"retention.ms": str(HOUR_MS)},
-    GENERATIONS: {"retention.ms": str(WEEK_MS)},  # the operator's to choose: not refused
+    GENERATIONS: {"retention.ms": str(WEEK_MS)},  # refused unless the processes are told
     CONTROL: {"message.timestamp.type": "CreateTime"},
     LIVE: {"retention.ms": "-1"},  # keeps more than the pipeline's 7 days
 }
@@ -67,9 +67,9 @@ def cluster(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield Stack(bootstrap, stack.database_url, stack.logs)
 
 
-def pipeline(cluster: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+def pipeline(cluster: Stack, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True,
-                          text=True, timeout=120, env=cluster.env())
+                          text=True, timeout=120, env=cluster.env(**env))
 
 
 def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
@@ -79,9 +79,13 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
         open_keyring(common, "settings-test")
     said = str(refused.value)
     for topic, setting in ((KEYS, "cleanup.policy"), (PROMPTS, "cleanup.policy"),
-                           (ERASURES, "retention.ms")):
+                           (ERASURES, "retention.ms"), (GENERATIONS, "retention.ms")):
         assert f"{topic} has {setting}=" in said, said
-    assert "pipeline topics --fix" in said and GENERATIONS not in said
+    assert "pipeline topics --fix" in said
+    # A durable record kept a week is the operator's to choose, told to every process.
+    as_made = topic_configs(cluster.bootstrap, [GENERATIONS])
+    assert hazards(as_made, common.topic_policy()) != []
+    assert hazards(as_made, TopicPolicy(retention_ms=WEEK_MS)) == []
 
     # A service says so in one line and stops: it does not retry what will not change.
     projector = pipeline(cluster, "projector")
@@ -112,7 +116,7 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
     assert configs[GENERATIONS]["retention.ms"] == "-1"
     assert configs[CONTROL]["message.timestamp.type"] == "LogAppendTime"
     assert configs[LIVE]["retention.ms"] == "-1"  # never lowered: that deletes records
-    assert hazards(configs, common.erasure_window_ms) == []
+    assert hazards(configs, common.topic_policy()) == []
     with caplog.at_level(logging.WARNING, "pipeline.topicconfig"), \
             open_keyring(common, "settings-test"):
         pass
@@ -135,3 +139,17 @@ def test_no_client_of_the_pipeline_makes_a_topic_by_naming_it(cluster: Stack) ->
     assert writer.flush(10), "a write to a missing topic was acknowledged"
     listed = AdminClient({"bootstrap.servers": cluster.bootstrap}).list_topics(timeout=10)
     assert PROMPTS in listed.topics and missing not in listed.topics
+
+
+def test_analytics_refuses_topics_it_reads_that_do_not_exist(cluster: Stack) -> None:
+    """Its consumer (aiokafka's) would have the broker make them, with the broker's
+    settings: it made both here, before this check."""
+    missing = [f"chat.missing-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    env = {"ANALYTICS_TOPICS": ",".join(missing), "ANALYTICS_SCHEMA_NAME": "settings_test"}
+    done = pipeline(cluster, "analytics", **env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = done.stderr.splitlines()[-1]
+    assert said.startswith("pipeline analytics: the topics chat.missing-"), said
+    assert said.endswith("`pipeline topics` makes the pipeline's"), said
+    listed = AdminClient({"bootstrap.servers": cluster.bootstrap}).list_topics(timeout=10)
+    assert not set(missing) & set(listed.topics)

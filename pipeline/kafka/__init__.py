@@ -35,6 +35,7 @@ from pipeline.kafka.admin import (
     set_topic_configs,
     topic_configs,
     topic_limits,
+    topic_names,
     wait_for_broker,
 )
 from pipeline.kafka.client import (
@@ -111,6 +112,7 @@ __all__ = [
     "stale_leader",
     "topic_configs",
     "topic_limits",
+    "topic_names",
     "unreachable",
     "wait_for_broker",
 ]

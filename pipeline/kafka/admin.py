@@ -122,6 +122,11 @@ def broker_count(bootstrap: str, timeout: float = 10.0) -> int:
     return len(admin.list_topics(timeout=timeout).brokers)
 
 
+def topic_names(bootstrap: str, timeout: float = 10.0) -> set[str]:
+    admin = AdminClient({**client_config(bootstrap, "admin"), **client_logging("admin")})
+    return set(admin.list_topics(timeout=timeout).topics)
+
+
 def topic_limits(bootstrap: str, topics: Sequence[str], default: int,
                  timeout: float = 10.0) -> dict[str, int]:
     """Each topic's largest record (its ``max.message.bytes`` as the cluster has it): what
