@@ -97,7 +97,7 @@ def run_topics_command(common: CommonSettings, fix: bool = False) -> int:
                      if finding.setting in BY_HAND else
                      "; left as it is: the pipeline's keeps less, and lowering it deletes "
                      "records"))
-    for warning in warnings(common.kafka_bootstrap, configs):
+    for warning in warnings(common.kafka_bootstrap, configs, common.topic_policy()):
         print(f"pipeline topics: warning: {warning}", file=sys.stderr)
     refused = hazards(configs, common.topic_policy())
     for finding in refused:

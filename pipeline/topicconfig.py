@@ -55,6 +55,9 @@ KEEPING = ("retention.ms", "retention.bytes", "max.message.bytes")
 BY_HAND = ("min.insync.replicas",)
 # Less than a year of a group's offsets kept after its last member left is said at start.
 OFFSETS_KEPT_MIN = 365 * 24 * 60
+# chat.erasures kept past this many erasure windows is said at start: every start reads
+# it whole.
+ERASURES_KEPT_MAX = 4
 ADVICE = "`pipeline topics --fix` sets what the pipeline needs (docs/deploying.md, \"Topics\")"
 
 
@@ -200,13 +203,22 @@ def check(bootstrap: str, policy: TopicPolicy, retrying: Retrying = lambda call:
     found = hazards(configs, policy)
     if found:
         raise TopicsRefused("; ".join(map(str, found)) + f". {ADVICE}")
-    for warning in warnings(bootstrap, configs):
+    for warning in warnings(bootstrap, configs, policy):
         log.warning("%s", warning)
 
 
-def warnings(bootstrap: str, configs: Configs) -> list[str]:
+def warnings(bootstrap: str, configs: Configs, policy: TopicPolicy) -> list[str]:
     """What the cluster has that costs the pipeline, without losing records."""
     said = []
+    kept_ms = _int(configs.get(ERASURES, {}), "retention.ms")
+    if ERASURES in configs and (kept_ms == FOREVER
+                                or kept_ms > ERASURES_KEPT_MAX * policy.erasure_window_ms):
+        said.append(
+            f"{ERASURES} keeps erasures {'forever' if kept_ms == FOREVER else _days(kept_ms)} "
+            f"(retention.ms), and every process reads them all at its start: the pipeline "
+            f"needs twice the erasure window ({_days(2 * policy.erasure_window_ms)}). Lower "
+            "it by hand once chat.keys has been compacted within the window for a window "
+            "(docs/deploying.md)")
     stamped = configs.get(CONTROL, {}).get("message.timestamp.type")
     if stamped not in (None, "LogAppendTime"):
         said.append(f"{CONTROL} has message.timestamp.type={stamped}: a client's departure "
@@ -220,7 +232,6 @@ def warnings(bootstrap: str, configs: Configs) -> list[str]:
             "all stopped longer start again from the log's start. Set it to years "
             "(docs/deploying.md)")
     return said
-
 
 
 def require(bootstrap: str, topics: Sequence[str]) -> None:

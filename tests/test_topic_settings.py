@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from pipeline.kafka import topic_configs
+from pipeline.kafka import set_topic_configs, topic_configs
 from pipeline.kafka.plain import PlainWriter
 from pipeline.keylimits import KeyringError
 from pipeline.keystore import open_keyring
@@ -122,6 +122,15 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
         pass
     assert [r.message for r in caplog.records
             if "offsets.retention.minutes" in r.message], caplog.text
+
+    # Erasures kept forever lose nothing, but every start reads them all: said, not fixed
+    # (lowering it deletes records).
+    set_topic_configs(cluster.bootstrap, {ERASURES: {"retention.ms": "-1"}})
+    shown = pipeline(cluster, "topics", "--fix")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert f"warning: {ERASURES} keeps erasures forever" in shown.stderr
+    set_topic_configs(cluster.bootstrap, {ERASURES: {"retention.ms": str(
+        2 * common.erasure_window_ms)}})
 
     # A process whose erasure window is shorter than the one the topics keep would forget
     # an erasure while the erased keys' records may still be there.
