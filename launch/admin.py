@@ -166,7 +166,7 @@ def run_replay_command(common: CommonSettings, args: argparse.Namespace) -> int:
         raise SystemExit("replay needs a target: --schema NAME or --target-url URL "
                          "(the live store is never overwritten)")
     try:
-        with open_keyring(common, "replay", read_ahead=True) as keyring:
+        with open_keyring(common, "replay", read_ahead=True, reading=True) as keyring:
             stats = run_replay(common.kafka_bootstrap, url, keyring.codec, args.schema,
                                args.until)
     except (ReplayError, ValueError) as exc:
@@ -218,7 +218,7 @@ def run_audit_command(common: CommonSettings, args: argparse.Namespace) -> int:
     from projections.audit import audit, format_text
 
     since = args.since or (None if args.from_beginning else _created(common, args.session_id))
-    with open_keyring(common, "audit") as keyring:
+    with open_keyring(common, "audit", reading=True) as keyring:
         if since is None and not args.from_beginning:
             print("the store does not know when this session began: reading its "
                   "partitions from their start (--since bounds the read)", file=sys.stderr)

@@ -50,13 +50,16 @@ class KeyringLimits:
     the keys it holds at most; whether it keeps the keys a fetch brings besides the one
     asked (``read_ahead``: for a process that reads the log in order, a worker, the
     projector or a replay, those are the next conversations' keys, mostly); what the
-    topics must keep for this process (``topics``: ``pipeline.topicconfig``)."""
+    topics must keep for this process (``topics``: ``pipeline.topicconfig``), and
+    whether topics that would not refuse its start (``refuse_topics``: not for a process
+    that only reads, an audit or a replay, which a cluster losing records needs most)."""
 
     wait_s: float = 15.0
     missing_wait_s: float = MISSING_WAIT_S
     cache: int = KEY_CACHE
     read_ahead: bool = False
     topics: TopicPolicy = field(default_factory=TopicPolicy)
+    refuse_topics: bool = True
 
     @property
     def erasure_window_s(self) -> float:

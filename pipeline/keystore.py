@@ -106,7 +106,7 @@ class Keyring:
                 lambda: rotations_at_start(self._bootstrap, self._name, self._limits.wait_s,
                                            self._kek.knows))
             check_layout(self._bootstrap, self._name, self._partitions, layout, self._retrying,
-                         self._limits.topics)
+                         self._limits)
             self._rotations_read = time.monotonic()
             self._check_kek(partitions)
         except KafkaException as exc:
@@ -488,13 +488,13 @@ def _ref_of(record: Record) -> str | None:
         KeyRef(parsed[1], record.position.partition, record.position.offset))
 
 
-def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False) -> Keyring:
-    """This process's keyring, started (see ``Keyring.start``): its ``codec`` seals and
-    opens the process's content."""
+def open_keyring(common: CommonSettings, name: str, read_ahead: bool = False,
+                 reading: bool = False) -> Keyring:
+    """This process's keyring, started (``reading``: see ``KeyringLimits.refuse_topics``)."""
     try:
         kek, previous = load_kek(common), load_previous_keks(common)
     except KekError as exc:
         raise KeyringError(str(exc)) from None
     limits = KeyringLimits(cache=common.key_cache, read_ahead=read_ahead,
-                           topics=common.topic_policy())
+                           topics=common.topic_policy(), refuse_topics=not reading)
     return Keyring(common.kafka_bootstrap, kek, name, limits, previous).start()

@@ -19,10 +19,10 @@ import logging
 from pipeline import topicconfig
 from pipeline.kafka import ProduceError, Record
 from pipeline.kafka.plain import PlainReader, PlainWriter
-from pipeline.keylimits import KeyringError
+from pipeline.keylimits import KeyringError, KeyringLimits
 from pipeline.rotations import LAYOUT
 from pipeline.topicconfig import Retrying
-from pipeline.topics import KEYS, PARTITIONED_ALIKE, ROTATIONS, TopicPolicy
+from pipeline.topics import KEYS, PARTITIONED_ALIKE, ROTATIONS
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,14 @@ ADVICE = ("a conversation's partition is its id's hash modulo the count, the sam
 
 
 def check_layout(bootstrap: str, name: str, keys: int, recorded: Record | None,
-                 retrying: Retrying, policy: TopicPolicy) -> None:
+                 retrying: Retrying, limits: KeyringLimits) -> None:
     """``KeyringError`` unless every chat topic made so far has the partition count of
     ``chat.keys``, ``keys`` (``PARTITIONED_ALIKE``), and that is the count ``recorded``
     (the ``layout`` record of ``chat.rotations``), which is written if there is none (yet,
-    or since a tombstone); and unless the topics' settings keep their records as this
-    process's ``policy`` says (``pipeline.topicconfig``). ``retrying(call)`` asks again
-    while a leader moves."""
-    topicconfig.check(bootstrap, policy, retrying)
+    or since a tombstone); and unless the topics' settings keep their records as the
+    process's ``limits`` say (``pipeline.topicconfig``; said, not refused, where they do
+    not refuse). ``retrying(call)`` asks again while a leader moves."""
+    topicconfig.check(bootstrap, limits.topics, retrying, refuse=limits.refuse_topics)
     reader = PlainReader(bootstrap, f"{name}-layout")
     try:
         counts = {topic: retrying(lambda t=topic: len(reader.partitions(t)))  # type: ignore[misc]

@@ -193,16 +193,19 @@ def fixable(finding: Finding) -> bool:
     return True
 
 
-def check(bootstrap: str, policy: TopicPolicy, retrying: Retrying = lambda call: call()
-          ) -> None:
+def check(bootstrap: str, policy: TopicPolicy, retrying: Retrying = lambda call: call(),
+          refuse: bool = True) -> None:
     """``TopicsRefused`` if a pipeline topic's settings lose records or bring back erased
-    ones (``hazards``); a warning for what costs without losing (``warnings``). A topic
-    the cluster does not describe (an ACL) is not checked, and said."""
+    ones (``hazards``; only said if not ``refuse``); a warning for what costs without
+    losing (``warnings``). A topic the cluster does not describe (an ACL) is not
+    checked, and said."""
     topics = [*CONVERSATION_TOPICS, ROLLOUTS, KEYS, ROTATIONS, ERASURES]  # CONTROL among them
     configs = retrying(lambda: topic_configs(bootstrap, topics))
     found = hazards(configs, policy)
-    if found:
+    if found and refuse:
         raise TopicsRefused("; ".join(map(str, found)) + f". {ADVICE}")
+    for finding in found:
+        log.warning("%s. %s", finding, ADVICE)
     for warning in warnings(bootstrap, configs, policy):
         log.warning("%s", warning)
 

@@ -87,6 +87,13 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
     assert hazards(as_made, common.topic_policy()) != []
     assert hazards(as_made, TopicPolicy(retention_ms=WEEK_MS)) == []
 
+    # An audit or a replay only reads: a cluster losing records needs it most. Said.
+    with caplog.at_level(logging.WARNING, "pipeline.topicconfig"), \
+            open_keyring(common, "settings-audit", reading=True):
+        pass
+    assert any(f"{KEYS} has cleanup.policy=delete" in r.message for r in caplog.records)
+    caplog.clear()
+
     # A service says so in one line and stops: it does not retry what will not change.
     projector = pipeline(cluster, "projector")
     assert projector.returncode == 2, projector.stderr[-2000:]
