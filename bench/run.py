@@ -290,16 +290,20 @@ def memory(common: CommonSettings, quick: bool, out: Path) -> str:
     return table
 
 
-def scale(common: CommonSettings, quick: bool, out: Path, conversations: int) -> str:
+def scale(common: CommonSettings, quick: bool, out: Path, conversations: int,
+          erasures: int = 0) -> str:
     from bench import scale as bench
 
     if quick:
         conversations = min(conversations, 20_000)
     figures = bench.run(conversations, common.state_dir / "bench-scale",
-                        common.state_dir / "bench-logs", rounds=30 if quick else 100)
+                        common.state_dir / "bench-logs", rounds=30 if quick else 100,
+                        erasures=erasures)
     figures |= {"measured_at": _now(), "machine": _machine(), "quick": quick}
     table = bench.table(figures)
-    _save(out, "scale", f"A year of state: {conversations:,} conversations", figures, table,
+    erased = f" and {erasures:,} erasures" if erasures else ""
+    _save(out, "scale", f"A year of state: {conversations:,} conversations{erased}", figures,
+          table,
           f"A broker and a PostgreSQL of the bench's own (replication 1, "
           f"{figures['partitions']} partitions), on {figures['machine']}: the bench, the "
           "broker, PostgreSQL and the services share these cores. Empty log first, then "
@@ -311,7 +315,8 @@ def scale(common: CommonSettings, quick: bool, out: Path, conversations: int) ->
           "peak). Requests: a gateway, a SIMULATED worker and the projector running, "
           "one client, one request at a time, except beside the resumes. Measured with "
           f"`pipeline bench scale{' --quick' if quick else ''}"
-          f"{f' --conversations {conversations}' if conversations != 1_000_000 else ''}`.")
+          f"{f' --conversations {conversations}' if conversations != 1_000_000 else ''}"
+          f"{f' --erasures {erasures}' if erasures else ''}`.")
     return table
 
 
@@ -337,7 +342,8 @@ def _now() -> str:
 def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
         resolve_model: Callable[[CommonSettings, WorkerSettings], tuple[Path, str]],
         before: Path | None = None, conversations: int = 1_000_000,
-        shape: ServingShape | None = None, load: WorkerLoad | None = None) -> None:
+        shape: ServingShape | None = None, load: WorkerLoad | None = None,
+        erasures: int = 0) -> None:
     started = time.monotonic()
     for part in parts:
         print(f"\n== {part} ==", flush=True)
@@ -359,7 +365,7 @@ def run(common: CommonSettings, parts: list[str], quick: bool, out: Path,
         elif part == "worker":
             table = worker(common, quick, out, load or WorkerLoad())
         elif part == "scale":
-            table = scale(common, quick, out, conversations)
+            table = scale(common, quick, out, conversations, erasures)
         else:
             table = analytics(common, quick, out)
         print(f"{table}\n\n({part}: {time.monotonic() - part_started:.0f} s)", flush=True)

@@ -10,6 +10,9 @@ projector (the replay rate), and measured again in the same run:
   a resume at a position of a recent turn (at its start, its middle, its end, and at the
   start of its partition), a session read, a session deleted, p50 and p99; and a
   session read of another tenant while resumes from partitions' starts run beside it.
+
+``--erasures N`` writes N erasures with the history (a bulk ``pipeline erase``'s), which
+every process reads at its start and holds for two erasure windows.
 """
 
 from __future__ import annotations
@@ -38,10 +41,19 @@ from bench.history import Written, build
 from infra.kafka_broker import KafkaBroker
 from infra.postgres import PostgresServer
 from infra.process import free_port
-from pipeline.kafka import GroupConsumer, GroupStatus, ensure_topics, wait_for_broker
+from pipeline.erasures import erasure_record
+from pipeline.kafka import (
+    GroupConsumer,
+    GroupStatus,
+    ProduceError,
+    ensure_topics,
+    wait_for_broker,
+)
+from pipeline.kafka.plain import PlainWriter
 from pipeline.settings import REPO_ROOT
 from pipeline.topics import (
     CONVERSATION_TOPICS,
+    ERASURES,
     STORE_TOPICS,
     TopicPolicy,
     topic_specs,
@@ -351,11 +363,13 @@ def _projected(stack: Stack, records: int) -> tuple[float, float]:
     return records / (time.monotonic() - started), peak
 
 
-def run(conversations: int, home: Path, logs: Path, rounds: int = 100) -> dict[str, Any]:
+def run(conversations: int, home: Path, logs: Path, rounds: int = 100,
+        erasures: int = 0) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     stack = Stack(home, logs)
     stack.start()
-    figures: dict[str, Any] = {"conversations": conversations, "partitions": PARTITIONS}
+    figures: dict[str, Any] = {"conversations": conversations, "partitions": PARTITIONS,
+                               "erasures": erasures}
     try:
         print("== the empty log ==", flush=True)
         figures["empty"] = _phase(stack, [], rounds)
@@ -366,6 +380,11 @@ def run(conversations: int, home: Path, logs: Path, rounds: int = 100) -> dict[s
                        PARTITIONS, progress=lambda n: bar.update(n - bar.n))
         bar.close()
         figures["build_s"] = time.monotonic() - started
+        if erasures:
+            print(f"== writing {erasures:,} erasures ==", flush=True)
+            started = time.monotonic()
+            _erase(stack.broker.bootstrap, erasures)
+            figures["erasures_s"] = time.monotonic() - started
         _settled(stack, [workers_group("sim"), "memory", "analytics"])
         records = sum(GroupStatus(stack.broker.bootstrap, "projector").per_partition(t)[p][1]
                       for t in STORE_TOPICS for p in range(PARTITIONS))
@@ -383,6 +402,26 @@ def run(conversations: int, home: Path, logs: Path, rounds: int = 100) -> dict[s
         raise
     finally:
         stack.stop()
+
+
+def _erase(bootstrap: str, count: int) -> None:
+    """``count`` erasures of conversations that never were, written now (within every
+    process's horizon), as an operator's bulk ``pipeline erase`` writes them."""
+    writer = PlainWriter(bootstrap, "bench-erasures", linger_ms=50, compression="lz4")
+    with tqdm(total=count, unit="erasure", desc="erasures") as bar:
+        for n in range(count):
+            while True:
+                try:
+                    writer.send(ERASURES, *erasure_record(uuid.uuid4(), "bench", "erase"))
+                    break
+                except ProduceError:  # the client's queue is full: let it send
+                    writer.poll(0.1)
+            if n % 10_000 == 0:
+                bar.update(n - bar.n)
+        bar.update(count - bar.n)
+    failed = writer.flush(120)
+    if failed:
+        raise RuntimeError(f"erasures not written: {failed[:3]}")
 
 
 def _phase(stack: Stack, old: list[Written], rounds: int) -> dict[str, Any]:
@@ -449,8 +488,11 @@ def table(figures: dict[str, Any]) -> str:
                     f"from then on: {full['audit_old']['start_s']:.2f} s, peak "
                     f"{full['audit_old']['rss_mb']:.0f} MB (here the whole history was "
                     "written within a minute, so that is every record of its partitions).")
+    erased = (f", and {figures['erasures']:,} erasures in {figures['erasures_s']:.0f} s "
+              "(every process reads them at its start, and holds them)"
+              if figures.get("erasures") else "")
     rows += ["", f"History: {figures['conversations']:,} conversations written in "
-             f"{figures['build_s']:.0f} s; the projector read the log at "
+             f"{figures['build_s']:.0f} s{erased}; the projector read the log at "
              f"{figures['replay_records_per_s']:,.0f} records/s (its RSS at most "
              f"{figures['projector_peak_rss_mb']:.0f} MB meanwhile). The log: {logged}."]
     return "\n".join(rows)

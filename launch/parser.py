@@ -204,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--conversations", type=_positive, default=1_000_000,
                        help="scale: the conversations the history holds (default "
                             "%(default)s; 10000000 for ten million)")
+    bench.add_argument("--erasures", type=_non_negative, default=0,
+                       help="scale: erasures written with the history, which every "
+                            "process reads at its start (default %(default)s)")
     bench.add_argument("--before", type=_checkout, metavar="PATH",
                        help="log: a checkout of earlier code, measured beside this one in "
                             "the same run")
@@ -338,6 +341,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
     return value
 
 

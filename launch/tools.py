@@ -88,7 +88,8 @@ def run_bench_command(common: CommonSettings, args: argparse.Namespace) -> int:
                      if args.a_tree or args.b_tree else None)
             load = bench.WorkerLoad(args.streams or 256, args.rate or 100.0, trees, args.pairs)
             bench.run(common, list(args.part) or list(bench.PARTS), args.quick, out,
-                      resolve_model, args.before, args.conversations, shape, load)
+                      resolve_model, args.before, args.conversations, shape, load,
+                      args.erasures)
     except StartupFailed as exc:
         raise SystemExit(f"pipeline bench: {exc}") from None
     return 0
