@@ -184,7 +184,7 @@ def broker_setting(bootstrap: str, name: str, timeout: float = 10.0) -> str | No
     except KafkaException as exc:
         if unreachable(exc):
             raise
-        log.warning("could not read the broker's %s: %s", name, exc)
+        log.info("could not read the broker's %s (not checked): %s", name, exc)
         return None
     found = entry.get(name)
     return None if found is None else found.value
