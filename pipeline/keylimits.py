@@ -51,8 +51,8 @@ class KeyringLimits:
     asked (``read_ahead``: for a process that reads the log in order, a worker, the
     projector or a replay, those are the next conversations' keys, mostly); what the
     topics must keep for this process (``topics``: ``pipeline.topicconfig``), and
-    whether topics that would not refuse its start (``refuse_topics``: not for a process
-    that only reads, an audit or a replay, which a cluster losing records needs most)."""
+    whether topics that would lose records refuse its start (``refuse_topics``: not for
+    a process that only reads, an audit or a replay, which such a cluster needs most)."""
 
     wait_s: float = 15.0
     missing_wait_s: float = MISSING_WAIT_S

@@ -75,7 +75,7 @@ class Keyring:
         limits = limits or KeyringLimits()
         self._bootstrap, self._name, self._limits = bootstrap, name, limits
         self.erasures = Erasures(bootstrap, name, 2 * limits.erasure_window_s,
-                                  limits.wait_s)
+                                 limits.wait_s)
         self._cache = KeyCache(limits.cache, self.erasures.revoked)
         self._fetching = threading.Lock()  # one look-up at a time on the reader
         self._reader: PositionReader | None = None
