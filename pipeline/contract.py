@@ -49,8 +49,8 @@ TOPIC_ABOUT = {
              "turn (or inline). The workers' consumer groups read it; what their commits "
              "say waits (offset metadata next=N;waiting=W) is the backlog.",
     CONTROL: "Facts about turns and sessions: cancel, a client detached or attached, a "
-             "session created or deleted, a user's memory forgotten. Broker-stamped "
-             "(LogAppendTime).",
+             "session created or deleted, a user's memory forgotten. A client's departure "
+             "counts from its record's broker time (LogAppendTime).",
     GENERATIONS: "Each turn's start (at its first token) and end, with its whole text, "
                  "usage and timings, or its failure: the durable record of what the workers "
                  "generated, written in Kafka transactions: read with "
@@ -264,7 +264,10 @@ def asyncapi() -> dict[str, Any]:
                 "Two retention classes: the durable record (chat.prompts, chat.control, "
                 "chat.generations) is kept forever by default (retention -1; "
                 "PIPELINE_RETENTION_MS changes it); the live stream (chat.live) for 7 days "
-                "(PIPELINE_LIVE_RETENTION_MS); dead letters 14 days. Every reader must "
+                "(PIPELINE_LIVE_RETENTION_MS); dead letters 14 days. Each record's "
+                "Kafka timestamp is its broker's (LogAppendTime, since 2026-12-02; a "
+                "topic made before keeps its writers' times until `pipeline topics "
+                "--fix`); an event's occurred_at is its writer's clock. Every reader must "
                 "tolerate the copies each message's description names: de-duplicate by "
                 "request_id, and deltas by (turn, seq)."),
         },

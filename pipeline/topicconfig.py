@@ -31,6 +31,7 @@ from pipeline.topics import (
     CONVERSATION_TOPICS,
     ERASURES,
     KEYS,
+    LIVE,
     ROLLOUTS,
     ROTATIONS,
     TopicPolicy,
@@ -58,6 +59,8 @@ OFFSETS_KEPT_MIN = 365 * 24 * 60
 # chat.erasures kept past this many erasure windows is said at start: every start reads
 # it whole.
 ERASURES_KEPT_MAX = 4
+# Each record's time is its broker's (``pipeline.topics.topic_specs``).
+STAMPED = "LogAppendTime"
 ADVICE = "`pipeline topics --fix` sets what the pipeline needs (docs/deploying.md, \"Topics\")"
 
 
@@ -199,7 +202,7 @@ def check(bootstrap: str, policy: TopicPolicy, retrying: Retrying = lambda call:
     ones (``hazards``; only said if not ``refuse``); a warning for what costs without
     losing (``warnings``). A topic the cluster does not describe (an ACL) is not
     checked, and said."""
-    topics = [*CONVERSATION_TOPICS, ROLLOUTS, KEYS, ROTATIONS, ERASURES]  # CONTROL among them
+    topics = [*CONVERSATION_TOPICS, LIVE, ROLLOUTS, KEYS, ROTATIONS, ERASURES]
     configs = retrying(lambda: topic_configs(bootstrap, topics))
     found = hazards(configs, policy)
     if found and refuse:
@@ -222,11 +225,17 @@ def warnings(bootstrap: str, configs: Configs, policy: TopicPolicy) -> list[str]
             f"needs twice the erasure window ({_days(2 * policy.erasure_window_ms)}). Lower "
             "it by hand once chat.keys has been compacted within the window for a window "
             "(docs/deploying.md)")
-    stamped = configs.get(CONTROL, {}).get("message.timestamp.type")
-    if stamped not in (None, "LogAppendTime"):
-        said.append(f"{CONTROL} has message.timestamp.type={stamped}: a client's departure "
-                    f"counts from when it was written, not from when it reached the log. "
-                    f"{ADVICE}")
+    stamped = sorted(topic for topic, settings in configs.items()
+                     if settings.get("message.timestamp.type", STAMPED) != STAMPED)
+    if stamped:
+        said.append(
+            f"{', '.join(stamped)} take each record's time from its writer's clock "
+            f"(message.timestamp.type=CreateTime): a writer whose clock is an hour ahead "
+            f"has its records refused (Kafka 4's message.timestamp.after.max.ms), every "
+            f"transaction they are in aborted; one behind by more than a minute writes "
+            f"records that readers finding a turn by time miss; and {CONTROL} counts a "
+            f"client's departure from when it was written, not from when it reached the "
+            f"log. {ADVICE}")
     kept = broker_setting(bootstrap, "offsets.retention.minutes")
     if kept is not None and kept.isdigit() and int(kept) < OFFSETS_KEPT_MIN:
         said.append(

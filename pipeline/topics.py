@@ -64,10 +64,10 @@ def workers_group(model: str) -> str:
     return f"{WORKERS_GROUP}.{model}"
 
 
-# How far apart the clocks of the processes writing the log may be: a prompt's record
-# time is its gateway's, a turn's events' times are its worker's (CreateTime). A reader
-# that finds a turn's events by time (a takeover's scan, a stream read from a turn's
-# start) starts this long before its prompt's time.
+# How far apart the clocks that time the log may be: every topic's records are stamped
+# by the broker that leads their partition (LogAppendTime), and a prompt's event says
+# its gateway's time. A reader that finds a turn's events by time (a takeover's scan, a
+# stream read from a turn's start) starts this long before its prompt's time.
 CLOCK_SKEW_MS = 60_000
 # Room for a dead letter's headers beyond the record it parks.
 DEADLETTER_HEADROOM = 64 * 1024
@@ -113,10 +113,15 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
                          f"brokers; the cluster has {brokers}")
     min_isr = policy.min_insync_replicas or (2 if replication >= 3 else 1)
     # Every setting a topic's records depend on is said, even where it is the broker's
-    # default: ``pipeline topics`` checks a topic that exists against it.
+    # default: ``pipeline topics`` checks a topic that exists against it. Each record's
+    # time is the broker's (LogAppendTime), never its writer's clock: Kafka 4 refuses a
+    # record stamped an hour ahead (message.timestamp.after.max.ms), which aborts the
+    # transaction it is in, and a reader that finds records by time would miss those a
+    # slow clock stamped early.
     base = {"cleanup.policy": "delete", "min.insync.replicas": str(min_isr),
             "unclean.leader.election.enable": "false",
-            "max.message.bytes": str(policy.max_record_bytes)}
+            "max.message.bytes": str(policy.max_record_bytes),
+            "message.timestamp.type": "LogAppendTime"}
     log = {**base, "retention.ms": str(policy.retention_ms),
            "retention.bytes": str(policy.retention_bytes)}
     # A dead letter is the record it parks plus headers saying why.
@@ -124,10 +129,10 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
               "max.message.bytes": str(policy.max_record_bytes + DEADLETTER_HEADROOM)}
     return [
         TopicSpec(PROMPTS, policy.partitions, log, replication),
-        # Stamped by the broker: a client's departure counts from when it is in the log
-        # (workers.control), which during an outage is later than it was written.
-        TopicSpec(CONTROL, policy.partitions, {**log, "message.timestamp.type":
-                                               "LogAppendTime"}, replication),
+        # Stamped by the broker, as every topic is: a client's departure counts from
+        # when it is in the log (workers.control), which during an outage is later than
+        # it was written.
+        TopicSpec(CONTROL, policy.partitions, log, replication),
         TopicSpec(GENERATIONS, policy.partitions, log, replication),
         TopicSpec(LIVE, policy.partitions, {**base, "retention.ms": str(policy.live_retention_ms),
                                             "retention.bytes": "-1"}, replication),

@@ -9,13 +9,15 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from pipeline.kafka import set_topic_configs, topic_configs
+from pipeline.kafka import ensure_topics, set_topic_configs, topic_configs
 from pipeline.kafka.plain import PlainWriter
 from pipeline.keylimits import KeyringError
 from pipeline.keystore import open_keyring
@@ -45,7 +47,8 @@ WRONG = {
     ERASURES: {"retention.ms": str(HOUR_MS)},
     GENERATIONS: {"retention.ms": str(WEEK_MS)},  # refused unless the processes are told
     CONTROL: {"message.timestamp.type": "CreateTime"},
-    LIVE: {"retention.ms": "-1"},  # keeps more than the pipeline's 7 days
+    # Keeps more than the pipeline's 7 days; its records timed by their writers' clocks.
+    LIVE: {"retention.ms": "-1", "message.timestamp.type": "CreateTime"},
 }
 
 
@@ -92,6 +95,8 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
             open_keyring(common, "settings-audit", reading=True):
         pass
     assert any(f"{KEYS} has cleanup.policy=delete" in r.message for r in caplog.records)
+    assert any(r.message.startswith(f"{CONTROL}, {LIVE} take each record's time from its "
+                                    "writer's clock") for r in caplog.records), caplog.text
     caplog.clear()
 
     # A service says so in one line and stops: it does not retry what will not change.
@@ -121,7 +126,7 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
     assert configs[PROMPTS]["cleanup.policy"] == "delete"
     assert configs[ERASURES]["retention.ms"] == str(2 * common.erasure_window_ms)
     assert configs[GENERATIONS]["retention.ms"] == "-1"
-    assert configs[CONTROL]["message.timestamp.type"] == "LogAppendTime"
+    assert {configs[t]["message.timestamp.type"] for t in configs} == {"LogAppendTime"}
     assert configs[LIVE]["retention.ms"] == "-1"  # never lowered: that deletes records
     assert hazards(configs, common.topic_policy()) == []
     with caplog.at_level(logging.WARNING, "pipeline.topicconfig"), \
@@ -144,6 +149,37 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
     short = CommonSettings(kafka_bootstrap=cluster.bootstrap, erasure_window_ms=HOUR_MS)
     with pytest.raises(KeyringError, match=f"{KEYS} has max.compaction.lag.ms="):
         open_keyring(short, "settings-test")
+
+
+def test_every_topic_takes_a_record_whatever_its_writers_clock(cluster: Stack) -> None:
+    """A host whose clock is an hour ahead (its time service lost) or a year behind: each
+    of the pipeline's topics, as ``pipeline topics`` makes it, takes its records in a
+    transaction and stamps them with the broker's time, where a topic stamped by its
+    writers (Kafka 4 refuses records an hour ahead) aborts the whole transaction."""
+    specs = [TopicSpec(f"skew.{s.name}", 1, s.config)
+             for s in topic_specs(TopicPolicy(PARTITIONS), 1)]
+    ensure_topics(cluster.bootstrap, [*specs, TopicSpec("skew.writers-clock", 1, {})])
+    now_ms = int(time.time() * 1000)
+
+    def stamps(topics: list[str], skew_ms: int) -> list[int]:
+        producer = Producer({"bootstrap.servers": cluster.bootstrap,
+                             "transactional.id": f"skew-{uuid.uuid4()}"})
+        producer.init_transactions(30)
+        producer.begin_transaction()
+        times: list[int] = []
+        for topic in topics:
+            producer.produce(topic, b"v", b"k", timestamp=now_ms + skew_ms,  # compacted: keyed
+                             on_delivery=lambda e, m: e or times.append(m.timestamp()[1]))
+        producer.flush(30)
+        producer.commit_transaction(30)
+        return times
+
+    for skew_ms in (HOUR_MS + 60_000, -365 * 24 * HOUR_MS):
+        times = stamps([s.name for s in specs], skew_ms)
+        assert len(times) == len(specs)
+        assert all(abs(t - now_ms) < 60_000 for t in times), (skew_ms, times)
+    with pytest.raises(KafkaException, match="Invalid timestamp"):
+        stamps(["skew.writers-clock", specs[0].name], HOUR_MS + 60_000)
 
 
 def test_no_client_of_the_pipeline_makes_a_topic_by_naming_it(cluster: Stack) -> None:
