@@ -50,7 +50,7 @@ def _takers(turns: int, partitions: int) -> tuple[list[Any], Any, DroppingWriter
     ring, writer, engine = MemoryRing(), DroppingWriter(), Engine()
     output = Output(writer, "bench", Codec(sealing.Cipher(ring)))  # type: ignore[arg-type]
     metrics = WorkerMetrics(CollectorRegistry(), engine,  # type: ignore[arg-type]
-                            Readings(*[lambda: 0] * 4))
+                            Readings(*[lambda: 0] * 5))
     runner = Runner(engine, output, writer, None, metrics, "bench",  # type: ignore[arg-type]
                     lambda *_, **__: None)
     takers = []

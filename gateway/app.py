@@ -264,6 +264,7 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     metrics.tailed_partitions.set_function(lambda: len(tail.partitions))
     metrics.tail_rereads.set_function(lambda: tail.rereads)
     metrics.prompt_transactions.set_function(lambda: prompts.transactions)
+    metrics.broker_clock_ahead.set_function(lambda: prompts.broker_clock_ahead_s)
     guard = Guard(pool, settings.require_auth, timeout_s=timeout_s,
                   failed_lookups=settings.failed_key_lookups,
                   refused=lambda by: metrics.rate_limit_refusals.labels(by).inc())

@@ -56,6 +56,10 @@ class GatewayMetrics:
             "gateway_prompt_transactions",
             "Kafka transactions committed with accepted prompts (each costs the broker "
             "the same round trips however many prompts it holds)", registry=registry)
+        self.broker_clock_ahead = Gauge(
+            "gateway_broker_clock_ahead_seconds",
+            "The Kafka brokers' clock less this host's, read off the prompts it writes: "
+            "keep it within 60 s either way", registry=registry)
         self.log_reads = Counter(
             "gateway_log_read_records", "Records read from the log for requests (session "
             "views, resumes, a turn sent again), by topic: bounded by each request's own "

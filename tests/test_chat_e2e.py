@@ -166,6 +166,10 @@ def test_metrics_and_health(pipeline: Pipeline) -> None:
     for gauge in ("worker_kv_cache_usage", "worker_batch_utilisation", "worker_transactions",
                   "worker_in_flight_peak", "worker_assigned_partitions"):
         assert gauge in worker, gauge
+    # Measured off their writes' broker times; on one host, a delivery's latency apart.
+    for clock in (gateway["gateway_broker_clock_ahead_seconds"],
+                  worker["worker_broker_clock_ahead_seconds"]):
+        assert 0 < abs(clock) < 5, clock
 
 
 def test_vllm_stream_resumes_after_a_disconnect(pipeline: Pipeline) -> None:

@@ -14,10 +14,17 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import (
+    TIMESTAMP_CREATE_TIME,
+    TIMESTAMP_LOG_APPEND_TIME,
+    KafkaException,
+    Message,
+    Producer,
+)
 from confluent_kafka.admin import AdminClient
 
 from pipeline.kafka import ensure_topics, set_topic_configs, topic_configs
+from pipeline.kafka.clock import BrokerClock
 from pipeline.kafka.plain import PlainWriter
 from pipeline.keylimits import KeyringError
 from pipeline.keystore import open_keyring
@@ -180,6 +187,23 @@ def test_every_topic_takes_a_record_whatever_its_writers_clock(cluster: Stack) -
         assert all(abs(t - now_ms) < 60_000 for t in times), (skew_ms, times)
     with pytest.raises(KafkaException, match="Invalid timestamp"):
         stamps(["skew.writers-clock", specs[0].name], HOUR_MS + 60_000)
+
+
+def test_a_writer_says_when_its_clock_is_off_the_brokers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A prompt still says its gateway's time, which a resumed stream looks a minute
+    before: a writer reads the brokers' clock off its deliveries, and says past 30 s."""
+    clock = BrokerClock()
+    now_ms = int(time.time() * 1000)
+    clock.observe(Message(topic=PROMPTS, timestamp=(TIMESTAMP_CREATE_TIME, now_ms + 90_000)))
+    assert clock.ahead_s == 0.0  # its own clock's time: it says nothing of the broker's
+    with caplog.at_level(logging.WARNING, "pipeline.kafka.clock"):
+        clock.observe(Message(topic=PROMPTS,
+                              timestamp=(TIMESTAMP_LOG_APPEND_TIME, now_ms + 90_000)))
+    assert 89 < clock.ahead_s < 91
+    assert [r.message for r in caplog.records] == [
+        "this host's clock is 90 s behind the Kafka brokers': keep it within 60 s (NTP), "
+        "or streams resumed from a turn's start may miss its first tokens"]
 
 
 def test_no_client_of_the_pipeline_makes_a_topic_by_naming_it(cluster: Stack) -> None:

@@ -20,6 +20,7 @@ class Readings:
     transactions: Callable[[], int]
     history_chars: Callable[[], int]
     live_records: Callable[[], int]
+    broker_clock_ahead_s: Callable[[], float]
 
 
 class WorkerMetrics:
@@ -35,6 +36,9 @@ class WorkerMetrics:
               registry=registry).set_function(lambda: engine.kv_cache_usage() or 0.0)
         Gauge("worker_transactions", "Transactions committed", registry=registry
               ).set_function(readings.transactions)
+        Gauge("worker_broker_clock_ahead_seconds", "The Kafka brokers' clock less this "
+              "host's, read off the records it writes", registry=registry
+              ).set_function(readings.broker_clock_ahead_s)
         Gauge("worker_model_info", "The model this worker serves", ["model"],
               registry=registry).labels(model).set(1)
         self.in_flight_peak = Gauge("worker_in_flight_peak",

@@ -144,7 +144,7 @@ class Worker:
         self.metrics = WorkerMetrics(registry, engine, Readings(
             lambda: max(len(self.flights) - engine.running(), 0) + len(self.waiting),
             lambda: self.writer.transactions, lambda: self.histories.chars,
-            lambda: self.output.records))
+            lambda: self.output.records, lambda: self.writer.broker_clock_ahead_s))
         self._history_reader = HistoryReader(bootstrap, f"worker-history-{self.name}")
         self.histories = Histories(self._history_reader, codec, self.metrics.histories,
                                    settings.history_cache_chars)

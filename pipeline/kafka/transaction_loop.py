@@ -15,6 +15,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 
 from pipeline.codec import TP, Position
 from pipeline.kafka.client import Fenced, ProduceError, RecordTooLarge
+from pipeline.kafka.clock import BrokerClock
 from pipeline.kafka.outbox import Outbox, Queued, refuse, settle
 from pipeline.retry import Backoff, QuietLog
 
@@ -75,6 +76,7 @@ class TransactionLoop:
         self._quiet = QuietLog(log)
         self.ready = threading.Event()  # the transactional id is registered
         self.transactions = 0
+        self.clock = BrokerClock()  # measured on this loop's deliveries
         self._thread = self._new_thread()
 
     def start(self) -> None:
@@ -306,6 +308,7 @@ class TransactionLoop:
             if err is None:
                 item.position = Position(msg.topic() or item.topic, msg.partition() or 0,
                                          msg.offset() or 0)
+                self.clock.observe(msg)
             elif err.code() in _RECORD_REFUSED:
                 item.refused = err
 

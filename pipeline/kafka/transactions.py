@@ -142,6 +142,11 @@ class TransactionalProducer:
         """Transactions committed."""
         return self._loop.transactions
 
+    @property
+    def broker_clock_ahead_s(self) -> float:
+        """The brokers' clock less this host's, read off this producer's deliveries."""
+        return self._loop.clock.ahead_s
+
     def start(self) -> None:
         """Start the transaction loop, which registers the transactional id (fencing an
         earlier process that used it; retried until the broker answers) and then
