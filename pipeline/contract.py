@@ -264,10 +264,10 @@ def asyncapi() -> dict[str, Any]:
                 "Two retention classes: the durable record (chat.prompts, chat.control, "
                 "chat.generations) is kept forever by default (retention -1; "
                 "PIPELINE_RETENTION_MS changes it); the live stream (chat.live) for 7 days "
-                "(PIPELINE_LIVE_RETENTION_MS); dead letters 14 days. Each record's "
-                "Kafka timestamp is its broker's (LogAppendTime, since 2026-12-02; a "
-                "topic made before keeps its writers' times until `pipeline topics "
-                "--fix`); an event's occurred_at is its writer's clock. Every reader must "
+                "(PIPELINE_LIVE_RETENTION_MS); dead letters 14 days. A record's Kafka "
+                "timestamp is its writer's clock on chat.live and chat.generations "
+                "(CreateTime, the worker's, as its events' occurred_at) and its broker's "
+                "elsewhere (LogAppendTime, since 2026-12-02). Every reader must "
                 "tolerate the copies each message's description names: de-duplicate by "
                 "request_id, and deltas by (turn, seq)."),
         },

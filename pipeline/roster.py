@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.kafka import ProduceError
+from pipeline.kafka.clock import BrokerClock
 from pipeline.kafka.plain import PlainReader, PlainWriter
 from pipeline.retry import QuietLog
 from pipeline.topics import WORKERS
@@ -42,7 +43,8 @@ class Heartbeat:
 
     def __init__(self, bootstrap: str, worker: str, model: str,
                  context: int | None = None, token_bytes: int | None = None,
-                 load: Callable[[], dict[str, tuple[int, int]]] | None = None) -> None:
+                 load: Callable[[], dict[str, tuple[int, int]]] | None = None,
+                 clock: BrokerClock | None = None) -> None:
         self.worker = worker
         self.model = model
         self._limits = {"context": context, "token_bytes": token_bytes}
@@ -50,7 +52,7 @@ class Heartbeat:
         self._last = 0.0
         self._quiet = QuietLog(log)
         self._writer = PlainWriter(bootstrap, "heartbeat", durable=False, linger_ms=0,
-                                   timeout_s=EXPIRY_S)
+                                   timeout_s=EXPIRY_S, clock=clock)
 
     def beat(self) -> None:
         """Write a heartbeat if one is due; never blocks (a lost one is harmless)."""
@@ -139,7 +141,10 @@ class Roster:
             read = heartbeat_of(value)
             if read is None:
                 continue
-            beat, model, at = read
+            beat, model, sent = read
+            # When the log had it (chat.workers is stamped by its broker), not when the
+            # worker's clock says it sent it: a worker 10 s behind would read as gone.
+            at = record.timestamp_ms / 1000 if record.timestamp_ms > 0 else sent
             self._loads[worker] = _loads(beat)
             sizes = _sizes(beat)
             if sizes is None:

@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 from pipeline.kafka import broker_setting, topic_configs, topic_names
 from pipeline.keylimits import KeyringError
 from pipeline.topics import (
+    BROKER_TIME,
     CONTROL,
     CONVERSATION_TOPICS,
     ERASURES,
@@ -34,6 +35,7 @@ from pipeline.topics import (
     LIVE,
     ROLLOUTS,
     ROTATIONS,
+    WRITER_TIMED,
     TopicPolicy,
     TopicSpec,
 )
@@ -59,8 +61,7 @@ OFFSETS_KEPT_MIN = 365 * 24 * 60
 # chat.erasures kept past this many erasure windows is said at start: every start reads
 # it whole.
 ERASURES_KEPT_MAX = 4
-# Each record's time is its broker's (``pipeline.topics.topic_specs``).
-STAMPED = "LogAppendTime"
+BROKER_TIME_TYPE = BROKER_TIME["message.timestamp.type"]
 ADVICE = "`pipeline topics --fix` sets what the pipeline needs (docs/deploying.md, \"Topics\")"
 
 
@@ -225,17 +226,23 @@ def warnings(bootstrap: str, configs: Configs, policy: TopicPolicy) -> list[str]
             f"needs twice the erasure window ({_days(2 * policy.erasure_window_ms)}). Lower "
             "it by hand once chat.keys has been compacted within the window for a window "
             "(docs/deploying.md)")
-    stamped = sorted(topic for topic, settings in configs.items()
-                     if settings.get("message.timestamp.type", STAMPED) != STAMPED)
-    if stamped:
+    timed = {topic: settings.get("message.timestamp.type") for topic, settings in configs.items()}
+    if by_writer := sorted(t for t, kind in timed.items()
+                           if t not in WRITER_TIMED and kind not in (None, BROKER_TIME_TYPE)):
         said.append(
-            f"{', '.join(stamped)} take each record's time from its writer's clock "
-            f"(message.timestamp.type=CreateTime): a writer whose clock is an hour ahead "
-            f"has its records refused (Kafka 4's message.timestamp.after.max.ms), every "
-            f"transaction they are in aborted; one behind by more than a minute writes "
-            f"records that readers finding a turn by time miss; and {CONTROL} counts a "
-            f"client's departure from when it was written, not from when it reached the "
-            f"log. {ADVICE}")
+            f"{', '.join(by_writer)} take each record's time from its writer's clock "
+            f"(message.timestamp.type={timed[by_writer[0]]}): a writer whose clock is an "
+            f"hour ahead has its records refused (Kafka 4's message.timestamp.after.max.ms), "
+            f"every transaction they are in aborted; and {CONTROL} counts a client's "
+            f"departure from when it was written, not from when it reached the log. {ADVICE}")
+    if by_broker := sorted(t for t, kind in timed.items()
+                           if t in WRITER_TIMED and kind == BROKER_TIME_TYPE):
+        said.append(
+            f"{', '.join(by_broker)} take each record's time from the broker "
+            f"(message.timestamp.type={BROKER_TIME_TYPE}): a turn's records are found by "
+            f"its worker's times, so streams resumed from a turn's start on a worker whose "
+            f"clock runs 2 s ahead of the brokers would begin after its first tokens. "
+            f"{ADVICE}")
     kept = broker_setting(bootstrap, "offsets.retention.minutes")
     if kept is not None and kept.isdigit() and int(kept) < OFFSETS_KEPT_MIN:
         said.append(

@@ -64,11 +64,22 @@ def workers_group(model: str) -> str:
     return f"{WORKERS_GROUP}.{model}"
 
 
-# How far apart the clocks that time the log may be: every topic's records are stamped
-# by the broker that leads their partition (LogAppendTime), and a prompt's event says
-# its gateway's time. A reader that finds a turn's events by time (a takeover's scan, a
-# stream read from a turn's start) starts this long before its prompt's time.
+# How far apart the clocks that time the log may be: a prompt's event says its
+# gateway's time, a turn's records (chat.live, chat.generations) its worker's, every
+# other record the time its broker appended it (``topic_specs``). A reader that finds a
+# turn's records by time (a takeover's scan, a stream read from a turn's start) starts
+# this long before its prompt's time.
 CLOCK_SKEW_MS = 60_000
+# Whose clock each record's time is (``message.timestamp.type``). The broker's, where a
+# writer's clock is not needed: Kafka 4 refuses a record stamped an hour ahead of the
+# broker (message.timestamp.after.max.ms), which aborts the transaction it is in. A
+# turn's records keep their worker's, the clock of the turn's own events that readers
+# find them by (a stream resumed from a turn's start reads from its start event's time
+# less 2 s): stamped by the broker, a worker 2 s ahead would have resumed streams begin
+# after their first deltas.
+BROKER_TIME = {"message.timestamp.type": "LogAppendTime"}
+WRITER_TIME = {"message.timestamp.type": "CreateTime"}
+WRITER_TIMED = (GENERATIONS, LIVE)
 # Room for a dead letter's headers beyond the record it parks.
 DEADLETTER_HEADROOM = 64 * 1024
 
@@ -113,15 +124,10 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
                          f"brokers; the cluster has {brokers}")
     min_isr = policy.min_insync_replicas or (2 if replication >= 3 else 1)
     # Every setting a topic's records depend on is said, even where it is the broker's
-    # default: ``pipeline topics`` checks a topic that exists against it. Each record's
-    # time is the broker's (LogAppendTime), never its writer's clock: Kafka 4 refuses a
-    # record stamped an hour ahead (message.timestamp.after.max.ms), which aborts the
-    # transaction it is in, and a reader that finds records by time would miss those a
-    # slow clock stamped early.
+    # default: ``pipeline topics`` checks a topic that exists against it.
     base = {"cleanup.policy": "delete", "min.insync.replicas": str(min_isr),
             "unclean.leader.election.enable": "false",
-            "max.message.bytes": str(policy.max_record_bytes),
-            "message.timestamp.type": "LogAppendTime"}
+            "max.message.bytes": str(policy.max_record_bytes), **BROKER_TIME}
     log = {**base, "retention.ms": str(policy.retention_ms),
            "retention.bytes": str(policy.retention_bytes)}
     # A dead letter is the record it parks plus headers saying why.
@@ -129,13 +135,13 @@ def topic_specs(policy: TopicPolicy, brokers: int) -> list[TopicSpec]:
               "max.message.bytes": str(policy.max_record_bytes + DEADLETTER_HEADROOM)}
     return [
         TopicSpec(PROMPTS, policy.partitions, log, replication),
-        # Stamped by the broker, as every topic is: a client's departure counts from
-        # when it is in the log (workers.control), which during an outage is later than
-        # it was written.
+        # Stamped by the broker: a client's departure counts from when it is in the log
+        # (workers.control), which during an outage is later than it was written.
         TopicSpec(CONTROL, policy.partitions, log, replication),
-        TopicSpec(GENERATIONS, policy.partitions, log, replication),
+        TopicSpec(GENERATIONS, policy.partitions, {**log, **WRITER_TIME}, replication),
         TopicSpec(LIVE, policy.partitions, {**base, "retention.ms": str(policy.live_retention_ms),
-                                            "retention.bytes": "-1"}, replication),
+                                            "retention.bytes": "-1", **WRITER_TIME},
+                  replication),
         TopicSpec(DEADLETTER, 1, parked, replication),
         # Heartbeats: only each worker's latest matters, and only for seconds.
         TopicSpec(WORKERS, 1, {**base, "cleanup.policy": "compact,delete",

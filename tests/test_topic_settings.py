@@ -6,6 +6,7 @@ On a broker of its own: the topics are made wrong on purpose."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pipeline.kafka.clock import BrokerClock
 from pipeline.kafka.plain import PlainWriter
 from pipeline.keylimits import KeyringError
 from pipeline.keystore import open_keyring
+from pipeline.roster import Roster
 from pipeline.settings import CommonSettings
 from pipeline.topicconfig import hazards
 from pipeline.topics import (
@@ -37,6 +39,8 @@ from pipeline.topics import (
     KEYS,
     LIVE,
     PROMPTS,
+    WORKERS,
+    WRITER_TIMED,
     TopicPolicy,
     TopicSpec,
     topic_specs,
@@ -54,8 +58,9 @@ WRONG = {
     ERASURES: {"retention.ms": str(HOUR_MS)},
     GENERATIONS: {"retention.ms": str(WEEK_MS)},  # refused unless the processes are told
     CONTROL: {"message.timestamp.type": "CreateTime"},
-    # Keeps more than the pipeline's 7 days; its records timed by their writers' clocks.
-    LIVE: {"retention.ms": "-1", "message.timestamp.type": "CreateTime"},
+    # Keeps more than the pipeline's 7 days; its records timed by the broker, not by the
+    # worker whose events readers find them by.
+    LIVE: {"retention.ms": "-1", "message.timestamp.type": "LogAppendTime"},
 }
 
 
@@ -102,8 +107,11 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
             open_keyring(common, "settings-audit", reading=True):
         pass
     assert any(f"{KEYS} has cleanup.policy=delete" in r.message for r in caplog.records)
-    assert any(r.message.startswith(f"{CONTROL}, {LIVE} take each record's time from its "
-                                    "writer's clock") for r in caplog.records), caplog.text
+    said = [r.message for r in caplog.records]
+    assert any(m.startswith(f"{CONTROL} take each record's time from its writer's clock")
+               for m in said), said
+    assert any(m.startswith(f"{LIVE} take each record's time from the broker")
+               for m in said), said
     caplog.clear()
 
     # A service says so in one line and stops: it does not retry what will not change.
@@ -133,7 +141,8 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
     assert configs[PROMPTS]["cleanup.policy"] == "delete"
     assert configs[ERASURES]["retention.ms"] == str(2 * common.erasure_window_ms)
     assert configs[GENERATIONS]["retention.ms"] == "-1"
-    assert {configs[t]["message.timestamp.type"] for t in configs} == {"LogAppendTime"}
+    assert {t: configs[t]["message.timestamp.type"] for t in configs} == {
+        t: "CreateTime" if t in WRITER_TIMED else "LogAppendTime" for t in configs}
     assert configs[LIVE]["retention.ms"] == "-1"  # never lowered: that deletes records
     assert hazards(configs, common.topic_policy()) == []
     with caplog.at_level(logging.WARNING, "pipeline.topicconfig"), \
@@ -158,14 +167,19 @@ def test_settings_that_lose_records_refuse_every_start_and_are_fixed(
         open_keyring(short, "settings-test")
 
 
-def test_every_topic_takes_a_record_whatever_its_writers_clock(cluster: Stack) -> None:
+def test_a_topic_stamped_by_its_broker_takes_a_record_whatever_its_writers_clock(
+        cluster: Stack) -> None:
     """A host whose clock is an hour ahead (its time service lost) or a year behind: each
-    of the pipeline's topics, as ``pipeline topics`` makes it, takes its records in a
-    transaction and stamps them with the broker's time, where a topic stamped by its
-    writers (Kafka 4 refuses records an hour ahead) aborts the whole transaction."""
+    topic the pipeline has its brokers stamp takes its records in a transaction, stamped
+    with the broker's time, where one stamped by its writers (Kafka 4 refuses records an
+    hour ahead) aborts the whole transaction. A turn's records keep their worker's time,
+    the clock of the events readers find them by."""
     specs = [TopicSpec(f"skew.{s.name}", 1, s.config)
              for s in topic_specs(TopicPolicy(PARTITIONS), 1)]
-    ensure_topics(cluster.bootstrap, [*specs, TopicSpec("skew.writers-clock", 1, {})])
+    ensure_topics(cluster.bootstrap, specs)
+    by_broker = [s.name for s in specs if s.name.removeprefix("skew.") not in WRITER_TIMED]
+    by_writer = [s.name for s in specs if s.name.removeprefix("skew.") in WRITER_TIMED]
+    assert len(by_writer) == len(WRITER_TIMED) and by_broker
     now_ms = int(time.time() * 1000)
 
     def stamps(topics: list[str], skew_ms: int) -> list[int]:
@@ -182,11 +196,12 @@ def test_every_topic_takes_a_record_whatever_its_writers_clock(cluster: Stack) -
         return times
 
     for skew_ms in (HOUR_MS + 60_000, -365 * 24 * HOUR_MS):
-        times = stamps([s.name for s in specs], skew_ms)
-        assert len(times) == len(specs)
+        times = stamps(by_broker, skew_ms)
+        assert len(times) == len(by_broker)
         assert all(abs(t - now_ms) < 60_000 for t in times), (skew_ms, times)
+    assert stamps(by_writer, 10_000) == [now_ms + 10_000] * len(by_writer)
     with pytest.raises(KafkaException, match="Invalid timestamp"):
-        stamps(["skew.writers-clock", specs[0].name], HOUR_MS + 60_000)
+        stamps([by_writer[0], by_broker[0]], HOUR_MS + 60_000)
 
 
 def test_a_writer_says_when_its_clock_is_off_the_brokers(
@@ -204,6 +219,22 @@ def test_a_writer_says_when_its_clock_is_off_the_brokers(
     assert [r.message for r in caplog.records] == [
         "this host's clock is 90 s behind the Kafka brokers': keep it within 60 s (NTP), "
         "or streams resumed from a turn's start may miss its first tokens"]
+
+
+def test_a_worker_whose_clock_is_behind_is_heard_alive(cluster: Stack) -> None:
+    """A gateway counts a worker alive for 10 s from its heartbeat: from when the log had
+    it, not from when a worker's clock 30 s behind says it sent it. The heartbeat's
+    writer reads the brokers' clock off its delivery, as a worker does."""
+    clock = BrokerClock()
+    writer = PlainWriter(cluster.bootstrap, "settings-test", durable=False, clock=clock)
+    writer.send(WORKERS, b"worker-behind", json.dumps(
+        {"model": "model-behind", "at": time.time() - 30}).encode())
+    assert writer.flush(10) == []
+    assert 0 < abs(clock.ahead_s) < 5, clock.ahead_s
+    roster, deadline = Roster(cluster.bootstrap), time.monotonic() + 30
+    while "model-behind" not in (alive := roster.refresh()):
+        assert time.monotonic() < deadline, alive
+        time.sleep(0.2)
 
 
 def test_no_client_of_the_pipeline_makes_a_topic_by_naming_it(cluster: Stack) -> None:

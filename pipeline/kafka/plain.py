@@ -12,6 +12,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicPartition,
 )
@@ -27,6 +28,7 @@ from pipeline.kafka.client import (
     partition_ends,
     poll_records,
 )
+from pipeline.kafka.clock import BrokerClock
 
 END = OFFSET_END
 
@@ -34,11 +36,12 @@ END = OFFSET_END
 class PlainWriter:
     """A producer of side records. ``durable``: idempotent and ``acks=all`` (records that
     must not be lost); otherwise a lost record is harmless (a heartbeat). Records whose
-    delivery failed are listed by ``take_failures``."""
+    delivery failed are listed by ``take_failures``; those delivered to a topic its
+    broker stamps read the brokers' clock into ``clock``, if given."""
 
     def __init__(self, bootstrap: str, name: str, *, durable: bool = True,
                  linger_ms: float = 5.0, timeout_s: float | None = None,
-                 compression: str = "none") -> None:
+                 compression: str = "none", clock: BrokerClock | None = None) -> None:
         config: dict[str, Any] = {**client_config(bootstrap, "plain-writer"),
                                   "linger.ms": linger_ms,
                                   "compression.type": compression,
@@ -51,6 +54,7 @@ class PlainWriter:
             config["message.timeout.ms"] = int(timeout_s * 1000)
         self._producer = Producer(config)
         self._failures: list[str] = []
+        self._clock = clock
 
     def send(self, topic: str, key: bytes | None, value: bytes | None,
              partition: int | None = None) -> None:
@@ -66,9 +70,11 @@ class PlainWriter:
         except (BufferError, KafkaException) as exc:
             raise ProduceError(f"not queued: {exc}") from exc
 
-    def _delivered(self, err: KafkaError | None, _msg: object) -> None:
+    def _delivered(self, err: KafkaError | None, msg: Message) -> None:
         if err is not None:
             self._failures.append(str(err))
+        elif self._clock is not None:
+            self._clock.observe(msg)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve delivery reports that have arrived, waiting at most ``timeout`` for one."""

@@ -36,6 +36,12 @@ _PRODUCER_FENCING = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
 _RECORD_REFUSED = {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
                    KafkaError.INVALID_RECORD}
 
+# Said with a record refused for its time: on a topic stamped by its writers
+# (``pipeline.topics.WRITER_TIMED``), it is this host's clock.
+_CLOCK_OFF = (" (this host's clock is further from the brokers' than the topic takes, an "
+              "hour ahead by Kafka 4's default message.timestamp.after.max.ms: set it right, "
+              "NTP; its records are sent again until then)")
+
 
 class TransactionLoop:
     """Transactions of ``outbox``'s records on a producer made from ``config``; for a
@@ -392,8 +398,9 @@ class TransactionLoop:
                 self._on_fenced(code in (KafkaError.REBALANCE_IN_PROGRESS, KafkaError._STATE)
                                 or group is not self.group, group)
             return False  # (else: records of turns already given up at a revocation)
-        self._quiet.warning("transaction aborted, sending its %d records again: %s",
-                            len(batch), err)
+        self._quiet.warning("transaction aborted, sending its %d records again: %s%s",
+                            len(batch), err, _CLOCK_OFF if code == KafkaError.INVALID_TIMESTAMP
+                            else "")
         return True
 
     def _renew(self, generation: int) -> bool:
