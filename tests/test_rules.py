@@ -4,6 +4,7 @@ event versions."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -33,6 +34,7 @@ from schemas import (
 from schemas.conversation import TurnLedger, Verdict, storable, title
 from schemas.rollout import Rollout
 from workers.control import ControlBook
+from workers.flights import Flights, InFlight
 from workers.plan import stop_at
 
 CONV = uuid.uuid4()
@@ -146,6 +148,35 @@ def test_the_grace_counts_from_when_the_log_had_the_departure() -> None:
     book.apply(ClientDetached(conversation_id=CONV, request_id="r", attachment="r",
                               grace_s=10, occurred_at=NOW), logged_at=NOW - timedelta(seconds=5))
     assert stop_at(book, p) == NOW + timedelta(seconds=10)
+
+
+@pytest.mark.parametrize("host_ahead_s", [0, 30])
+def test_a_grace_counts_in_the_brokers_time_whatever_the_workers_clock(
+        host_ahead_s: int) -> None:
+    """A grace is 10 s by default: a worker's clock 30 s ahead of the brokers that stamp
+    a departure (``pipeline.kafka.clock`` reads how far) would stop a turn at once."""
+    aborted: list[str] = []
+
+    async def abort(request_id: str) -> None:
+        aborted.append(request_id)
+
+    async def run() -> None:
+        flights = Flights(abort, lambda: -host_ahead_s)
+        stamped = datetime.now(UTC) - timedelta(seconds=host_ahead_s)  # by the broker, now
+        flights.book.apply(ClientDetached(conversation_id=CONV, request_id="r",
+                                          attachment="r", grace_s=0.5, occurred_at=stamped),
+                           logged_at=stamped)
+        assert abs((flights.log_now() - stamped).total_seconds()) < 0.1
+        flight = InFlight(("chat.prompts", 0), asyncio.create_task(asyncio.sleep(5)),
+                          prompt("r", None))
+        flights.add(flight, run=True)
+        await asyncio.sleep(0.3)
+        assert not flight.cancelled and aborted == []
+        await asyncio.sleep(0.4)
+        assert flight.cancelled and aborted == ["r"]
+        flight.task.cancel()
+
+    asyncio.run(run())
 
 
 # -- a topic's records ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pipeline.codec import TP
@@ -41,16 +41,26 @@ class InFlight:
 
 class Flights:
     """The turns in flight here, by request id. ``abort(request_id)`` stops one in the
-    engine."""
+    engine; ``broker_ahead_s()``: the log's brokers' clock less this host's
+    (``pipeline.kafka.clock``), which ``log_now`` corrects by."""
 
-    def __init__(self, abort: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+    def __init__(self, abort: Callable[[str], Coroutine[Any, Any, None]],
+                 broker_ahead_s: Callable[[], float] = lambda: 0.0) -> None:
         self._abort = abort
+        self._broker_ahead_s = broker_ahead_s
         self.running: dict[str, InFlight] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.book = ControlBook()  # control events, also of turns not started yet
 
     def __len__(self) -> int:
         return len(self.running)
+
+    def log_now(self) -> datetime:
+        """Now, as the log's brokers stamp it: a client's departure is timed by its
+        record's broker time, so its grace counts in theirs, whatever this host's clock
+        says (a grace is 10 s by default: a clock that far ahead would stop every turn
+        a client stepped away from at once)."""
+        return datetime.now(UTC) + timedelta(seconds=self._broker_ahead_s())
 
     def known(self, request_id: str) -> bool:
         """Whether the turn ran, or runs, here."""
@@ -118,7 +128,7 @@ class Flights:
                 flight.grace.cancel()
                 flight.grace = None
         elif flight.grace is None:
-            left = (deadline - datetime.now(UTC)).total_seconds()
+            left = (deadline - self.log_now()).total_seconds()
             flight.grace = asyncio.create_task(self.cancel(flight, after_s=max(left, 0.0)))
 
     async def cancel(self, flight: InFlight, after_s: float = 0.0) -> None:

@@ -31,7 +31,6 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
-from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
@@ -46,6 +45,7 @@ from pipeline.kafka import (
     TransactionSettings,
     topic_limits,
 )
+from pipeline.kafka.clock import BrokerClock
 from pipeline.logs import turn_fields
 from pipeline.roster import Heartbeat
 from pipeline.topics import CONTROL, GENERATIONS, LIVE, PROMPTS, workers_group
@@ -114,7 +114,8 @@ class Worker:
         self.transactional_id = (settings.transactional_id
                                  or f"chat-worker-{self.name}-{uuid.uuid4().hex[:8]}")
         self.tracker = OffsetTracker()
-        self.flights = Flights(engine.abort)
+        self.broker_clock = BrokerClock()  # read off its heartbeats: broker-stamped
+        self.flights = Flights(engine.abort, lambda: self.broker_clock.ahead_s)
         # Prompts read and waiting for a slot, started by a fair share between tenants.
         self.waiting: FairQueue[Waiting] = FairQueue(
             lambda w: w.prompt.tenant, settings.weights, settings.max_running_per_tenant,
@@ -144,7 +145,7 @@ class Worker:
         self.metrics = WorkerMetrics(registry, engine, Readings(
             lambda: max(len(self.flights) - engine.running(), 0) + len(self.waiting),
             lambda: self.writer.transactions, lambda: self.histories.chars,
-            lambda: self.output.records, lambda: self.writer.broker_clock_ahead_s))
+            lambda: self.output.records, lambda: self.broker_clock.ahead_s))
         self._history_reader = HistoryReader(bootstrap, f"worker-history-{self.name}")
         self.histories = Histories(self._history_reader, codec, self.metrics.histories,
                                    settings.history_cache_chars)
@@ -180,7 +181,7 @@ class Worker:
         log.info("engine warmed up in %.1f s; taking prompts", time.monotonic() - began)
         heartbeat = Heartbeat(self.bootstrap, self.transactional_id, self.engine.model_name,
                               self.engine.max_model_len, self.engine.max_token_bytes,
-                              load=self.waiting.load)
+                              load=self.waiting.load, clock=self.broker_clock)
         rebalances = Rebalances(self, self.bootstrap, consumer, self.flights, self.codec,
                                 self.engine.model_name, self.settings.recovery_window_s,
                                 self.settings.transaction_timeout_ms)
@@ -367,7 +368,7 @@ class Worker:
         rid = prompt.request_id
         plan = plan_start(prompt, self.recovered.take(rid, tp[1], offset),
                           self.flights.known(rid), self.flights.book,
-                          datetime.now(UTC), item.stopped)
+                          self.flights.log_now(), item.stopped)
         if plan.action is Action.SKIP:  # never run twice
             self._done(tp, offset)
             return False

@@ -1,11 +1,12 @@
 """How far this host's clock is from its brokers', read off the writes it makes.
 
-Every pipeline topic is stamped by its broker (``LogAppendTime``), so a delivered
-record's time is the broker's, taken a moment before this host heard of it. The log's
-times no longer depend on a writer's clock, but a prompt still says when its gateway
-took it, and a stream read from a turn's start looks ``CLOCK_SKEW_MS`` before that:
-a gateway whose clock runs further ahead than that would begin after the turn's first
-records. So each writer measures, and says so past half of it.
+Most pipeline topics are stamped by their brokers (``LogAppendTime``,
+``pipeline.topics``), so a record delivered there has the broker's time, taken a
+moment before this host heard of it. A prompt still says when its gateway took it, and
+a turn's records carry its worker's time, and readers look ``CLOCK_SKEW_MS`` before a
+turn's prompt for them: hosts further apart than that would have a stream of a turn
+begin after its first records. So each writer measures, and says so past half of it;
+a worker also times a client's grace in the brokers' time (``workers.flights``).
 """
 
 from __future__ import annotations
