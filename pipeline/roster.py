@@ -112,6 +112,7 @@ class Roster:
     def __init__(self, bootstrap: str) -> None:
         self._reader = PlainReader(bootstrap, "roster", committed_only=False)
         self._assigned = False
+        self._live_from: dict[int, int] = {}  # partition -> the offset heartbeats are live from
         self._seen: dict[str, tuple[str, float]] = {}  # worker -> (model, last heard)
         self._known: dict[str, float] = {}  # model -> last heard (wall clock)
         # worker -> (context, token bytes), as its latest heartbeat said
@@ -126,6 +127,11 @@ class Roster:
 
     def _assign(self, timeout: float) -> None:
         self._reader.start_at_time(WORKERS, int((time.time() - KNOWN_S) * 1000), timeout)
+        # A heartbeat from these offsets on is read as it comes, so heard when read,
+        # whatever any clock says; one before, read at the start, counts from when the
+        # log had it, by this host's clock.
+        self._live_from = self._reader.ends(WORKERS, self._reader.partitions(WORKERS, timeout),
+                                            timeout)
         self._assigned = True
 
     def refresh(self, timeout: float = 5.0) -> set[str]:
@@ -143,7 +149,7 @@ class Roster:
                 continue
             beat, model, sent = read
             # When the log had it (chat.workers is stamped by its broker), not when the
-            # worker's clock says it sent it: a worker 10 s behind would read as gone.
+            # worker's clock says it sent it: a worker 10 s behind read as gone.
             at = record.timestamp_ms / 1000 if record.timestamp_ms > 0 else sent
             self._loads[worker] = _loads(beat)
             sizes = _sizes(beat)
@@ -153,8 +159,9 @@ class Roster:
                 self._sizes[worker] = sizes
             self._known[model] = max(self._known.get(model, 0.0), at)
             # Alive while its heartbeats keep coming: an old one read at start-up counts
-            # from when it was sent.
-            heard = time.monotonic() - max(time.time() - at, 0.0)
+            # from when the log had it.
+            caught_up = record.position.offset >= self._live_from.get(record.position.partition, 0)
+            heard = time.monotonic() - (0.0 if caught_up else max(time.time() - at, 0.0))
             self._seen[worker] = (model, heard)
         now = time.monotonic()
         self._seen = {w: (m, at) for w, (m, at) in self._seen.items() if now - at < EXPIRY_S}

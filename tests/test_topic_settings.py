@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import time
+import types
 import uuid
 from collections.abc import Iterator
 
@@ -233,6 +234,24 @@ def test_a_worker_whose_clock_is_behind_is_heard_alive(cluster: Stack) -> None:
     assert 0 < abs(clock.ahead_s) < 5, clock.ahead_s
     roster, deadline = Roster(cluster.bootstrap), time.monotonic() + 30
     while "model-behind" not in (alive := roster.refresh()):
+        assert time.monotonic() < deadline, alive
+        time.sleep(0.2)
+
+
+def test_a_gateway_whose_clock_is_ahead_hears_workers_alive(
+        cluster: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat read as it comes is heard when read, whatever the gateway's clock
+    says: one 30 s ahead of the brokers took every heartbeat for 30 s old, so gone."""
+    roster = Roster(cluster.bootstrap)
+    roster.refresh()  # assigned, and read to the end
+    monkeypatch.setattr("pipeline.roster.time", types.SimpleNamespace(
+        time=lambda: time.time() + 30, monotonic=time.monotonic))
+    writer = PlainWriter(cluster.bootstrap, "settings-test", durable=False)
+    writer.send(WORKERS, b"worker-ahead", json.dumps(
+        {"model": "model-ahead", "at": time.time() + 30}).encode())
+    assert writer.flush(10) == []
+    deadline = time.monotonic() + 30
+    while "model-ahead" not in (alive := roster.refresh()):
         assert time.monotonic() < deadline, alive
         time.sleep(0.2)
 
