@@ -37,7 +37,8 @@ class WorkerMetrics:
         Gauge("worker_transactions", "Transactions committed", registry=registry
               ).set_function(readings.transactions)
         Gauge("worker_broker_clock_ahead_seconds", "The Kafka brokers' clock less this "
-              "host's, read off the records it writes", registry=registry
+              "host's, read off its heartbeats: keep it within 60 s either way",
+              registry=registry
               ).set_function(readings.broker_clock_ahead_s)
         Gauge("worker_model_info", "The model this worker serves", ["model"],
               registry=registry).labels(model).set(1)
