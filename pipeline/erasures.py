@@ -11,6 +11,12 @@ records can outlive their tombstones (the broker deletes them within one window)
 reading it whole costs the erasures of two windows, never the history. A tombstone
 writer writes an erasure with its tombstones (``Keyring.destroy``), so the newest erasure
 of a conversation is never older than its keys' tombstones.
+
+An erasure is forgotten once two windows have passed by the earlier of two clocks: this
+host's, and the newest time the brokers stamped on an erasure read (the topic is
+``LogAppendTime``: no later than the brokers' now). A host whose clock runs a day ahead,
+or a broker's that once did, would otherwise have forgotten erasures whose keys' records
+could still be read.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ class Erasures:
         self._minutes: dict[int, int] = {}  # each minute's one int object
         # A tenant -> the minute -> its erasures asked through the API (``asked``).
         self._asked: dict[str, dict[int, int]] = {}
+        self._newest_ms = 0  # the newest time stamped on an erasure read (``_now``)
         self._lock = threading.Lock()
         self._read_to = threading.Condition(self._lock)  # notified as positions move
         self._positions: dict[int, int] = {}  # how far the thread has read, per partition
@@ -150,7 +157,7 @@ class Erasures:
     def add(self, conversation_id: uuid.UUID) -> None:
         """An erasure this process made (before its record is read back)."""
         with self._lock:
-            self._at.setdefault(conversation_id.int, self._minute(time.time()))
+            self._at.setdefault(conversation_id.int, self._minute(self._now()))
 
     def asked(self, tenant: str) -> tuple[int, float]:
         """The erasures ``tenant`` asked for through the API in the last erasure window
@@ -163,6 +170,12 @@ class Erasures:
             return 0, 0.0
         return sum(minutes.values()), max((min(minutes) + 1) * 60 + self._horizon_s / 2
                                           - now, 1.0)
+
+    def _now(self) -> float:
+        """Now, as far as forgetting goes: the earlier of this host's clock and the newest
+        time read off the log, which is that of the brokers (this host's alone before the
+        first erasure is read)."""
+        return min(time.time(), self._newest_ms / 1000) if self._newest_ms else time.time()
 
     def _minute(self, at: float) -> int:
         minute = int(at // 60)
@@ -314,8 +327,9 @@ class Erasures:
     def _apply(self, records: list[Record]) -> None:
         if not records:
             return
-        horizon = time.time() - self._horizon_s
         with self._lock:
+            self._newest_ms = max(self._newest_ms, max(r.timestamp_ms for r in records))
+            horizon = self._now() - self._horizon_s
             for record in records:
                 self.read += 1
                 try:
@@ -345,8 +359,8 @@ class Erasures:
     def _prune(self) -> None:
         """Forget erasures past the horizon: their keys' records are gone from the log."""
         self._pruned = time.monotonic()
-        horizon = int((time.time() - self._horizon_s) // 60)  # kept up to a minute longer
         with self._lock:
+            horizon = int((self._now() - self._horizon_s) // 60)  # up to a minute longer
             for conversation in [c for c, minute in self._at.items() if minute < horizon]:
                 del self._at[conversation]
             for minute in [m for m in self._minutes if m < horizon]:

@@ -145,3 +145,32 @@ def test_a_state_topic_full_of_records_it_cannot_hold_is_one_warning(
             assert "\n" not in said and len(said) < 200, said
         else:
             raise AssertionError("read as a rollout")
+
+
+@pytest.mark.parametrize("host_ahead_s, broker_ahead_s", [(86_400 * 1.5, 0.0),
+                                                          (0.0, 86_400 * 365)])
+def test_an_erasure_is_held_two_windows_by_the_earlier_clock(
+        monkeypatch: pytest.MonkeyPatch, host_ahead_s: float, broker_ahead_s: float) -> None:
+    """An erasure is forgotten two windows after it was made: a host whose clock runs a
+    day and a half ahead (forgetting by its clock alone dropped erasures of the last
+    day, whose keys' records may still be in ``chat.keys``), or one broker whose stamp
+    ran a year ahead, forgets none of them early."""
+    window = 86_400.0
+    true_now = time.time()
+    clock = type("Clock", (), {"time": staticmethod(lambda: true_now + host_ahead_s),
+                               "monotonic": staticmethod(time.monotonic)})
+    monkeypatch.setattr("pipeline.erasures.time", clock)
+    erasures = Erasures("127.0.0.1:1", "clocks", 2 * window)  # never started: no broker
+    ago = {uuid.uuid4(): age for age in (0.1 * window, 0.9 * window, 1.9 * window)}
+    old = uuid.uuid4()
+    stamped = [(c, true_now - age) for c, age in ago.items()] + [(old, true_now - 3 * window)]
+    if broker_ahead_s:
+        stamped.append((uuid.uuid4(), true_now + broker_ahead_s))
+    erasures._apply([Record(Position(ERASURES, 0, i), str(c).encode(), b"{}", int(at * 1000))
+                     for i, (c, at) in enumerate(stamped)])
+    erasures._prune()
+    assert all(erasures.revoked(c) for c in ago), "an erasure of the last two windows"
+    assert not erasures.revoked(old), "one past two windows, by both clocks"
+    erasures.add(made := uuid.uuid4())
+    erasures._prune()
+    assert erasures.revoked(made), "one this process made, before it is read back"
