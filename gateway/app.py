@@ -280,8 +280,9 @@ async def open_resources(opened: contextlib.AsyncExitStack, settings: GatewaySet
     streams = Streams(settings.send_timeout_s)
     streams.start()
     opened.push_async_callback(streams.stop)
-    return Resources(accept, follow, Sessions(settings, producer, store, keys), admission,
-                     store, memory, guard, registry, settings, health, streams)
+    sessions = Sessions(settings, producer, store, keys, lambda: prompts.broker_clock_ahead_s)
+    return Resources(accept, follow, sessions, admission, store, memory, guard, registry,
+                     settings, health, streams)
 
 
 async def _partitions(meta: LogReader, timeout_s: float) -> int:

@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 import uuid
+from collections.abc import Callable
 
 from gateway.conversation_keys import ConversationKeys
 from gateway.dependencies import from_log
@@ -25,11 +27,16 @@ log = logging.getLogger(__name__)
 
 class Sessions:
     def __init__(self, settings: GatewaySettings, producer: EventProducer,
-                 store: ConversationStore, keys: ConversationKeys) -> None:
+                 store: ConversationStore, keys: ConversationKeys,
+                 broker_ahead_s: Callable[[], float] = lambda: 0.0) -> None:
         self.settings = settings
         self.producer = producer
         self.store = store
         self.keys = keys
+        # The brokers' clock less this host's (read off the prompts' deliveries): a
+        # tenant's erasures are counted over a window of the brokers' time, which stamps
+        # them, whatever this host's clock says.
+        self.broker_ahead_s = broker_ahead_s
 
     async def visible_view(self, conversation_id: uuid.UUID, tenant: str) -> ConversationView:
         view = await self.store.view(conversation_id)
@@ -61,7 +68,7 @@ class Sessions:
             with contextlib.suppress(TimeoutError):  # then as this gateway knows them
                 await asyncio.wait_for(asyncio.to_thread(erasures.catch_up),
                                        self.settings.dependency_timeout_s)
-            made, frees_in = erasures.asked(tenant)
+            made, frees_in = erasures.asked(tenant, time.time() + self.broker_ahead_s())
             if made >= cap:
                 raise ErasuresCapped(made, cap, frees_in)
         await from_log(lambda: self.producer.send(CONTROL, SessionDeleted(

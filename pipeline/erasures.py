@@ -159,10 +159,12 @@ class Erasures:
         with self._lock:
             self._at.setdefault(conversation_id.int, self._minute(self._now()))
 
-    def asked(self, tenant: str) -> tuple[int, float]:
+    def asked(self, tenant: str, now: float | None = None) -> tuple[int, float]:
         """The erasures ``tenant`` asked for through the API in the last erasure window
-        (half the horizon), and how long until the oldest of them leaves it (s)."""
-        now = time.time()
+        (half the horizon), and how long until the oldest of them leaves it (s). ``now``:
+        the brokers' time, as the caller reads it (the erasures are stamped by them);
+        this host's clock if not given."""
+        now = time.time() if now is None else now
         since = int((now - self._horizon_s / 2) // 60)
         with self._lock:
             minutes = {m: n for m, n in self._asked.get(tenant, {}).items() if m >= since}

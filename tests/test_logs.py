@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.codec import Position, summarise
-from pipeline.erasures import Erasures
+from pipeline.erasures import Erasures, erasure_record
 from pipeline.kafka import Record
 from pipeline.logs import (
     MESSAGE_CHARS,
@@ -147,6 +147,13 @@ def test_a_state_topic_full_of_records_it_cannot_hold_is_one_warning(
             raise AssertionError("read as a rollout")
 
 
+def host_clock(monkeypatch: pytest.MonkeyPatch, now: float) -> None:
+    """``pipeline.erasures`` sees this host's clock read ``now``."""
+    clock = type("Clock", (), {"time": staticmethod(lambda: now),
+                               "monotonic": staticmethod(time.monotonic)})
+    monkeypatch.setattr("pipeline.erasures.time", clock)
+
+
 @pytest.mark.parametrize("host_ahead_s, broker_ahead_s", [(86_400 * 1.5, 0.0),
                                                           (0.0, 86_400 * 365)])
 def test_an_erasure_is_held_two_windows_by_the_earlier_clock(
@@ -157,9 +164,7 @@ def test_an_erasure_is_held_two_windows_by_the_earlier_clock(
     ran a year ahead, forgets none of them early."""
     window = 86_400.0
     true_now = time.time()
-    clock = type("Clock", (), {"time": staticmethod(lambda: true_now + host_ahead_s),
-                               "monotonic": staticmethod(time.monotonic)})
-    monkeypatch.setattr("pipeline.erasures.time", clock)
+    host_clock(monkeypatch, true_now + host_ahead_s)
     erasures = Erasures("127.0.0.1:1", "clocks", 2 * window)  # never started: no broker
     ago = {uuid.uuid4(): age for age in (0.1 * window, 0.9 * window, 1.9 * window)}
     old = uuid.uuid4()
@@ -174,3 +179,21 @@ def test_an_erasure_is_held_two_windows_by_the_earlier_clock(
     erasures.add(made := uuid.uuid4())
     erasures._prune()
     assert erasures.revoked(made), "one this process made, before it is read back"
+
+
+@pytest.mark.parametrize("host_ahead_s", [-86_400.0, 86_400.0])
+def test_a_tenants_erasures_are_counted_in_the_brokers_time(
+        monkeypatch: pytest.MonkeyPatch, host_ahead_s: float) -> None:
+    """``GATEWAY_MAX_ERASURES_PER_TENANT`` counts a tenant's deletions over the last
+    window of the brokers' time, which stamps them: a gateway a day ahead counted none
+    (its cap held nothing back), one a day behind counted two windows' worth."""
+    window = 86_400.0
+    true_now = time.time()
+    host_clock(monkeypatch, true_now + host_ahead_s)
+    erasures = Erasures("127.0.0.1:1", "cap", 2 * window)  # never started: no broker
+    ages = [0.1 * window] * 3 + [1.5 * window] * 2  # three in the window, two before it
+    erasures._apply([Record(Position(ERASURES, 0, i), str(uuid.uuid4()).encode(),
+                            erasure_record(uuid.uuid4(), "t1", "gateway-a")[1],
+                            int((true_now - age) * 1000)) for i, age in enumerate(ages)])
+    made, frees_in = erasures.asked("t1", true_now)
+    assert made == 3 and 0.9 * window - 120 <= frees_in <= 0.9 * window + 60
